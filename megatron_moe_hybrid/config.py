@@ -1,0 +1,625 @@
+"""HybridMoEConfig: Megatron's TransformerConfig plus our grouped additions.
+
+A YAML file has one mapping per group:
+
+    model:             TransformerConfig fields + pattern, vocab_size
+    linear_attention:  LinearAttentionConfig
+    sparse_attention:  SparseAttentionConfig
+    moe:               MoEConfig
+    lora:              LoRAConfig
+    memory:            MemoryConfig
+    parallel:          ParallelConfig
+    training:          TrainingConfig
+
+Command-line overrides are dotted: `--moe.num_experts 8`, `--model.hidden_size=128`.
+`validate()` runs before Megatron's own checks, before any allocation or process
+group, and raises ConfigError (a ValueError) whose message starts with the field.
+"""
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import yaml
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe_hybrid.registry import (
+    LAYER_KINDS,
+    LINEAR_ATTENTION_VARIANTS,
+    LORA_TARGETS,
+    MOE_DISPATCHERS,
+    ROUTER_SCORE_FUNCS,
+    SPARSE_ATTENTION_STAGES,
+)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and the fix."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass
+class LinearAttentionConfig:
+    variant: str = "gated_delta_rule"  # registry.LINEAR_ATTENTION_VARIANTS
+    num_qk_heads: int = 4
+    num_v_heads: int = 4  # a multiple of num_qk_heads; q/k heads are repeated (Qwen3-Next)
+    head_k_dim: int = 32
+    head_v_dim: int = 32
+    conv_kernel_size: int = 4  # short causal depthwise conv; 0 disables it
+    chunk_size: int = 64
+    backend: str = "auto"
+
+
+@dataclass
+class SparseAttentionConfig:
+    topk: int = 2048
+    index_n_heads: int = 4
+    index_head_dim: int = 32
+    index_rope_dim: int = 16  # non-interleaved RoPE on the first channels of the indexer
+    rope_base: float = 10000.0
+    indexer_loss_coeff: float = 0.0  # 0 disables the indexer KL loss
+    stage: str = "sparse"  # "sparse" | "dense_warmup" (only the indexer learns)
+    backend: str = "auto"
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    topk: int = 2
+    ffn_hidden_size: int = 128
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    score_func: str = "softmax"  # "softmax" | "sigmoid"
+    aux_loss_coeff: float = 1e-2
+    expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    bias_update_rate: float = 1e-3
+    capacity_factor: Optional[float] = None  # None: dropless
+    first_k_dense: int = 0  # the first k layers use a dense SwiGLU MLP
+    dense_ffn_hidden_size: int = 256
+    dispatcher: str = "alltoall"  # registry.MOE_DISPATCHERS
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["linear_attention", "sparse_attention", "experts"])
+
+
+@dataclass
+class MemoryConfig:
+    ce_chunk_size: int = 1024  # tokens per chunk of the linear + cross-entropy
+    activation_offload: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    world_size: Optional[int] = None  # None: from the WORLD_SIZE environment variable (torchrun)
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class TrainingConfig:
+    data_path: str = "stdlib"  # "stdlib": the standard library's docstrings; or a .txt file / dir
+    output_dir: str = "outputs/run"
+    cache_dir: str = ".cache/megatron_moe_hybrid"
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    train_steps: int = 100
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1234
+    log_interval: int = 1
+    save_interval: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # "auto": newest complete checkpoint in output_dir; "none"; or a path
+    init_from: Optional[str] = None  # a checkpoint directory whose model weights start the run
+    progress_bar: bool = True
+    deterministic: bool = True
+
+
+GROUPS: dict[str, type] = {
+    "linear_attention": LinearAttentionConfig,
+    "sparse_attention": SparseAttentionConfig,
+    "moe": MoEConfig,
+    "lora": LoRAConfig,
+    "memory": MemoryConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+}
+
+# Our defaults for Megatron fields that differ from Megatron's (CPU-safe, no dropout).
+MODEL_DEFAULTS: dict[str, Any] = dict(
+    normalization="RMSNorm",
+    add_bias_linear=False,
+    gated_linear_unit=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+    layernorm_epsilon=1e-6,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class HybridMoEConfig(TransformerConfig):
+    """TransformerConfig + the hybrid pattern, vocabulary and the grouped additions."""
+
+    pattern: str = "LLLS"
+    vocab_size: int = 1024
+    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+    sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def __post_init__(self):
+        self.validate()
+        super().__post_init__()
+
+    # Model-level helpers the builders use.
+    def layer_kind(self, layer_index: int) -> str:
+        return self.pattern[layer_index % len(self.pattern)]
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return layer_index >= self.moe.first_k_dense
+
+    def resolved_world_size(self) -> int:
+        if self.parallel.world_size is not None:
+            return self.parallel.world_size
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.resolved_world_size() // (
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        )
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field; cheap, allocates nothing."""
+        _validate(self)
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"model": {}}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in GROUPS:
+                out[f.name] = dataclasses.asdict(value)
+            elif f.name in _model_keys_written():
+                out["model"][f.name] = _plain(value)
+        return out
+
+
+def _plain(value):
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return value
+
+
+def _model_keys_written() -> set[str]:
+    return {
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "ffn_hidden_size", "pattern", "vocab_size", "normalization", "layernorm_epsilon",
+        "init_method_std", "params_dtype", "hidden_dropout", "attention_dropout",
+    }  # fmt: skip
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def _positive(value, field_name: str) -> None:
+    _require(
+        isinstance(value, (int, float)) and value > 0,
+        field_name,
+        f"must be > 0, got {value!r}",
+    )
+
+
+def _validate(c: HybridMoEConfig) -> None:
+    # model
+    _positive(c.num_layers, "model.num_layers")
+    _positive(c.hidden_size, "model.hidden_size")
+    _positive(c.num_attention_heads, "model.num_attention_heads")
+    _positive(c.vocab_size, "model.vocab_size")
+    _require(len(c.pattern) > 0, "model.pattern", "is empty; use e.g. 'LLLS'")
+    for letter in c.pattern:
+        _require(
+            letter in LAYER_KINDS,
+            "model.pattern",
+            f"unknown layer letter {letter!r} in {c.pattern!r}; valid letters: "
+            f"{', '.join(LAYER_KINDS.names())} (L linear attention, S sparse attention)",
+        )
+    _require(
+        c.num_layers % len(c.pattern) == 0,
+        "model.num_layers",
+        f"{c.num_layers} is not a multiple of the pattern {c.pattern!r} "
+        f"(length {len(c.pattern)}); use e.g. {len(c.pattern) * max(1, c.num_layers // len(c.pattern))}",
+    )
+    if c.kv_channels is None:
+        _require(
+            c.hidden_size % c.num_attention_heads == 0,
+            "model.hidden_size",
+            f"{c.hidden_size} is not divisible by model.num_attention_heads={c.num_attention_heads}; "
+            "change one of them or set model.kv_channels",
+        )
+    else:
+        _positive(c.kv_channels, "model.kv_channels")
+    if c.num_query_groups is not None:
+        _require(
+            c.num_query_groups > 0 and c.num_attention_heads % c.num_query_groups == 0,
+            "model.num_query_groups",
+            f"{c.num_query_groups} must be > 0 and divide model.num_attention_heads="
+            f"{c.num_attention_heads}",
+        )
+    _require(
+        c.normalization in ("RMSNorm", "LayerNorm"),
+        "model.normalization",
+        f"{c.normalization!r} is not 'RMSNorm' or 'LayerNorm'",
+    )
+    _require(
+        c.params_dtype in _DTYPES.values(),
+        "model.params_dtype",
+        f"{c.params_dtype} is not one of {', '.join(_DTYPES)}",
+    )
+
+    # linear attention
+    la = c.linear_attention
+    _require(
+        la.variant in LINEAR_ATTENTION_VARIANTS,
+        "linear_attention.variant",
+        f"unknown variant {la.variant!r}; registered: {', '.join(LINEAR_ATTENTION_VARIANTS.names())}",
+    )
+    for name in ("num_qk_heads", "num_v_heads", "head_k_dim", "head_v_dim", "chunk_size"):
+        _positive(getattr(la, name), f"linear_attention.{name}")
+    _require(
+        la.num_v_heads % la.num_qk_heads == 0,
+        "linear_attention.num_v_heads",
+        f"{la.num_v_heads} must be a multiple of linear_attention.num_qk_heads={la.num_qk_heads}",
+    )
+    _require(
+        la.chunk_size & (la.chunk_size - 1) == 0,
+        "linear_attention.chunk_size",
+        f"{la.chunk_size} must be a power of two (e.g. 64)",
+    )
+    _require(
+        la.conv_kernel_size >= 0,
+        "linear_attention.conv_kernel_size",
+        f"must be >= 0 (0 disables the short conv), got {la.conv_kernel_size}",
+    )
+
+    # sparse attention
+    sa = c.sparse_attention
+    for name in ("topk", "index_n_heads", "index_head_dim"):
+        _positive(getattr(sa, name), f"sparse_attention.{name}")
+    _require(
+        0 <= sa.index_rope_dim <= sa.index_head_dim and sa.index_rope_dim % 2 == 0,
+        "sparse_attention.index_rope_dim",
+        f"{sa.index_rope_dim} must be even and within [0, sparse_attention.index_head_dim="
+        f"{sa.index_head_dim}]",
+    )
+    _require(
+        sa.indexer_loss_coeff >= 0,
+        "sparse_attention.indexer_loss_coeff",
+        f"must be >= 0 (0 disables the indexer loss), got {sa.indexer_loss_coeff}",
+    )
+    _require(
+        sa.stage in SPARSE_ATTENTION_STAGES,
+        "sparse_attention.stage",
+        f"{sa.stage!r} is not one of {', '.join(SPARSE_ATTENTION_STAGES)}",
+    )
+    _positive(sa.rope_base, "sparse_attention.rope_base")
+
+    # MoE
+    m = c.moe
+    ep = c.parallel.expert_model_parallel_size
+    _positive(m.num_experts, "moe.num_experts")
+    _positive(m.topk, "moe.topk")
+    _require(
+        m.topk <= m.num_experts,
+        "moe.topk",
+        f"{m.topk} is larger than moe.num_experts={m.num_experts}; use at most {m.num_experts}",
+    )
+    _positive(ep, "parallel.expert_model_parallel_size")
+    _require(
+        m.num_experts % ep == 0,
+        "moe.num_experts",
+        f"{m.num_experts} experts cannot be split evenly over parallel.expert_model_parallel_size="
+        f"{ep} ranks; use a multiple of {ep}",
+    )
+    _positive(m.ffn_hidden_size, "moe.ffn_hidden_size")
+    _require(
+        m.shared_expert_ffn_hidden_size >= 0,
+        "moe.shared_expert_ffn_hidden_size",
+        f"must be >= 0 (0: no shared expert), got {m.shared_expert_ffn_hidden_size}",
+    )
+    _require(
+        m.score_func in ROUTER_SCORE_FUNCS,
+        "moe.score_func",
+        f"{m.score_func!r} is not one of {', '.join(ROUTER_SCORE_FUNCS)}",
+    )
+    _require(m.aux_loss_coeff >= 0, "moe.aux_loss_coeff", f"must be >= 0, got {m.aux_loss_coeff}")
+    _require(
+        m.bias_update_rate >= 0, "moe.bias_update_rate", f"must be >= 0, got {m.bias_update_rate}"
+    )
+    _require(
+        m.capacity_factor is None,
+        "moe.capacity_factor",
+        f"token dropping is not implemented yet (got {m.capacity_factor}); "
+        "leave it unset (null) for dropless routing",
+    )
+    _require(
+        0 <= m.first_k_dense <= c.num_layers,
+        "moe.first_k_dense",
+        f"{m.first_k_dense} must be within [0, model.num_layers={c.num_layers}]",
+    )
+    if m.first_k_dense > 0:
+        _positive(m.dense_ffn_hidden_size, "moe.dense_ffn_hidden_size")
+    _require(
+        m.dispatcher in MOE_DISPATCHERS,
+        "moe.dispatcher",
+        f"unknown dispatcher {m.dispatcher!r}; registered: {', '.join(MOE_DISPATCHERS.names())}",
+    )
+
+    # LoRA
+    lo = c.lora
+    if lo.enabled:
+        _positive(lo.rank, "lora.rank")
+        _positive(lo.alpha, "lora.alpha")
+        _require(
+            0.0 <= lo.dropout < 1.0, "lora.dropout", f"must be within [0, 1), got {lo.dropout}"
+        )
+        _require(len(lo.targets) > 0, "lora.targets", f"is empty; choose from {', '.join(LORA_TARGETS)}")
+        for t in lo.targets:
+            _require(
+                t in LORA_TARGETS,
+                "lora.targets",
+                f"unknown target {t!r}{_did_you_mean(t, LORA_TARGETS)}; valid: {', '.join(LORA_TARGETS)}",
+            )
+
+    # memory
+    _positive(c.memory.ce_chunk_size, "memory.ce_chunk_size")
+
+    # parallel
+    p = c.parallel
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        _positive(getattr(p, name), f"parallel.{name}")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        _require(
+            getattr(p, name) == 1,
+            f"parallel.{name}",
+            f"{getattr(p, name)} is not supported yet (only 1); use expert parallelism and data "
+            "parallelism for now",
+        )
+    _positive(p.collective_timeout_s, "parallel.collective_timeout_s")
+
+    # training
+    t = c.training
+    _require(t.lr >= 0, "training.lr", f"must be >= 0, got {t.lr}; a typical value is 3e-4")
+    _require(
+        0 <= t.min_lr <= t.lr,
+        "training.min_lr",
+        f"{t.min_lr} must be within [0, training.lr={t.lr}]",
+    )
+    _require(bool(t.data_path), "training.data_path", "is empty; use 'stdlib' or a .txt file/dir")
+    _require(
+        t.data_path == "stdlib" or os.path.exists(t.data_path),
+        "training.data_path",
+        f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt file or directory",
+    )
+    for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_steps", "log_interval"):
+        _positive(getattr(t, name), f"training.{name}")
+    _require(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _require(t.weight_decay >= 0, "training.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _require(t.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.save_interval >= 0, "training.save_interval", f"must be >= 0, got {t.save_interval}")
+    _require(t.keep_checkpoints >= 1, "training.keep_checkpoints", f"must be >= 1, got {t.keep_checkpoints}")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(t, name) < 1, f"training.{name}", f"must be within [0, 1), got {getattr(t, name)}")
+    _require(
+        t.resume in ("auto", "none") or os.path.isdir(t.resume),
+        "training.resume",
+        f"{t.resume!r} is not 'auto', 'none' or an existing checkpoint directory",
+    )
+    if t.init_from is not None:
+        _require(
+            os.path.isdir(t.init_from),
+            "training.init_from",
+            f"{t.init_from!r} is not a directory; point it at a checkpoint (e.g. <output_dir>/latest)",
+        )
+    if lo.enabled:
+        _require(
+            t.init_from is not None or t.resume != "none",
+            "training.init_from",
+            "LoRA fine-tuning needs base weights; set training.init_from to a pretraining checkpoint",
+        )
+
+    # world size last: it depends on how the job is launched
+    world = c.resolved_world_size()
+    _positive(world, "parallel.world_size")
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    _require(
+        world % (mp * ep) == 0,
+        "parallel.expert_model_parallel_size",
+        f"world size {world} is not divisible by tensor x expert x pipeline (x context) parallel = "
+        f"{mp * ep}; launch a multiple of {mp * ep} processes (torchrun --nproc-per-node) or lower "
+        "parallel.expert_model_parallel_size",
+    )
+    dp = world // mp
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        "training.global_batch_size",
+        f"{t.global_batch_size} is not a multiple of training.micro_batch_size x data-parallel size "
+        f"= {t.micro_batch_size} x {dp}; use a multiple of {t.micro_batch_size * dp}",
+    )
+
+
+def _did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+    return f" (did you mean {' or '.join(repr(x) for x in close)}?)" if close else ""
+
+
+def _model_field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(HybridMoEConfig)
+    return {
+        f.name: hints.get(f.name, Any)
+        for f in dataclasses.fields(HybridMoEConfig)
+        if f.name not in GROUPS
+    }
+
+
+def _coerce(value: Any, annotation: Any, field_name: str) -> Any:
+    """Checks a YAML / command-line value against the field's annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], field_name) if len(args) == 1 else value
+    if annotation is torch.dtype:
+        if isinstance(value, torch.dtype):
+            return value
+        name = str(value).replace("torch.", "")
+        _require(name in _DTYPES, field_name, f"{value!r} is not one of {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if annotation is bool:
+        _require(isinstance(value, bool), field_name, f"expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        _require(
+            isinstance(value, int) and not isinstance(value, bool),
+            field_name,
+            f"expected an integer, got {value!r}",
+        )
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool),
+            field_name,
+            f"expected a number, got {value!r}",
+        )
+        return float(value)
+    if annotation is str:
+        _require(isinstance(value, str), field_name, f"expected a string, got {value!r}")
+        return value
+    if annotation is list or origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        _require(isinstance(value, list), field_name, f"expected a list, got {value!r}")
+        return value
+    return value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`--moe.num_experts 8` / `--moe.num_experts=8` -> {"moe.num_experts": 8}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(arg, "expected an option like --moe.num_experts 8")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(key, f"--{key} needs a value")
+            raw = args[i + 1]
+            i += 2
+        out[key.replace("-", "_") if "." not in key else key] = yaml.safe_load(raw)
+    return out
+
+
+def _apply_override(raw: dict, dotted: str, value: Any) -> None:
+    group, _, key = dotted.partition(".")
+    if not key:  # a bare key like --hidden_size is a model field
+        group, key = "model", group
+    raw.setdefault(group, {})
+    if not isinstance(raw[group], dict):
+        raise ConfigError(group, "expected a mapping")
+    raw[group][key] = value
+
+
+def config_from_dict(raw: dict, overrides: Optional[dict] = None) -> HybridMoEConfig:
+    raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in (raw or {}).items()}
+    for dotted, value in (overrides or {}).items():
+        _apply_override(raw, dotted, value)
+
+    valid_groups = ["model", *GROUPS]
+    kwargs: dict[str, Any] = dict(MODEL_DEFAULTS)
+    model_types = _model_field_types()
+    for group, values in raw.items():
+        if group not in valid_groups:
+            raise ConfigError(group, f"unknown config group{_did_you_mean(group, valid_groups)}; "
+                              f"valid groups: {', '.join(valid_groups)}")
+        if not isinstance(values, dict):
+            raise ConfigError(group, f"expected a mapping of fields, got {values!r}")
+        if group == "model":
+            for key, value in values.items():
+                if key not in model_types:
+                    raise ConfigError(
+                        f"model.{key}",
+                        f"unknown field{_did_you_mean(key, model_types)}; it is not a Megatron "
+                        "TransformerConfig field nor one of pattern, vocab_size",
+                    )
+                kwargs[key] = _coerce(value, model_types[key], f"model.{key}")
+            continue
+        cls = GROUPS[group]
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise ConfigError(
+                    f"{group}.{key}",
+                    f"unknown field{_did_you_mean(key, names)}; valid: {', '.join(names)}",
+                )
+        kwargs[group] = cls(
+            **{k: _coerce(v, hints[k], f"{group}.{k}") for k, v in values.items()}
+        )
+    return HybridMoEConfig(**kwargs)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[dict] = None) -> HybridMoEConfig:
+    raw: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError("--config", f"{path!r} does not exist; try examples/configs/tiny.yaml")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError("--config", f"{path!r} must hold a YAML mapping of groups")
+    return config_from_dict(raw, overrides)
+
+
+def save_config(config: HybridMoEConfig, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(config.to_dict(), f, sort_keys=False)

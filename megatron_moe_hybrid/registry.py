@@ -1,0 +1,76 @@
+"""Typed registries: a name maps to a class or function; config validation asks what exists.
+
+Entries are registered as "module:attribute" strings and imported on first use, so the
+config can validate names without importing Megatron or the layers.
+"""
+
+import importlib
+from typing import Any, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, what: str, entries: dict[str, str] | None = None):
+        self.what = what
+        self._paths: dict[str, str] = dict(entries or {})
+        self._loaded: dict[str, T] = {}
+
+    def register(self, name: str, target: "str | T") -> None:
+        if isinstance(target, str):
+            self._paths[name] = target
+            self._loaded.pop(name, None)
+        else:
+            self._paths[name] = f"<object {target!r}>"
+            self._loaded[name] = target
+
+    def names(self) -> list[str]:
+        return sorted(self._paths)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._paths
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def get(self, name: str) -> T:
+        if name not in self._paths:
+            raise ValueError(f"unknown {self.what} {name!r}; registered: {', '.join(self.names())}")
+        if name not in self._loaded:
+            module, _, attr = self._paths[name].partition(":")
+            self._loaded[name] = getattr(importlib.import_module(module), attr)
+        return self._loaded[name]
+
+
+# Pattern letters of the hybrid layer stack -> the self-attention module of that layer.
+LAYER_KINDS: Registry[Any] = Registry(
+    "layer pattern letter",
+    {
+        "L": "megatron_moe_hybrid.layers.linear_attention:LinearAttention",
+        "S": "megatron_moe_hybrid.layers.sparse_attention:SparseAttention",
+    },
+)
+
+LINEAR_ATTENTION_VARIANTS: Registry[Any] = Registry(
+    "linear_attention.variant",
+    {
+        "gated_delta_rule": "megatron_moe_hybrid.ops.linear_attention:gated_delta_rule",
+        "simple_gla": "megatron_moe_hybrid.ops.linear_attention:simple_gla",
+    },
+)
+
+MOE_DISPATCHERS: Registry[Any] = Registry(
+    "moe.dispatcher",
+    {"alltoall": "megatron_moe_hybrid.layers.moe.dispatcher:AllToAllDispatcher"},
+)
+
+ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
+SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
+LORA_TARGETS = (
+    "linear_attention",  # in_proj / out_proj of the linear-attention layers
+    "sparse_attention",  # qkv / output projections of the sparse-attention layers
+    "indexer",  # the lightning indexer's projections
+    "experts",  # the grouped routed experts (per-expert adapters)
+    "shared_expert",
+    "dense_mlp",
+)

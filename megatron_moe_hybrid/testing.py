@@ -1,0 +1,105 @@
+"""Helpers for tests: process groups on CPU over gloo, single-process or spawned.
+
+Tests (ours and downstream users') build real process groups here rather than
+mocking torch.distributed, so that distributed code is exercised as it runs.
+"""
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(
+    rank: int = 0,
+    world_size: int = 1,
+    port: int | None = None,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+) -> None:
+    """Starts a gloo group (if none) and Megatron's parallel_state on CPU."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port or free_port())
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # the parent re-raises with the child's traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0) -> list:
+    """Runs fn(rank, world_size, *args) in world_size processes joined by a gloo group.
+
+    fn must be a module-level function; the gloo group is initialised before it runs
+    (call init_megatron inside fn for Megatron's parallel_state). Returns the values
+    fn returned, indexed by rank; re-raises the first child failure with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,240 @@
+"""Atomic, pickle-free checkpoints that reshard over expert parallelism.
+
+Layout of one checkpoint, <output_dir>/checkpoints/step_00000020/:
+    meta.json                   written last: step, world layout, config, the file list
+    model-ep00000.safetensors   weights; expert tensors split per *global* expert
+    ...                         (`<name>.expert<g>`), dense tensors only in ep00000
+    state-rank00000.pt          optimizer / scheduler / data position / RNG of one rank,
+                                loaded with torch.load(weights_only=True)
+
+All ranks write into `.tmp-step_...`, rank 0 writes meta.json and renames the directory:
+a checkpoint without meta.json, or a `.tmp-` one, is incomplete and never loaded. Model
+weights load under any expert-parallel size (each rank picks its experts by global id);
+optimizer state needs the layout it was saved with.
+"""
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CKPT_DIR = "checkpoints"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _ep_info() -> tuple[int, int, int]:
+    """(ep_rank, ep_size, expert_dp_rank)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, 0
+    return (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_data_parallel_rank(),
+    )
+
+
+def _expert_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if hasattr(p, "num_local_experts")}
+
+
+def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's share of the model under global names."""
+    ep_rank, _, expert_dp_rank = _ep_info()
+    experts = _expert_params(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if trainable_only and name not in trainable:
+            continue
+        if name in experts:
+            if expert_dp_rank != 0:
+                continue
+            e_local = experts[name].num_local_experts
+            for i in range(e_local):
+                out[f"{name}.expert{ep_rank * e_local + i}"] = tensor[i].detach().contiguous().clone()
+        elif _rank() == 0:
+            out[name] = tensor.detach().contiguous().clone()
+    return out
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints, oldest first."""
+    root = os.path.join(output_dir, CKPT_DIR)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if _STEP_RE.match(name) and os.path.isfile(os.path.join(path, "meta.json")):
+            found.append(path)
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    model: torch.nn.Module,
+    rank_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep: int = 2,
+    trainable_only: bool = False,
+) -> str:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = os.path.join(output_dir, CKPT_DIR)
+    name = f"step_{step:08d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
+    rank = _rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for stale in os.listdir(root):  # leftovers of a crashed save
+            if stale.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+
+    ep_rank, ep_size, _ = _ep_info()
+    tensors = model_tensors_to_save(model, trainable_only)
+    if tensors:
+        save_file(tensors, os.path.join(tmp, f"model-ep{ep_rank:05d}-r{rank:05d}.safetensors"))
+    torch.save(rank_state, os.path.join(tmp, f"state-rank{rank:05d}.pt"))
+    _barrier()
+
+    if rank == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        meta = dict(meta, step=step, world_size=world, expert_model_parallel_size=ep_size,
+                    files=sorted(os.listdir(tmp)))
+        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        if os.path.exists(final):  # re-saving the same step replaces it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, or a run's output_dir meaning its newest complete checkpoint."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(
+            f"{path}: no complete checkpoint here (no meta.json, no {CKPT_DIR}/step_*/meta.json)"
+        )
+    return latest
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
+    """Loads this rank's share of the weights; returns the names of model tensors not found.
+
+    strict=True raises if a tensor is missing or has the wrong shape; strict=False (e.g. a
+    base checkpoint loaded under LoRA) only allows *missing* names.
+    """
+    path = resolve_checkpoint(path)
+    ep_rank, _, _ = _ep_info()
+    available: dict[str, str] = {}
+    for fname in sorted(os.listdir(path)):
+        if fname.endswith(".safetensors"):
+            with safe_open(os.path.join(path, fname), framework="pt") as f:
+                for key in f.keys():
+                    available[key] = fname
+    experts = _expert_params(model)
+    state = model.state_dict()
+    missing = []
+    handles: dict[str, Any] = {}
+
+    def read(key: str) -> torch.Tensor:
+        fname = available[key]
+        if fname not in handles:
+            handles[fname] = safe_open(os.path.join(path, fname), framework="pt")
+        return handles[fname].get_tensor(key)
+
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if name in experts:
+                e_local = experts[name].num_local_experts
+                keys = [f"{name}.expert{ep_rank * e_local + i}" for i in range(e_local)]
+                if any(k not in available for k in keys):
+                    missing.append(name)
+                    continue
+                value = torch.stack([read(k) for k in keys])
+            elif name in available:
+                value = read(name)
+            else:
+                missing.append(name)
+                continue
+            if value.shape != tensor.shape:
+                raise CheckpointError(
+                    f"{path}: tensor {name} has shape {tuple(value.shape)} in "
+                    f"{available.get(name) or available.get(f'{name}.expert0')}, the model expects "
+                    f"{tuple(tensor.shape)}"
+                )
+            tensor.copy_(value.to(tensor.dtype))
+    if strict and missing:
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return missing
+
+
+def load_rank_state(path: str) -> dict[str, Any]:
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, ep_size, _ = _ep_info()
+    if meta["world_size"] != world or meta["expert_model_parallel_size"] != ep_size:
+        raise CheckpointError(
+            f"{path}: saved with world size {meta['world_size']} and expert parallel "
+            f"{meta['expert_model_parallel_size']}, resumed with {world} and {ep_size}; resume "
+            "with the same layout, or start a new run from its weights with training.init_from"
+        )
+    state_path = os.path.join(path, f"state-rank{_rank():05d}.pt")
+    if not os.path.isfile(state_path):
+        raise CheckpointError(f"{state_path}: missing")
+    return torch.load(state_path, map_location="cpu", weights_only=True)

@@ -1,0 +1,337 @@
+"""The training loop shared by pretraining and LoRA fine-tuning.
+
+One step: for each micro-batch of this data-parallel rank, forward (the chunked loss returns
+[b, s] per-token losses) and backward; then gradients are summed over replicas and divided
+by the data-parallel size (parallel.data_parallel), clipped by the global norm, and AdamW
+steps. Sample i of the run is always the same sequence (the dataset indexes statelessly),
+so the data position is just `step * global_batch_size` and resume is exact.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_hybrid.config import HybridMoEConfig, save_config
+
+
+@dataclass
+class RunResult:
+    output_dir: str
+    losses: list = field(default_factory=list)
+    checkpoint: Optional[str] = None
+    adapter_dir: Optional[str] = None
+
+
+def init_distributed(config: HybridMoEConfig) -> None:
+    """gloo on CPU (nccl where CUDA exists); a 1-process group when not under torchrun."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            from megatron_moe_hybrid.testing import free_port
+
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.parallel.collective_timeout_s))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    p = config.parallel
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+    )
+
+
+def lr_at(step: int, t) -> float:
+    """Linear warm-up to training.lr, then cosine decay to training.min_lr at train_steps."""
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.train_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _print0(*args) -> None:
+    if _is_rank0():
+        print(*args, flush=True)
+
+
+class Trainer:
+    def __init__(self, config: HybridMoEConfig, mode: str = "pretrain"):
+        from megatron.core import parallel_state as ps
+
+        from megatron_moe_hybrid.models import build_model
+        from megatron_moe_hybrid.parallel.data_parallel import ParallelGroups
+        from megatron_moe_hybrid.training import checkpoint as ckpt
+        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer
+
+        self.config, self.mode = config, mode
+        t = config.training
+        self.rank = dist.get_rank()
+        self.groups = ParallelGroups.from_parallel_state()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
+        self.output_dir = t.output_dir
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            save_config(config, os.path.join(self.output_dir, "config.yaml"))
+
+        # Rank 0 trains/tokenises first; the others then read the cache.
+        if self.rank == 0:
+            self.tokenizer = get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
+            self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
+        dist.barrier()
+        if self.rank != 0:
+            self.tokenizer = get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
+            self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
+
+        torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
+        self.model = build_model(config)
+        if t.init_from is not None:
+            ckpt.load_model_weights(t.init_from, self.model)
+        if config.lora.enabled:
+            from megatron_moe_hybrid.layers.lora import apply_lora
+
+            lo = config.lora
+            self.lora_paths = apply_lora(self.model, lo.targets, lo.rank, lo.alpha, lo.dropout)
+            if not self.lora_paths:
+                raise ValueError(f"lora.targets: {lo.targets} matched no module of this model")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        )
+        torch.manual_seed(t.seed + 1000 + self.rank)  # per-rank stream (dropout, if any)
+        self.step = 0
+        self.consecutive_bad = 0
+        self.skipped = 0
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        from megatron_moe_hybrid.training import checkpoint as ckpt
+
+        resume = self.config.training.resume
+        path = None
+        if resume == "auto":
+            path = ckpt.latest_checkpoint(self.output_dir)
+        elif resume != "none":
+            path = resume
+        if path is None:
+            return
+        ckpt.load_model_weights(path, self.model)
+        state = ckpt.load_rank_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.skipped = int(state.get("skipped", 0))
+        torch.set_rng_state(state["rng"])
+        _print0(f"resumed from {path} at step {self.step}")
+        if self.rank == 0:  # drop metrics of steps after the checkpoint
+            self._truncate_metrics(self.step)
+
+    def _metrics_path(self) -> str:
+        return os.path.join(self.output_dir, "metrics.jsonl")
+
+    def _truncate_metrics(self, last_step: int) -> None:
+        path = self._metrics_path()
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+        with open(path, "w") as f:
+            f.writelines(keep)
+
+    def _batch(self, step: int, micro: int):
+        from megatron_moe_hybrid.training.data import batch
+
+        t = self.config.training
+        per_rank = t.global_batch_size // self.groups.dp_size
+        start = step * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
+        return batch(self.dataset, start, t.micro_batch_size)
+
+    def _moe_stats(self) -> dict:
+        """Global expert load (all ranks' routed copies) per MoE layer; updates expert bias."""
+        layers = self.model.moe_layers()
+        if not layers:
+            return {}
+        counts = torch.stack([layer.tokens_per_expert.float() for layer in layers])  # [L, E]
+        dist.all_reduce(counts)  # every rank routed its own tokens
+        aux = torch.stack([layer.last_aux_loss.float().reshape(()) for layer in layers]).mean()
+        for layer, c in zip(layers, counts):
+            if self.config.moe.expert_bias:
+                layer.router.update_expert_bias(c)
+            layer.reset_stats()
+        per_layer_max, per_layer_mean = counts.max(dim=1).values, counts.mean(dim=1)
+        return {
+            "expert_load_max": float(per_layer_max.mean()),
+            "expert_load_mean": float(per_layer_mean.mean()),
+            "expert_load_max_over_mean": float((per_layer_max / per_layer_mean.clamp_min(1e-9)).max()),
+            "aux_loss": float(aux),
+        }
+
+    def train_step(self) -> dict:
+        from megatron_moe_hybrid.parallel.data_parallel import (
+            all_reduce_mean,
+            clip_gradients,
+            global_grad_norm,
+            sync_gradients,
+        )
+
+        t = self.config.training
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for micro in range(self.num_micro):
+            tokens, labels = self._batch(self.step, micro)  # [b, s] int64
+            position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+            loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
+            loss = loss_bs.mean()
+            (loss / self.num_micro).backward()
+            loss_sum += loss.detach()
+        sync_gradients(self.params, self.groups)
+        grad_norm = global_grad_norm(self.params, self.groups)
+        loss_value = float(all_reduce_mean(loss_sum / self.num_micro, self.groups.dp))
+        lr = lr_at(self.step, t)
+        finite = math.isfinite(grad_norm) and math.isfinite(loss_value)
+        if finite:
+            clip_gradients(self.params, t.grad_clip, grad_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.consecutive_bad = 0
+        else:
+            self.skipped += 1
+            self.consecutive_bad += 1
+        metrics = {"step": self.step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        metrics.update(self._moe_stats())
+        elapsed = time.perf_counter() - start
+        metrics["tokens_per_s"] = t.global_batch_size * t.seq_length / elapsed
+        metrics["skipped_steps"] = self.skipped
+        self.step += 1
+        return metrics
+
+    def save(self) -> str:
+        from megatron_moe_hybrid.training import checkpoint as ckpt
+
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "skipped": self.skipped,
+            "rng": torch.get_rng_state(),
+        }
+        meta = {"mode": self.mode, "config": self.config.to_dict()}
+        return ckpt.save_checkpoint(
+            self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints
+        )
+
+    def save_adapter(self) -> str:
+        """Gathers every rank's adapter tensors to rank 0: adapter/adapter_model.safetensors."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from megatron_moe_hybrid.training.checkpoint import model_tensors_to_save
+
+        local = {k: v for k, v in model_tensors_to_save(self.model, trainable_only=True).items()}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        final = os.path.join(self.output_dir, "adapter")
+        if self.rank == 0:
+            tensors = {k: v for part in gathered for k, v in part.items()}
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
+            lo = self.config.lora
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump({"r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
+                           "targets": lo.targets, "modules": self.lora_paths,
+                           "base_checkpoint": self.config.training.init_from}, f, indent=1)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        dist.barrier()
+        return final
+
+    def fit(self) -> RunResult:
+        t = self.config.training
+        result = RunResult(self.output_dir)
+        bar = None
+        if self.rank == 0 and t.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.train_steps, initial=self.step, desc=self.mode, dynamic_ncols=True,
+                       file=sys.stderr)
+        metrics_file = open(self._metrics_path(), "a") if self.rank == 0 else None
+        try:
+            while self.step < t.train_steps:
+                m = self.train_step()
+                result.losses.append(m["loss"])
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(m) + "\n")
+                    metrics_file.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+                if t.save_interval and self.step % t.save_interval == 0 and self.step < t.train_steps:
+                    self.save()
+            result.checkpoint = self.save()
+            if self.mode == "finetune":
+                result.adapter_dir = self.save_adapter()
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics_file is not None:
+                metrics_file.close()
+        return result
+
+
+def loss_curve_text(losses: list, width: int = 10) -> str:
+    """A few evenly spaced points of the loss curve, one per line."""
+    if not losses:
+        return "(no steps run)"
+    idx = sorted({round(i * (len(losses) - 1) / max(1, width - 1)) for i in range(width)})
+    lo, hi = min(losses), max(losses)
+    lines = []
+    for i in idx:
+        bar = "#" * (1 + int(30 * (losses[i] - lo) / (hi - lo))) if hi > lo else "#"
+        lines.append(f"  step {i + 1:5d}  loss {losses[i]:8.4f}  {bar}")
+    return "\n".join(lines)
+
+
+def run(config: HybridMoEConfig, mode: str) -> RunResult:
+    init_distributed(config)
+    try:
+        trainer = Trainer(config, mode)
+        result = trainer.fit()
+        all_losses = []
+        path = trainer._metrics_path()
+        if trainer.rank == 0 and os.path.exists(path):
+            with open(path) as f:
+                all_losses = [json.loads(line)["loss"] for line in f if line.strip()]
+        _print0(f"\n{mode} loss curve ({len(all_losses)} steps):\n{loss_curve_text(all_losses)}")
+        _print0(f"metrics: {os.path.join(trainer.output_dir, 'metrics.jsonl')}")
+        _print0(f"checkpoint: {result.checkpoint}")
+        if result.adapter_dir:
+            _print0(f"adapter saved to: {result.adapter_dir}")
+        return result
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,145 @@
+"""HybridMoEConfig: YAML + dotted overrides, and validate() naming the field and the fix."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_moe_hybrid.config import (
+    ConfigError,
+    HybridMoEConfig,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "configs", "tiny.yaml")
+
+
+def tiny_raw() -> dict:
+    with open(TINY) as f:
+        return yaml.safe_load(f)
+
+
+# (id, overrides, environment WORLD_SIZE, the field the message must name)
+INVALID = [
+    ("experts-not-divisible-by-ep", {"moe.num_experts": 7, "parallel.expert_model_parallel_size": 2}, 2, "moe.num_experts"),
+    ("topk-gt-experts", {"moe.topk": 9}, 1, "moe.topk"),
+    ("topk-zero", {"moe.topk": 0}, 1, "moe.topk"),
+    ("unknown-pattern-letter", {"model.pattern": "LLLX"}, 1, "model.pattern"),
+    ("empty-pattern", {"model.pattern": ""}, 1, "model.pattern"),
+    ("layers-not-multiple-of-pattern", {"model.num_layers": 6}, 1, "model.num_layers"),
+    ("hidden-not-divisible-by-heads", {"model.hidden_size": 66, "model.kv_channels": None}, 1, "model.hidden_size"),
+    ("query-groups-not-dividing-heads", {"model.num_query_groups": 3}, 1, "model.num_query_groups"),
+    ("sparse-topk-zero", {"sparse_attention.topk": 0}, 1, "sparse_attention.topk"),
+    ("sparse-topk-negative", {"sparse_attention.topk": -5}, 1, "sparse_attention.topk"),
+    ("lora-rank-zero", {"lora.enabled": True, "lora.rank": 0, "training.init_from": ROOT}, 1, "lora.rank"),
+    ("lora-unknown-target", {"lora.enabled": True, "lora.targets": ["experst"], "training.init_from": ROOT}, 1, "lora.targets"),
+    ("lora-without-base", {"lora.enabled": True, "training.resume": "none"}, 1, "training.init_from"),
+    ("world-not-divisible", {"parallel.expert_model_parallel_size": 2}, 3, "parallel.expert_model_parallel_size"),
+    ("negative-lr", {"training.lr": -1e-3}, 1, "training.lr"),
+    ("min-lr-above-lr", {"training.min_lr": 1.0}, 1, "training.min_lr"),
+    ("missing-data-path", {"training.data_path": "/nonexistent/corpus.txt"}, 1, "training.data_path"),
+    ("empty-data-path", {"training.data_path": ""}, 1, "training.data_path"),
+    ("unknown-variant", {"linear_attention.variant": "mamba"}, 1, "linear_attention.variant"),
+    ("v-heads-not-multiple", {"linear_attention.num_v_heads": 3}, 1, "linear_attention.num_v_heads"),
+    ("chunk-not-power-of-two", {"linear_attention.chunk_size": 48}, 1, "linear_attention.chunk_size"),
+    ("negative-conv", {"linear_attention.conv_kernel_size": -1}, 1, "linear_attention.conv_kernel_size"),
+    ("rope-dim-too-large", {"sparse_attention.index_rope_dim": 64}, 1, "sparse_attention.index_rope_dim"),
+    ("unknown-stage", {"sparse_attention.stage": "warmup"}, 1, "sparse_attention.stage"),
+    ("negative-indexer-coeff", {"sparse_attention.indexer_loss_coeff": -0.1}, 1, "sparse_attention.indexer_loss_coeff"),
+    ("unknown-score-func", {"moe.score_func": "tanh"}, 1, "moe.score_func"),
+    ("negative-aux-coeff", {"moe.aux_loss_coeff": -1.0}, 1, "moe.aux_loss_coeff"),
+    ("capacity-unsupported", {"moe.capacity_factor": 1.25}, 1, "moe.capacity_factor"),
+    ("first-k-dense-too-many", {"moe.first_k_dense": 9}, 1, "moe.first_k_dense"),
+    ("unknown-dispatcher", {"moe.dispatcher": "deepep"}, 1, "moe.dispatcher"),
+    ("zero-experts", {"moe.num_experts": 0}, 1, "moe.num_experts"),
+    ("tp-unsupported", {"parallel.tensor_model_parallel_size": 2}, 2, "parallel.tensor_model_parallel_size"),
+    ("pp-unsupported", {"parallel.pipeline_model_parallel_size": 2}, 2, "parallel.pipeline_model_parallel_size"),
+    ("global-batch-not-multiple", {"training.global_batch_size": 6}, 2, "training.global_batch_size"),
+    ("zero-seq-length", {"training.seq_length": 0}, 1, "training.seq_length"),
+    ("negative-grad-clip", {"training.grad_clip": -1.0}, 1, "training.grad_clip"),
+    ("bad-resume", {"training.resume": "sometimes"}, 1, "training.resume"),
+    ("zero-ce-chunk", {"memory.ce_chunk_size": 0}, 1, "memory.ce_chunk_size"),
+    ("unknown-group", {"mooe.num_experts": 8}, 1, "mooe"),
+    ("unknown-field-typo", {"moe.num_expert": 8}, 1, "moe.num_expert"),
+    ("unknown-model-field", {"model.hiden_size": 8}, 1, "model.hiden_size"),
+    ("wrong-type-int", {"moe.num_experts": "eight"}, 1, "moe.num_experts"),
+    ("wrong-type-bool", {"lora.enabled": "yes please"}, 1, "lora.enabled"),
+    ("unknown-dtype", {"model.params_dtype": "float8"}, 1, "model.params_dtype"),
+    ("lora-dropout-one", {"lora.enabled": True, "lora.dropout": 1.0, "training.init_from": ROOT}, 1, "lora.dropout"),
+]
+
+
+def test_table_is_large_enough():
+    assert len(INVALID) >= 25
+
+
+@pytest.mark.parametrize("overrides,world,field", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_config_names_field(overrides, world, field, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(tiny_raw(), overrides)
+    message = str(info.value)
+    assert message.startswith(field + ":"), message
+    assert info.value.field == field
+    assert "\n" not in message
+
+
+def test_typo_lists_closest_names():
+    with pytest.raises(ConfigError, match="did you mean 'num_experts'"):
+        config_from_dict(tiny_raw(), {"moe.num_expert": 8})
+    with pytest.raises(ConfigError, match="did you mean 'moe'"):
+        config_from_dict(tiny_raw(), {"mooe.num_experts": 8})
+
+
+def test_tiny_config_loads_and_is_a_transformer_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    c = load_config(TINY)
+    from megatron.core.transformer import TransformerConfig
+
+    assert isinstance(c, HybridMoEConfig) and isinstance(c, TransformerConfig)
+    assert c.pattern == "LLLS" and c.num_layers == 4
+    assert [c.layer_kind(i) for i in range(4)] == ["L", "L", "L", "S"]
+    assert c.moe.num_experts == 8 and c.moe.topk == 2
+
+
+def test_overrides_parse_and_apply(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ov = parse_overrides(["--moe.num_experts", "4", "--training.lr=1e-3", "--parallel.expert_model_parallel_size", "2",
+                          "--lora.targets", "experts,linear_attention"])
+    assert ov == {"moe.num_experts": 4, "training.lr": "1e-3", "parallel.expert_model_parallel_size": 2,
+                  "lora.targets": "experts,linear_attention"}
+    c = config_from_dict(tiny_raw(), ov)
+    assert c.moe.num_experts == 4 and c.training.lr == 1e-3 and c.parallel.expert_model_parallel_size == 2
+    assert c.lora.targets == ["experts", "linear_attention"]
+    assert c.data_parallel_size() == 2
+
+
+def test_round_trip_through_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    from megatron_moe_hybrid.config import save_config
+
+    c = load_config(TINY, {"moe.topk": 3})
+    path = tmp_path / "c.yaml"
+    save_config(c, str(path))
+    c2 = load_config(str(path))
+    assert c2.to_dict() == c.to_dict()
+
+
+def test_cli_bad_config_exits_2_with_one_line():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_moe_hybrid.train", "--config", TINY,
+         "--moe.num_experts", "7", "--parallel.expert_model_parallel_size", "2"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "moe.num_experts" in lines[0]
