@@ -120,6 +120,7 @@ class TrainingConfig:
     micro_batch_size: int = 2
     global_batch_size: int = 8
     train_steps: int = 100
+    exit_after_steps: int = 0  # > 0: save and stop after this many steps of this invocation
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
@@ -435,6 +436,7 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(t.weight_decay >= 0, "training.weight_decay", f"must be >= 0, got {t.weight_decay}")
     _require(t.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.exit_after_steps >= 0, "training.exit_after_steps", f"must be >= 0 (0: off), got {t.exit_after_steps}")
     _require(t.save_interval >= 0, "training.save_interval", f"must be >= 0, got {t.save_interval}")
     _require(t.keep_checkpoints >= 1, "training.keep_checkpoints", f"must be >= 1, got {t.keep_checkpoints}")
     for name in ("adam_beta1", "adam_beta2"):

@@ -5,6 +5,7 @@ mocking torch.distributed, so that distributed code is exercised as it runs.
 """
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -62,7 +63,9 @@ def _worker(rank, world_size, port, fn, args, queue):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle: torch's queue would pass tensors as shared memory that vanishes
+        # when this process exits.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # the parent re-raises with the child's traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -94,7 +97,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 30)

@@ -190,10 +190,15 @@ class Trainer:
             sync_gradients,
         )
 
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
         t = self.config.training
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        # Auxiliary losses (MoE balancing, indexer KL) are averaged over micro-batches like
+        # the LM loss, so the gradient does not depend on how the batch is split.
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro))
         loss_sum = torch.zeros(())
         for micro in range(self.num_micro):
             tokens, labels = self._batch(self.step, micro)  # [b, s] int64
@@ -276,8 +281,11 @@ class Trainer:
             bar = tqdm(total=t.train_steps, initial=self.step, desc=self.mode, dynamic_ncols=True,
                        file=sys.stderr)
         metrics_file = open(self._metrics_path(), "a") if self.rank == 0 else None
+        stop_at = t.train_steps
+        if t.exit_after_steps:
+            stop_at = min(t.train_steps, self.step + t.exit_after_steps)
         try:
-            while self.step < t.train_steps:
+            while self.step < stop_at:
                 m = self.train_step()
                 result.losses.append(m["loss"])
                 if metrics_file is not None:
@@ -286,10 +294,10 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
-                if t.save_interval and self.step % t.save_interval == 0 and self.step < t.train_steps:
+                if t.save_interval and self.step % t.save_interval == 0 and self.step < stop_at:
                     self.save()
             result.checkpoint = self.save()
-            if self.mode == "finetune":
+            if self.mode == "finetune" and self.step >= t.train_steps:
                 result.adapter_dir = self.save_adapter()
         finally:
             if bar is not None:

@@ -1,0 +1,248 @@
+"""Linear-attention token mixer for Megatron: Qwen3-Next-style Gated DeltaNet or simple GLA.
+
+Shape legend:
+  s sequence, b micro-batch, h hidden size: Megatron's [s, b, h] layout at the boundary;
+  B = b, T = s inside, in the ops' [B, T, H, D] layout.
+  Hk local q/k heads, Hv local v heads (num_* // tensor_model_parallel_size),
+  K head_k_dim, V head_v_dim, W conv kernel size, D local width of the fused in_proj.
+
+The fused in_proj output is laid out per tensor-parallel rank as [q | k | v | z | logits]
+with q, k [Hk * K], v, z [Hv * V] and per-v-head logits (b, a for Gated DeltaNet; the
+decay gate for simple GLA), as in Megatron's GatedDeltaNet: rank r holds heads
+r * Hv .. (r + 1) * Hv - 1 of every piece.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import Tensor, nn
+
+from megatron_moe_hybrid.ops.linear_attention import gated_delta_rule, simple_gla
+
+# variant -> number of per-v-head logits that follow q, k, v, z in the fused projection
+_NUM_HEAD_LOGITS = {"gated_delta_rule": 2, "simple_gla": 1}
+# fla's GLA gate normaliser: g = logsigmoid(gate) / 16 keeps the initial decay close to 1
+_GLA_GATE_NORMALIZER = 16.0
+_L2_NORM_EPS = 1e-6
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _l2_normalize(x: Tensor) -> Tensor:
+    """fla's l2norm (x / sqrt(sum x^2 + eps)) so weights trained with fla transfer unchanged."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_NORM_EPS)
+
+
+@dataclass
+class LinearAttentionSubmodules:
+    in_proj: Union[ModuleSpec, type] = tensor_parallel.ColumnParallelLinear
+    out_proj: Union[ModuleSpec, type] = tensor_parallel.RowParallelLinear
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm (one weight of size V shared by all heads) times silu(z), as Qwen3-Next.
+
+    Computed in fp32 (fp64 for fp64 inputs). Under tensor parallelism each rank sees different
+    heads, so the weight's gradient must be summed over the tensor-parallel group.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:  # [..., V] each
+        x32 = _at_least_fp32(x)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(x.dtype)
+        return (y * F.silu(_at_least_fp32(z))).to(x.dtype)
+
+
+class LinearAttention(MegatronModule):
+    """Causal linear attention usable as Megatron's self_attention submodule.
+
+    Gated DeltaNet (variant "gated_delta_rule"): in_proj -> q, k, v, z, b, a; short causal
+    depthwise conv + SiLU over q, k, v; L2-normalised q, k repeated from num_qk_heads to
+    num_v_heads; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias);
+    o = gated_delta_rule(q, k, v, g, beta) -> RMSNorm(o) * silu(z) -> out_proj.
+    Simple GLA (variant "simple_gla"): the same with one gate logit per head,
+    g = logsigmoid(gate) / 16, and o = simple_gla(q, k, v, g).
+    conv_kernel_size = 0 drops the conv and its SiLU.
+
+    config.linear_attention carries variant, num_qk_heads, num_v_heads, head_k_dim,
+    head_v_dim, conv_kernel_size, chunk_size and backend (see ops.linear_attention).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: LinearAttentionSubmodules,
+        layer_number: int = 1,
+        **kwargs,
+    ):
+        super().__init__(config)
+        la = config.linear_attention
+        tp = config.tensor_model_parallel_size
+        _check_config(la, tp)
+        self.layer_number = layer_number
+        self.variant = la.variant
+        self.backend = la.backend
+        self.chunk_size = la.chunk_size
+        self.num_qk_heads = la.num_qk_heads // tp
+        self.num_v_heads = la.num_v_heads // tp
+        self.head_k_dim = la.head_k_dim
+        self.head_v_dim = la.head_v_dim
+        qk_dim = self.num_qk_heads * la.head_k_dim
+        v_dim = self.num_v_heads * la.head_v_dim
+        num_logits = _NUM_HEAD_LOGITS[la.variant]
+        # local widths of q, k, v, z and each per-head logit
+        self.split_sizes = [qk_dim, qk_dim, v_dim, v_dim] + [self.num_v_heads] * num_logits
+        pg_collection = kwargs.get("pg_collection")
+        tp_group = pg_collection.tp if pg_collection is not None else None
+
+        self.in_proj = build_module(
+            submodules.in_proj,
+            config.hidden_size,
+            sum(self.split_sizes) * tp,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
+            tp_group=tp_group,
+        )
+        self.conv1d = None
+        if la.conv_kernel_size > 0:
+            conv_dim = 2 * qk_dim + v_dim
+            self.conv1d = nn.Conv1d(
+                conv_dim, conv_dim, la.conv_kernel_size, groups=conv_dim, bias=False,
+                dtype=config.params_dtype,
+            )
+            tensor_parallel.set_tensor_model_parallel_attributes(self.conv1d.weight, True, 0, 1)
+        if la.variant == "gated_delta_rule":
+            # Megatron's GatedDeltaNet init: A ~ U(1, 16), dt_bias = 1
+            A = torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(1, 16)
+            self.A_log = nn.Parameter(A.log().to(config.params_dtype))
+            self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=config.params_dtype))
+            for p in (self.A_log, self.dt_bias):
+                tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+        self.out_norm = GatedRMSNorm(la.head_v_dim, config.layernorm_epsilon, config.params_dtype)
+        self.out_proj = build_module(
+            submodules.out_proj,
+            v_dim * tp,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            tp_group=tp_group,
+        )
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        """hidden_states [s, b, h] -> (output [s, b, h], None).
+
+        Always causal: attention_mask is ignored (a recurrence has no mask to apply).
+        Packed sequences (packed_seq_params with cu_seqlens_q, b == 1) restart the conv and
+        the state at every boundary; padded offsets (cu_seqlens_q_padded) are used when given,
+        which keeps the real tokens exact because padding follows them. Other Megatron kwargs
+        (rotary_pos_emb, attention_bias, ...) are ignored; an inference_context raises, since
+        decoding would need a state cache this layer does not keep.
+        """
+        if kwargs.get("inference_context") is not None:
+            raise NotImplementedError("LinearAttention keeps no state cache for decoding")
+        cu_seqlens = _cu_seqlens(packed_seq_params, hidden_states)
+        proj, _ = self.in_proj(hidden_states)  # [s, b, D]
+        proj = proj.transpose(0, 1)  # [B, T, D]
+        q, k, v, z, *logits = proj.split(self.split_sizes, dim=-1)
+        if self.conv1d is not None:
+            qkv = self._short_conv(torch.cat([q, k, v], dim=-1), cu_seqlens)
+            q, k, v = qkv.split(self.split_sizes[:3], dim=-1)
+        q = _l2_normalize(q.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
+        k = _l2_normalize(k.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
+        # Each q/k head serves num_v_heads // num_qk_heads consecutive v heads (Qwen3-Next).
+        repeat = self.num_v_heads // self.num_qk_heads
+        q = q.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
+        k = k.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
+        op_kwargs = dict(cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend)
+        if self.variant == "gated_delta_rule":
+            b, a = logits  # [B, T, Hv] each
+            beta = b.sigmoid()
+            # decay in fp32: softplus / exp of bf16 logits lose the small differences that matter
+            g = -_at_least_fp32(self.A_log).exp() * F.softplus(_at_least_fp32(a) + self.dt_bias)
+            o, _ = gated_delta_rule(q, k, v, g, beta, **op_kwargs)  # [B, T, Hv, V]
+        else:
+            (gate,) = logits  # [B, T, Hv]
+            g = F.logsigmoid(_at_least_fp32(gate)) / _GLA_GATE_NORMALIZER
+            o, _ = simple_gla(q, k, v, g, **op_kwargs)  # [B, T, Hv, V]
+        y = self.out_norm(o, z).flatten(2)  # [B, T, Hv * V]
+        out, _ = self.out_proj(y.transpose(0, 1).contiguous())  # [s, b, h]
+        return out, None
+
+    def _short_conv(self, x: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
+        """Causal depthwise conv + SiLU over [B, T, C], restarting at packed boundaries."""
+        weight = self.conv1d.weight  # [C, 1, W]
+        x = x.transpose(1, 2)  # [B, C, T]
+
+        def conv(seg):  # left padding only: token t sees t - W + 1 .. t
+            return F.conv1d(F.pad(seg, (weight.shape[-1] - 1, 0)), weight, groups=weight.shape[0])
+
+        if cu_seqlens is None:
+            y = conv(x)
+        else:
+            offsets = cu_seqlens.tolist()
+            y = torch.cat([conv(x[..., a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=-1)
+        return F.silu(y).transpose(1, 2)  # [B, T, C]
+
+
+def _check_config(la, tp: int) -> None:
+    if la.variant not in _NUM_HEAD_LOGITS:
+        raise ValueError(
+            f"linear_attention.variant: expected one of {sorted(_NUM_HEAD_LOGITS)}, "
+            f"got {la.variant!r}"
+        )
+    if la.num_qk_heads < 1 or la.num_v_heads % la.num_qk_heads:
+        raise ValueError(
+            f"linear_attention.num_v_heads: must be a multiple of num_qk_heads={la.num_qk_heads}, "
+            f"got {la.num_v_heads}"
+        )
+    if la.num_qk_heads % tp:
+        raise ValueError(
+            f"linear_attention.num_qk_heads: must be divisible by tensor_model_parallel_size={tp}, "
+            f"got {la.num_qk_heads}"
+        )
+    if la.conv_kernel_size < 0:
+        raise ValueError(
+            f"linear_attention.conv_kernel_size: expected >= 0 (0 disables the conv), "
+            f"got {la.conv_kernel_size}"
+        )
+
+
+def _cu_seqlens(packed_seq_params, hidden_states: Tensor) -> Optional[Tensor]:
+    if packed_seq_params is None:
+        return None
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    if cu is None:
+        return None
+    if hidden_states.shape[1] != 1:
+        raise ValueError(
+            f"packed_seq_params: packed sequences need micro-batch size b == 1, "
+            f"got hidden_states of shape {list(hidden_states.shape)}"
+        )
+    return cu.long()

@@ -1,0 +1,248 @@
+"""Top-k sparse attention layer (DeepSeek-V3.2 DSA), usable as Megatron's self_attention.
+
+Shape legend: s tokens, b batch, h hidden (Megatron's [s, b, h] at the boundary);
+inside, batch first: B = b, T = s, H / G query heads / kv groups on this tensor-parallel
+rank, D head dim, HI / DI indexer heads / head dim, K top-k.
+
+Per forward: qkv projection -> RoPE -> (indexer on detached input -> top-k) -> attention
+-> output projection. Stage "dense_warmup" runs dense causal attention and trains only the
+indexer; stage "sparse" attends over the indexer's top-k. The indexer KL loss rides on the
+output through MoEAuxLossAutoScaler, so Megatron's schedule scales its gradient like the
+MoE auxiliary losses.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import Tensor
+
+from megatron_moe_hybrid.ops import sparse_attention as ops
+
+STAGES = ("sparse", "dense_warmup")
+
+
+@dataclass
+class SparseAttentionSubmodules:
+    """linear_qkv / linear_proj as in Megatron's SelfAttention; the rest form the indexer.
+
+    The indexer projections gather their output: every tensor-parallel rank scores all
+    tokens with all indexer heads (they are small), so top-k needs no communication.
+    index_k_norm is built as index_k_norm(DI, eps=..., dtype=...) (torch.nn.LayerNorm).
+    """
+
+    linear_qkv: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_proj: Union[ModuleSpec, type] = RowParallelLinear
+    linear_index_q: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_index_k: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_index_weights: Union[ModuleSpec, type] = ColumnParallelLinear
+    index_k_norm: Union[ModuleSpec, type] = torch.nn.LayerNorm
+
+
+def _validate(config) -> None:
+    sa = getattr(config, "sparse_attention", None)
+    if sa is None:
+        raise ValueError("config.sparse_attention is missing; set the sparse_attention group")
+    if not (isinstance(sa.topk, int) and sa.topk > 0):
+        raise ValueError(f"config.sparse_attention.topk must be a positive int, got {sa.topk!r}")
+    if sa.stage not in STAGES:
+        raise ValueError(f"config.sparse_attention.stage must be one of {STAGES}, got {sa.stage!r}")
+    if not sa.indexer_loss_coeff >= 0:
+        raise ValueError(
+            f"config.sparse_attention.indexer_loss_coeff must be >= 0 (0 disables the loss), "
+            f"got {sa.indexer_loss_coeff!r}"
+        )
+    if not (sa.index_rope_dim % 2 == 0 and 0 <= sa.index_rope_dim <= sa.index_head_dim):
+        raise ValueError(
+            f"config.sparse_attention.index_rope_dim must be even and <= index_head_dim="
+            f"{sa.index_head_dim}, got {sa.index_rope_dim!r}"
+        )
+    if config.kv_channels % 2:
+        raise ValueError(f"config.kv_channels must be even for RoPE, got {config.kv_channels}")
+    num_groups = config.num_query_groups or config.num_attention_heads
+    tp = config.tensor_model_parallel_size
+    if config.num_attention_heads % num_groups or num_groups % tp:
+        raise ValueError(
+            f"config.num_query_groups={num_groups} must divide num_attention_heads="
+            f"{config.num_attention_heads} and be divisible by tensor_model_parallel_size={tp}"
+        )
+    if config.sequence_parallel:
+        raise ValueError("SparseAttention does not support sequence_parallel yet; set it False")
+
+
+class SparseAttention(MegatronModule):
+    """Causal GQA self-attention over the lightning indexer's top-k keys per query.
+
+    After a training forward, last_indexer_loss holds the detached, unscaled KL loss. The
+    dense warm-up's freezing of everything but the indexer is the trainer's job
+    (indexer_parameters() lists what stays trainable); this layer guarantees that the KL
+    loss reaches nothing but those parameters.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: SparseAttentionSubmodules,
+        layer_number: int = 1,
+        pg_collection=None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        _validate(config)
+        self.layer_number = layer_number
+        self.sa = config.sparse_attention
+        tp = config.tensor_model_parallel_size
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.tp_group = getattr(pg_collection, "tp", None)
+        self.last_indexer_loss: Optional[Tensor] = None
+        tp_kwargs = {} if self.tp_group is None else {"tp_group": self.tp_group}
+
+        def column(spec, out_features, gather_output):
+            return build_module(
+                spec,
+                config.hidden_size,
+                out_features,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=gather_output,
+                **tp_kwargs,
+            )
+
+        heads, groups, dim = config.num_attention_heads, self.num_groups * tp, self.head_dim
+        self.linear_qkv = column(submodules.linear_qkv, (heads + 2 * groups) * dim, False)
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            heads * dim,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            **tp_kwargs,
+        )
+        num_index_heads, index_dim = self.sa.index_n_heads, self.sa.index_head_dim
+        self.linear_index_q = column(submodules.linear_index_q, num_index_heads * index_dim, True)
+        self.linear_index_k = column(submodules.linear_index_k, index_dim, True)
+        self.linear_index_weights = column(submodules.linear_index_weights, num_index_heads, True)
+        self.index_k_norm = build_module(
+            submodules.index_k_norm,
+            index_dim,
+            eps=config.layernorm_epsilon,
+            dtype=config.params_dtype,
+        )
+
+    def indexer_parameters(self):
+        """The parameters trained by the indexer KL loss (and by nothing else)."""
+        for module in (
+            self.linear_index_q,
+            self.linear_index_k,
+            self.linear_index_weights,
+            self.index_k_norm,
+        ):
+            yield from module.parameters()
+
+    @staticmethod
+    def _positions(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Optional[Tensor]]:
+        """[T] positions (restarting per packed sequence) and cu_seqlens [N + 1] or None."""
+        if packed_seq_params is None:
+            return torch.arange(s, device=device), None
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+        cu_kv = packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
+            raise ValueError(
+                "packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)"
+            )
+        if b != 1:
+            raise ValueError(f"packed sequences need hidden_states [s, 1, h], got batch {b}")
+        return ops.positions_from_cu_seqlens(cu_seqlens, s), cu_seqlens
+
+    def _qkv(self, hidden_states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s, b, _ = hidden_states.shape
+        R, D, base = self.num_heads // self.num_groups, self.head_dim, self.sa.rope_base
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, G * (R + 2) * D]
+        # Megatron's SelfAttention layout: per group, its R query heads then its key and value.
+        mixed = mixed.transpose(0, 1).reshape(b, s, self.num_groups, (R + 2) * D)
+        q, k, v = mixed.split([R * D, D, D], dim=-1)
+        q = q.reshape(b, s, self.num_heads, D)  # [B, T, H, D]
+        return ops.apply_rope(q, positions, D, base), ops.apply_rope(k, positions, D, base), v
+
+    def _indexer(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q_idx [B, T, HI, DI], k_idx [B, T, DI], weights [B, T, HI] from detached x [s, b, h]."""
+        s, b, _ = x.shape
+        HI, DI = self.sa.index_n_heads, self.sa.index_head_dim
+        rope_dim, base = self.sa.index_rope_dim, self.sa.rope_base
+        q_idx = self.linear_index_q(x)[0].transpose(0, 1).reshape(b, s, HI, DI)
+        k_idx = self.index_k_norm(self.linear_index_k(x)[0].transpose(0, 1))  # [B, T, DI]
+        # DeepSeek-V3.2 scales the head weights by HI^-1/2 and the logits by DI^-1/2.
+        weights = self.linear_index_weights(x)[0].transpose(0, 1) * (HI * DI) ** -0.5
+        q_idx = ops.apply_rope(q_idx, positions, rope_dim, base)
+        k_idx = ops.apply_rope(k_idx, positions, rope_dim, base)
+        return q_idx, k_idx, weights
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        """hidden_states [s, b, h] -> (output [s, b, h], None).
+
+        Always causal: attention_mask and Megatron's rotary embeddings (kwargs) are ignored;
+        RoPE is applied here from the token positions (restarting per packed sequence).
+        """
+        s, b, _ = hidden_states.shape
+        backend = self.sa.backend
+        positions, cu_seqlens = self._positions(packed_seq_params, s, b, hidden_states.device)
+        q, k, v = self._qkv(hidden_states, positions)
+        # The indexer learns only from its KL loss: its input is cut off from the main model.
+        q_idx, k_idx, weights = self._indexer(hidden_states.detach(), positions)
+
+        if self.sa.stage == "sparse":
+            # [B, T, K]; selection is not differentiable, so the indexer gets no gradient here.
+            indices = ops.indexer_topk(
+                q_idx.detach(),
+                k_idx.detach(),
+                weights.detach(),
+                self.sa.topk,
+                cu_seqlens=cu_seqlens,
+                backend=backend,
+            )
+            o, _ = ops.sparse_attention(q, k, v, indices, backend=backend)
+        else:
+            indices = None
+            o, _ = ops.dense_attention(q, k, v, cu_seqlens=cu_seqlens)
+        output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
+
+        coeff = self.sa.indexer_loss_coeff
+        if coeff > 0 and self.training and torch.is_grad_enabled():
+            loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, cu_seqlens)
+            self.last_indexer_loss = loss.detach()
+            output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
+        return output, bias
+
+    def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, cu_seqlens) -> Tensor:
+        backend = self.sa.backend
+        target = ops.attention_probs_target(
+            q.detach(), k.detach(), indices, cu_seqlens=cu_seqlens, backend=backend
+        )
+        if self.config.tensor_model_parallel_size > 1:
+            # Each rank holds H / tp heads; the target sums all of them (the loss renormalises).
+            group = self.tp_group or parallel_state.get_tensor_model_parallel_group()
+            torch.distributed.all_reduce(target, group=group)
+        if indices is None:
+            scores = ops.lightning_indexer(
+                q_idx, k_idx, weights, cu_seqlens=cu_seqlens, backend=backend
+            )
+        else:
+            scores = ops.lightning_indexer_sparse(q_idx, k_idx, weights, indices, backend=backend)
+        return ops.indexer_kl_loss(scores, target, indices, backend=backend)

@@ -1,0 +1,403 @@
+"""Top-k sparse attention (DeepSeek-V3.2 DSA): the plain PyTorch reference.
+
+Shape legend (batch first, the layout of every function here):
+  B batch, T tokens (queries), S keys (the same tokens, S == T), N packed sequences,
+  H query heads, G kv groups (H % G == 0; head h reads group h // R), R = H // G,
+  D q/k head dim, DV value head dim, HI indexer heads, DI indexer head dim, K top-k.
+
+Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that tests can
+be exact. The math (indexer, selection, attention, KL loss) is in README.md.
+"""
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _shape(x: Tensor, name: str, legend: str) -> tuple[int, ...]:
+    num_dims = legend.count(",") + 1
+    _check(
+        isinstance(x, Tensor) and x.dim() == num_dims,
+        f"{name} must be a {num_dims}-D tensor {legend}, got "
+        f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}",
+    )
+    return tuple(x.shape)
+
+
+def _check_topk(topk: int) -> None:
+    _check(
+        isinstance(topk, int) and not isinstance(topk, bool) and topk > 0,
+        f"topk must be a positive int (keys kept per query), got {topk!r}",
+    )
+
+
+def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
+    """[T] int64 sequence id of each token, or None when nothing is packed."""
+    if cu_seqlens is None:
+        return None
+    _check(B == 1, f"cu_seqlens needs the packed layout B == 1, got B={B}; concatenate the batch")
+    _check(
+        cu_seqlens.dim() == 1
+        and cu_seqlens.numel() >= 2
+        and not cu_seqlens.is_floating_point()
+        and not cu_seqlens.is_complex(),
+        f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
+        f"{tuple(cu_seqlens.shape)}",
+    )
+    cu = cu_seqlens.to(torch.int64)
+    _check(
+        cu[0].item() == 0 and cu[-1].item() == T and bool((cu.diff() >= 0).all()),
+        f"cu_seqlens must start at 0, end at T={T} and never decrease, got {cu.tolist()}",
+    )
+    # right=True puts a token that starts a sequence after empty ones into the non-empty one.
+    return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
+
+
+def positions_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
+    """[T] int64 position of each token inside its own packed sequence (restarts at 0)."""
+    seg = _segment_ids(cu_seqlens, 1, T)
+    return torch.arange(T, device=cu_seqlens.device) - cu_seqlens.to(torch.int64)[seg]
+
+
+def _key_mask(t0: int, t1: int, S: int, causal: bool, seg: Tensor | None, device) -> Tensor:
+    """[t1 - t0, S] bool: True where query t may read key s."""
+    t = torch.arange(t0, t1, device=device)[:, None]
+    s = torch.arange(S, device=device)[None, :]
+    ok = s <= t if causal else torch.ones(t1 - t0, S, dtype=torch.bool, device=device)
+    if seg is not None:
+        ok = ok & (seg[t0:t1, None] == seg[None, :])
+    return ok
+
+
+def apply_rope(x: Tensor, positions: Tensor, rope_dim: int, base: float = 10000.0) -> Tensor:
+    """Non-interleaved (rotate-half) RoPE on the first rope_dim channels of x.
+
+    x [B, T, ..., D]; positions [B, T] or [T] integer positions. Channel i < rope_dim / 2
+    is rotated together with channel i + rope_dim / 2; channels >= rope_dim pass through.
+    """
+    _check(x.dim() >= 3, f"x must be [B, T, ..., D], got shape {tuple(x.shape)}")
+    B, T, D = x.shape[0], x.shape[1], x.shape[-1]
+    _check(
+        isinstance(rope_dim, int) and rope_dim % 2 == 0 and 0 <= rope_dim <= D,
+        f"rope_dim must be an even int in [0, D={D}], got {rope_dim!r}",
+    )
+    _check(
+        tuple(positions.shape) in ((T,), (B, T)),
+        f"positions must be [T] or [B, T] = [{B}, {T}], got {tuple(positions.shape)}",
+    )
+    if rope_dim == 0:
+        return x
+    dtype = _compute_dtype(x)
+    half = rope_dim // 2
+    inv_freq = base ** (-2.0 * torch.arange(half, device=x.device, dtype=dtype) / rope_dim)
+    angle = positions.to(device=x.device, dtype=dtype)[..., None] * inv_freq  # [B or 1, T, half]
+    angle = angle.expand(B, T, half).reshape(B, T, *[1] * (x.dim() - 3), half)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half].to(dtype), x[..., half:rope_dim].to(dtype)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., rope_dim:]], dim=-1)
+
+
+def _check_indexer_args(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> tuple[int, int]:
+    B, T, HI, DI = _shape(q_idx, "q_idx", "[B, T, HI, DI]")
+    _check(
+        tuple(k_idx.shape) == (B, T, DI),
+        f"k_idx must be [B, T, DI] = [{B}, {T}, {DI}] (one key head shared by all indexer "
+        f"heads), got {tuple(k_idx.shape)}",
+    )
+    _check(
+        tuple(weights.shape) == (B, T, HI),
+        f"weights must be [B, T, HI] = [{B}, {T}, {HI}], got {tuple(weights.shape)}",
+    )
+    return B, T
+
+
+def _index_scores(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> Tensor:
+    """[B, Tq, S] = sum_j w[t, j] * relu(q_idx[t, j] . k_idx[s]), no mask."""
+    dtype = _compute_dtype(q_idx)
+    # [B, Tq, HI, S]: one relu'd logit per indexer head
+    logits = torch.einsum("bthd,bsd->bths", q_idx.to(dtype), k_idx.to(dtype)).relu()
+    return (logits * weights.to(dtype)[..., None]).sum(2)
+
+
+def lightning_indexer(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    causal: bool = True,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """Index scores I[b, t, s] = sum_j weights[b, t, j] * relu(q_idx[b, t, j] . k_idx[b, s]).
+
+    q_idx [B, T, HI, DI], k_idx [B, T, DI], weights [B, T, HI] -> [B, T, S] fp32, -inf where
+    query t may not read key s (s > t when causal; other sequence when cu_seqlens [N + 1]).
+    """
+    B, T = _check_indexer_args(q_idx, k_idx, weights)
+    seg = _segment_ids(cu_seqlens, B, T)
+    scores = _index_scores(q_idx, k_idx, weights)  # [B, T, S]
+    return scores.masked_fill(~_key_mask(0, T, T, causal, seg, q_idx.device), NEG_INF)
+
+
+def lightning_indexer_sparse(
+    q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor
+) -> Tensor:
+    """The index scores at the selected keys only: [B, T, K], -inf where indices == -1.
+
+    Equals lightning_indexer(...).gather(-1, indices) without building [B, T, S]; used for the
+    sparse-stage KL loss, where only the selected keys matter.
+    """
+    B, T = _check_indexer_args(q_idx, k_idx, weights)
+    _check_indices(indices, B, T, T)
+    dtype = _compute_dtype(q_idx)
+    k_sel = k_idx[
+        torch.arange(B, device=k_idx.device)[:, None, None], indices.clamp(min=0)
+    ]  # [B, T, K, DI]
+    # [B, T, HI, K]
+    logits = torch.einsum("bthd,btkd->bthk", q_idx.to(dtype), k_sel.to(dtype)).relu()
+    scores = (logits * weights.to(dtype)[..., None]).sum(2)  # [B, T, K]
+    return scores.masked_fill(indices < 0, NEG_INF)
+
+
+def topk_indices(scores: Tensor, topk: int) -> Tensor:
+    """Keys with the topk highest finite scores per query: [B, T, S] -> [B, T, topk] int64.
+
+    Ordered by descending score; equal scores go to the lower key index (a stable sort, so
+    every backend agrees). Where fewer than topk scores are finite the tail is -1.
+    """
+    B, T, S = _shape(scores, "scores", "[B, T, S]")
+    _check_topk(topk)
+    num_kept = min(topk, S)
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, indices = values[..., :num_kept], indices[..., :num_kept]
+    indices = indices.masked_fill(values == NEG_INF, -1)
+    if num_kept < topk:
+        pad = indices.new_full((B, T, topk - num_kept), -1)
+        indices = torch.cat([indices, pad], dim=-1)
+    return indices
+
+
+@torch.no_grad()
+def indexer_topk(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    topk: int,
+    block_size: int = 256,
+    causal: bool = True,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """topk_indices(lightning_indexer(...), topk), computed block_size queries at a time.
+
+    Only [B, block_size, HI, S] scores are alive at once instead of [B, T, HI, S]. Returns
+    [B, T, topk] int64 (no gradient: selection is not differentiable).
+    """
+    B, T = _check_indexer_args(q_idx, k_idx, weights)
+    _check_topk(topk)
+    _check(
+        isinstance(block_size, int) and block_size > 0,
+        f"block_size must be a positive int (queries per block), got {block_size!r}",
+    )
+    seg = _segment_ids(cu_seqlens, B, T)
+    blocks = []
+    for t0 in range(0, T, block_size):
+        t1 = min(t0 + block_size, T)
+        scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
+        scores = scores.masked_fill(~_key_mask(t0, t1, T, causal, seg, q_idx.device), NEG_INF)
+        blocks.append(topk_indices(scores, topk))
+    return torch.cat(blocks, dim=1) if blocks else q_idx.new_empty((B, 0, topk), dtype=torch.int64)
+
+
+def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:
+    _B, _T, _K = _shape(indices, "indices", "[B, T, K]")
+    _check(
+        (_B, _T) == (B, T) and indices.dtype in (torch.int64, torch.int32),
+        f"indices must be int64/int32 [B, T, K] with B={B}, T={T}, got {indices.dtype} "
+        f"{tuple(indices.shape)}",
+    )
+    _check(
+        bool(((indices >= -1) & (indices < S)).all()),
+        f"indices must lie in [-1, S={S}) (-1 marks an unused slot)",
+    )
+    # A repeated key would be counted twice by the gather but once by a mask.
+    ordered = indices.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    _check(not bool(repeated.any()), "indices must not repeat a key within one query's row")
+
+
+def _check_attention_args(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
+    B, T, H, D = _shape(q, "q", "[B, T, H, D]")
+    _, _, G, _ = _shape(k, "k", "[B, T, G, D]")
+    _check(
+        tuple(k.shape) == (B, T, G, D) and G > 0 and H % G == 0,
+        f"k must be [B, T, G, D] = [{B}, {T}, G, {D}] with H={H} divisible by G, got "
+        f"{tuple(k.shape)}",
+    )
+    _check(
+        v.dim() == 4 and tuple(v.shape[:3]) == (B, T, G),
+        f"v must be [B, T, G, DV] = [{B}, {T}, {G}, DV], got {tuple(v.shape)}",
+    )
+    return B, T, H, G, D
+
+
+def _grouped_scores_dense(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """[B, T, G, R, S] fp32 logits of every query head against every key of its group."""
+    B, T, H, G, D = _check_attention_args(q, k, k)
+    dtype = _compute_dtype(q)
+    q_g = q.reshape(B, T, G, H // G, D).to(dtype)
+    return torch.einsum("btgrd,bsgd->btgrs", q_g, k.to(dtype)) * scale
+
+
+def _grouped_scores_sparse(q: Tensor, k: Tensor, indices: Tensor, scale: float) -> Tensor:
+    """[B, T, G, R, K] fp32 logits against the gathered keys; -inf in the -1 slots."""
+    B, T, H, G, D = _check_attention_args(q, k, k)
+    dtype = _compute_dtype(q)
+    q_g = q.reshape(B, T, G, H // G, D).to(dtype)
+    k_sel = k[
+        torch.arange(B, device=k.device)[:, None, None], indices.clamp(min=0)
+    ]  # [B, T, K, G, D]
+    scores = torch.einsum("btgrd,btkgd->btgrk", q_g, k_sel.to(dtype)) * scale
+    return scores.masked_fill((indices < 0)[:, :, None, None, :], NEG_INF)
+
+
+def _softmax_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim that leaves a row with no readable key at p = 0, lse = -inf."""
+    lse = torch.logsumexp(scores, dim=-1)  # [..., ]
+    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
+    return probs, lse
+
+
+def sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Each query attends only to the keys in its row of indices (gathered, no dense mask).
+
+    q [B, T, H, D], k [B, T, G, D], v [B, T, G, DV], indices [B, T, K] (-1 = unused slot; the
+    op does not add causality, the indexer already did) -> o [B, T, H, DV] in q's dtype and
+    lse [B, T, H] fp32. A query with no key gets o = 0, lse = -inf.
+    """
+    B, T, H, G, D = _check_attention_args(q, k, v)
+    _check_indices(indices, B, T, T)
+    scale = D**-0.5 if scale is None else scale
+    probs, lse = _softmax_lse(_grouped_scores_sparse(q, k, indices, scale))  # [B, T, G, R, K]
+    v_sel = v[
+        torch.arange(B, device=v.device)[:, None, None], indices.clamp(min=0)
+    ]  # [B, T, K, G, DV]
+    o = torch.einsum("btgrk,btkgd->btgrd", probs, v_sel.to(probs.dtype))
+    return o.reshape(B, T, H, -1).to(q.dtype), lse.reshape(B, T, H)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None):
+    B, T, H, G, D = _check_attention_args(q, k, v)
+    scale = D**-0.5 if scale is None else scale
+    scores = _grouped_scores_dense(q, k, scale)  # [B, T, G, R, S]
+    probs, lse = _softmax_lse(scores.masked_fill(~mask[:, :, None, None, :], NEG_INF))
+    o = torch.einsum("btgrs,bsgd->btgrd", probs, v.to(probs.dtype))
+    return o.reshape(B, T, H, -1).to(q.dtype), lse.reshape(B, T, H)
+
+
+def indices_to_mask(indices: Tensor, S: int) -> Tensor:
+    """[B, T, K] indices -> [B, T, S] bool, True at the selected keys."""
+    B, T, K = _shape(indices, "indices", "[B, T, K]")
+    # Unused slots write into an extra column S that is dropped, so they never clear a key.
+    mask = torch.zeros(B, T, S + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, torch.where(indices >= 0, indices, S).to(torch.int64), True)
+    return mask[..., :S]
+
+
+def dense_masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """sparse_attention computed densely over [B, T, S], the selection as a mask: the oracle."""
+    B, T, H, G, D = _check_attention_args(q, k, v)
+    _check_indices(indices, B, T, T)
+    return _masked_attention(q, k, v, indices_to_mask(indices, T), scale)
+
+
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    cu_seqlens: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Full (causal, optionally packed) GQA attention: the dense warm-up stage's main attention."""
+    B, T, H, G, D = _check_attention_args(q, k, v)
+    seg = _segment_ids(cu_seqlens, B, T)
+    mask = _key_mask(0, T, T, causal, seg, q.device).expand(B, T, T)
+    return _masked_attention(q, k, v, mask, scale)
+
+
+@torch.no_grad()
+def attention_probs_target(
+    q: Tensor,
+    k: Tensor,
+    indices: Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """The indexer's KL target p: main attention probabilities summed over heads, L1-normalised.
+
+    indices None (dense warm-up): softmax over every readable key -> [B, T, S].
+    indices [B, T, K] (sparse stage): softmax over the selected keys -> [B, T, K], aligned with
+    indices, 0 in the -1 slots. Detached: the loss trains the indexer, not the main attention.
+    """
+    B, T, H, G, D = _check_attention_args(q, k, k)
+    scale = D**-0.5 if scale is None else scale
+    if indices is None:
+        seg = _segment_ids(cu_seqlens, B, T)
+        mask = _key_mask(0, T, T, causal, seg, q.device)  # [T, S]
+        scores = _grouped_scores_dense(q, k, scale).masked_fill(~mask[:, None, None, :], NEG_INF)
+    else:
+        _check_indices(indices, B, T, T)
+        scores = _grouped_scores_sparse(q, k, indices, scale)
+    probs = _softmax_lse(scores)[0].sum(dim=(2, 3))  # [B, T, S or K]
+    return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
+def indexer_kl_loss(
+    index_scores: Tensor, attn_probs_target: Tensor, indices: Tensor | None = None
+) -> Tensor:
+    """Mean over queries of KL(p[t] || softmax(index_scores[t])): the indexer training loss.
+
+    Dense warm-up (indices None): index_scores [B, T, S] with -inf at unreadable keys, target
+    [B, T, S]. Sparse stage: index_scores and target both restricted to the selection,
+    [B, T, K] aligned with indices [B, T, K] (lightning_indexer_sparse and
+    attention_probs_target(..., indices) give exactly these); the -1 slots are ignored. The
+    target is detached and L1-normalised here; queries with no key or an all-zero target are
+    left out of the mean.
+    """
+    B, T, X = _shape(index_scores, "index_scores", "[B, T, S or K]")
+    _check(
+        tuple(attn_probs_target.shape) == (B, T, X),
+        f"attn_probs_target must match index_scores {(B, T, X)}, got "
+        f"{tuple(attn_probs_target.shape)}",
+    )
+    if indices is not None:
+        _check(
+            tuple(indices.shape) == (B, T, X),
+            f"indices must be [B, T, K] = {(B, T, X)} like the restricted index_scores (gather "
+            f"full [B, T, S] scores with lightning_indexer_sparse first), got "
+            f"{tuple(indices.shape)}",
+        )
+        index_scores = index_scores.masked_fill(indices < 0, NEG_INF)
+        attn_probs_target = attn_probs_target.masked_fill(indices < 0, 0.0)
+    dtype = _compute_dtype(index_scores)
+    p = attn_probs_target.detach().to(dtype)
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    valid_query = (p.sum(-1) > 0) & (index_scores > NEG_INF).any(-1)  # [B, T]
+    # Rows left out get finite dummy logits so their log_softmax (and its gradient) is not NaN.
+    log_q = torch.log_softmax(index_scores.to(dtype).masked_fill(~valid_query[..., None], 0.0), -1)
+    kl = torch.where(p > 0, p * (p.log() - log_q), 0.0).sum(-1)  # [B, T]
+    return torch.where(valid_query, kl, 0.0).sum() / valid_query.sum().clamp_min(1)
