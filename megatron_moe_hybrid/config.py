@@ -113,7 +113,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    data_path: str = "stdlib"  # "stdlib": the standard library's docstrings; or a .txt file / dir
+    data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", or a .txt file / dir
+    tokenizer_model: Optional[str] = None  # a sentencepiece .model; None: train one on data_path
     output_dir: str = "outputs/run"
     cache_dir: str = ".cache/megatron_moe_hybrid"
     seq_length: int = 128
@@ -426,11 +427,28 @@ def _validate(c: HybridMoEConfig) -> None:
         f"{t.min_lr} must be within [0, training.lr={t.lr}]",
     )
     _require(bool(t.data_path), "training.data_path", "is empty; use 'stdlib' or a .txt file/dir")
-    _require(
-        t.data_path == "stdlib" or os.path.exists(t.data_path),
-        "training.data_path",
-        f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt file or directory",
-    )
+    if t.data_path.startswith("stdlib:"):
+        import sysconfig
+
+        subset = os.path.join(sysconfig.get_paths()["stdlib"], t.data_path[7:].replace(".", "/"))
+        _require(
+            os.path.exists(subset) or os.path.exists(subset + ".py"),
+            "training.data_path",
+            f"{t.data_path!r} names no standard-library package or module; use e.g. 'stdlib:email'",
+        )
+    else:
+        _require(
+            t.data_path == "stdlib" or os.path.exists(t.data_path),
+            "training.data_path",
+            f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt file or directory",
+        )
+    if t.tokenizer_model is not None:
+        _require(
+            os.path.isfile(t.tokenizer_model),
+            "training.tokenizer_model",
+            f"{t.tokenizer_model!r} does not exist; point it at the base run's tokenizer.model "
+            "(written into every output_dir) or leave it unset to train one on training.data_path",
+        )
     for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_steps", "log_interval"):
         _positive(getattr(t, name), f"training.{name}")
     _require(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
@@ -457,6 +475,13 @@ def _validate(c: HybridMoEConfig) -> None:
             t.init_from is not None or t.resume != "none",
             "training.init_from",
             "LoRA fine-tuning needs base weights; set training.init_from to a pretraining checkpoint",
+        )
+    if t.init_from is not None:
+        _require(
+            t.tokenizer_model is not None,
+            "training.tokenizer_model",
+            "a run that starts from training.init_from must reuse the base model's tokenizer; "
+            "set it to <base output_dir>/tokenizer.model",
         )
 
     # world size last: it depends on how the job is launched

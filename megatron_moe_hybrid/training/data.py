@@ -60,9 +60,24 @@ _SPM_OPTIONS = {
 }
 
 
-@functools.lru_cache(maxsize=2)
-def stdlib_corpus(max_bytes: int = 8_000_000) -> str:
-    """Docstrings of the standard library, parsed with `ast` (nothing is imported).
+def stdlib_root(subset: str = "") -> Path:
+    """The stdlib source folder, or the package folder / module file named by subset."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not subset:
+        return root
+    for candidate in (root / subset.replace(".", "/"), root / (subset.replace(".", "/") + ".py")):
+        if candidate.exists():
+            return candidate
+    raise ValueError(
+        f"training.data_path: 'stdlib:{subset}' names no standard-library package or module; "
+        "use e.g. 'stdlib:email' or plain 'stdlib'"
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_corpus(max_bytes: int = 8_000_000, subset: str = "") -> str:
+    """Docstrings of the standard library (or of its package/module `subset`, e.g. "email"),
+    parsed with `ast` (nothing is imported).
 
     Files are visited in sorted order and docstrings are joined by a blank line until
     the next one would pass max_bytes (UTF-8), so the result is deterministic for a
@@ -72,7 +87,7 @@ def stdlib_corpus(max_bytes: int = 8_000_000) -> str:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     docs: list[str] = []
     num_bytes = 0
-    for path in _stdlib_files(Path(sysconfig.get_paths()["stdlib"])):
+    for path in _stdlib_files(stdlib_root(subset)):
         try:
             tree = ast.parse(path.read_bytes(), filename=str(path))
         except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError):
@@ -90,6 +105,9 @@ def stdlib_corpus(max_bytes: int = 8_000_000) -> str:
 
 
 def _stdlib_files(root: Path) -> Iterator[Path]:
+    if root.is_file():
+        yield root
+        return
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)  # os.walk follows this order
         for name in sorted(filenames):
@@ -101,6 +119,8 @@ def load_text(data_path: str) -> str:
     """data_path "stdlib": stdlib_corpus(); a text file: its text; a directory: its *.txt files, sorted, joined by a blank line."""
     if data_path == STDLIB:
         return stdlib_corpus()
+    if data_path.startswith(STDLIB + ":"):
+        return stdlib_corpus(subset=data_path[len(STDLIB) + 1 :])
     path = Path(data_path)
     if not path.exists():
         raise ValueError(
@@ -125,10 +145,10 @@ def _text_key(data_path: str) -> str:
     The stdlib corpus is keyed by its source files' stats instead of its text, so that
     warm caches spare every rank the multi-second parse.
     """
-    if data_path != STDLIB:
+    if data_path != STDLIB and not data_path.startswith(STDLIB + ":"):
         return _sha256(load_text(data_path))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    stats = [(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in _stdlib_files(root)]
+    root = stdlib_root(data_path[len(STDLIB) + 1 :])
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in _stdlib_files(root)]
     return _sha256(json.dumps([_STDLIB_CORPUS_VERSION, sys.version, str(root), stats]))
 
 

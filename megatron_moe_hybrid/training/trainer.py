@@ -53,6 +53,16 @@ def init_distributed(config: HybridMoEConfig) -> None:
     )
 
 
+def _copy_atomic(src: str, dst: str) -> None:
+    import shutil
+
+    if os.path.abspath(src) == os.path.abspath(dst):
+        return
+    tmp = f"{dst}.tmp{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 def lr_at(step: int, t) -> float:
     """Linear warm-up to training.lr, then cosine decay to training.min_lr at train_steps."""
     if t.warmup_steps > 0 and step < t.warmup_steps:
@@ -78,7 +88,7 @@ class Trainer:
         from megatron_moe_hybrid.models import build_model
         from megatron_moe_hybrid.parallel.data_parallel import ParallelGroups
         from megatron_moe_hybrid.training import checkpoint as ckpt
-        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer
+        from megatron_moe_hybrid.training.data import Tokenizer, TokenDataset, get_tokenizer
 
         self.config, self.mode = config, mode
         t = config.training
@@ -92,13 +102,23 @@ class Trainer:
             save_config(config, os.path.join(self.output_dir, "config.yaml"))
 
         # Rank 0 trains/tokenises first; the others then read the cache.
-        if self.rank == 0:
-            self.tokenizer = get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
-            self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
-        dist.barrier()
-        if self.rank != 0:
-            self.tokenizer = get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
-            self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
+        for turn in (0, 1):
+            if (self.rank == 0) == (turn == 0):
+                self.tokenizer = (
+                    Tokenizer(t.tokenizer_model)
+                    if t.tokenizer_model
+                    else get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
+                )
+                self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
+            if turn == 0:
+                dist.barrier()
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(
+                f"model.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size} pieces ({self.tokenizer.model_path}); raise it"
+            )
+        if self.rank == 0:  # fine-tuning runs and users reuse it: keep it with the run
+            _copy_atomic(str(self.tokenizer.model_path), os.path.join(self.output_dir, "tokenizer.model"))
 
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
         self.model = build_model(config)
@@ -307,16 +327,18 @@ class Trainer:
         return result
 
 
-def loss_curve_text(losses: list, width: int = 10) -> str:
-    """A few evenly spaced points of the loss curve, one per line."""
+def loss_curve_text(losses: list, rows: int = 10) -> str:
+    """The loss curve as `rows` windows of consecutive steps, each with its mean loss."""
     if not losses:
         return "(no steps run)"
-    idx = sorted({round(i * (len(losses) - 1) / max(1, width - 1)) for i in range(width)})
-    lo, hi = min(losses), max(losses)
+    n = len(losses)
+    bounds = sorted({round(i * n / rows) for i in range(rows + 1)})
+    windows = [(a, b, sum(losses[a:b]) / (b - a)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    lo, hi = min(w[2] for w in windows), max(w[2] for w in windows)
     lines = []
-    for i in idx:
-        bar = "#" * (1 + int(30 * (losses[i] - lo) / (hi - lo))) if hi > lo else "#"
-        lines.append(f"  step {i + 1:5d}  loss {losses[i]:8.4f}  {bar}")
+    for a, b, mean in windows:
+        bar = "#" * (1 + int(40 * (mean - lo) / (hi - lo))) if hi > lo else "#"
+        lines.append(f"  steps {a + 1:5d}-{b:<5d} mean loss {mean:8.4f}  {bar}")
     return "\n".join(lines)
 
 

@@ -123,6 +123,7 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path):
     ft_dir = str(tmp_path / "ft")
     raw, ov = raw_config(corpus, cache_dir, ft_dir, **{
         "training.train_steps": 4, "training.init_from": base_dir, "lora.enabled": True,
+        "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model"),
         "lora.targets": ["linear_attention", "sparse_attention", "experts"],
         "training.lr": 1e-2,
     })

@@ -1,0 +1,50 @@
+"""The routed experts of one EP rank: SwiGLU MLPs applied to rows grouped by expert.
+
+Shape legend: E_local experts on this rank, N rows grouped by expert, h hidden size,
+F expert FFN hidden size (config.moe.ffn_hidden_size).
+"""
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_moe_hybrid.ops.moe import grouped_mlp
+
+
+class GroupedExperts(MegatronModule):
+    """weight1 [E_local, h, 2F] (gate | up) and weight2 [E_local, F, h] of experts
+    [expert_offset, expert_offset + E_local).
+
+    Each expert is initialised from its own seed, derived from one draw of the global RNG
+    plus its global index. So experts differ even when every EP rank runs with the same seed,
+    and the experts built on any EP layout equal the matching slice of the full set.
+    """
+
+    def __init__(self, config, num_local_experts: int, expert_offset: int = 0):
+        super().__init__(config)
+        if num_local_experts < 1:
+            raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+        h, ffn = config.hidden_size, config.moe.ffn_hidden_size
+        self.num_local_experts = num_local_experts
+        self.expert_offset = expert_offset
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, h, 2 * ffn, dtype=config.params_dtype)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, ffn, h, dtype=config.params_dtype)
+        )
+        base_seed = int(torch.randint(2**62, ()))
+        for e in range(num_local_experts):
+            # devices=[] keeps fork_rng off CUDA; the global RNG state is restored afterwards.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base_seed + expert_offset + e)
+                config.init_method(self.weight1.data[e])
+                config.output_layer_init_method(self.weight2.data[e])
+        for param in (self.weight1, self.weight2):
+            param.allreduce = False  # Megatron's marker: expert params skip the DP all-reduce
+            param.num_local_experts = num_local_experts
+
+    def forward(
+        self, x_sorted: torch.Tensor, tokens_per_local_expert: torch.Tensor | list[int]
+    ) -> torch.Tensor:
+        """x_sorted [N, h] grouped by local expert, tokens_per_local_expert [E_local] -> [N, h]."""
+        return grouped_mlp(x_sorted, tokens_per_local_expert, self.weight1, self.weight2)

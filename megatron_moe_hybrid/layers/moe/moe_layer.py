@@ -1,0 +1,118 @@
+"""The MoE MLP block: router -> dispatch -> grouped experts -> combine (+ shared expert).
+
+Model code is single-device; expert parallelism lives only in the dispatcher, whose process
+group is passed in (or taken from Megatron's parallel_state when that is initialised).
+
+Shape legend:
+    s sequence, b micro-batch, T = s * b tokens, h hidden size
+    E experts, E_local experts of this EP rank, K experts per token, N rows grouped by expert
+"""
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_moe_hybrid.registry import MOE_DISPATCHERS
+
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+class SharedExpertMLP(MegatronModule):
+    """A SwiGLU MLP applied to every token, next to the routed experts."""
+
+    def __init__(self, config, ffn_hidden_size: int):
+        super().__init__(config)
+        h = config.hidden_size
+        self.linear_fc1 = torch.nn.Linear(h, 2 * ffn_hidden_size, bias=False, dtype=config.params_dtype)
+        self.linear_fc2 = torch.nn.Linear(ffn_hidden_size, h, bias=False, dtype=config.params_dtype)
+        config.init_method(self.linear_fc1.weight)
+        config.output_layer_init_method(self.linear_fc2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # [T, F_shared] each
+        return self.linear_fc2(torch.nn.functional.silu(gate) * up)  # [T, h]
+
+
+class MoELayer(MegatronModule):
+    """Sparse MoE MLP, a drop-in for Megatron's MLP in a TransformerLayer spec.
+
+    Kept for the trainer:
+      last_aux_loss      detached load-balancing loss of the latest micro-batch, before
+                         moe.aux_loss_coeff (1.0 = balanced);
+      tokens_per_expert  [E] int64 routed copies per expert (this rank's non-padding tokens)
+                         summed over the grad-enabled forwards since reset_stats(); the
+                         trainer all-reduces it for router.update_expert_bias.
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, ep_group=None, **kwargs):
+        super().__init__(config)
+        moe = config.moe
+        if moe.capacity_factor is not None:
+            raise NotImplementedError(
+                f"moe.capacity_factor={moe.capacity_factor} (token dropping) is not implemented; "
+                "set moe.capacity_factor to None for dropless routing"
+            )
+        if ep_group is None and ps.model_parallel_is_initialized():
+            ep_group = ps.get_expert_model_parallel_group()
+        self.layer_number = layer_number
+        self.router = TopKRouter(config)
+        # Configs without a dispatcher field get the all-to-all one (the only one so far).
+        dispatcher_cls = MOE_DISPATCHERS.get(getattr(moe, "dispatcher", "alltoall"))
+        self.dispatcher = dispatcher_cls(moe.num_experts, ep_group)
+        num_local = self.dispatcher.num_local_experts
+        self.local_expert_indices = list(
+            range(self.dispatcher.ep_rank * num_local, (self.dispatcher.ep_rank + 1) * num_local)
+        )
+        self.experts = GroupedExperts(config, num_local, expert_offset=self.local_expert_indices[0])
+        self.shared_experts = (
+            SharedExpertMLP(config, moe.shared_expert_ffn_hidden_size)
+            if moe.shared_expert_ffn_hidden_size
+            else None
+        )
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False
+        )
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    @property
+    def last_aux_loss(self) -> torch.Tensor:
+        return self.router.last_aux_loss
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs):
+        """hidden_states [s, b, h], padding_mask [b, s] bool (True = padding) -> ([s, b, h], None)."""
+        s, b, h = hidden_states.shape
+        x = hidden_states.reshape(s * b, h)  # [T, h]
+        if padding_mask is not None:
+            if padding_mask.shape != (b, s):
+                raise ValueError(
+                    f"padding_mask must be [b={b}, s={s}] (True = padding), "
+                    f"got shape {tuple(padding_mask.shape)}"
+                )
+            padding_mask = padding_mask.t().reshape(-1).bool()  # [T] in the token order of x
+        probs, topk_idx = self.router(x, padding_mask)  # [T, K] each
+
+        d = self.dispatcher
+        permuted = d.dispatch_preprocess(x, topk_idx)  # [T*K, h]
+        received = d.token_dispatch(permuted)  # [N_recv, h]
+        x_sorted, tokens_per_local_expert = d.dispatch_postprocess(received)  # [N_recv, h], [E_local]
+        y_sorted = self.experts(x_sorted, tokens_per_local_expert)  # [N_recv, h]
+        y = d.token_combine(d.combine_preprocess(y_sorted))  # [T*K, h]
+        out = d.combine_postprocess(y, probs)  # [T, h]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+
+        # Counted only with grad enabled so that eval and reentrant-checkpoint recompute
+        # forwards do not count twice (Megatron's rule for its expert-bias counts).
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                kept_idx = topk_idx if padding_mask is None else topk_idx[~padding_mask]
+                self.tokens_per_expert += torch.bincount(
+                    kept_idx.flatten(), minlength=self.tokens_per_expert.numel()
+                ).to(self.tokens_per_expert.device)
+        return out.view(s, b, h), None
