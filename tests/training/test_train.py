@@ -110,6 +110,22 @@ def test_ep2_equals_ep1(corpus, cache_dir, tmp_path):
     # steps 2 and 3 differ from step 1: the comparison covers optimizer updates
     assert ep1["losses"][0] != ep1["losses"][2]
 
+    # The EP=2 checkpoint holds the same tensors under the same global names (reshardable).
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(path):
+        out = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".safetensors"):
+                out.update(load_file(os.path.join(path, f)))
+        return out
+
+    a, b = tensors(ep1["checkpoint"]), tensors(ep2[0]["checkpoint"])
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)
+
 
 @pytest.mark.slow
 def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path):

@@ -1,0 +1,105 @@
+"""Checkpoints: atomic directories, no pickle on load, global expert names."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from megatron_moe_hybrid.testing import init_megatron, teardown
+from megatron_moe_hybrid.training import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    init_megatron()
+    yield
+    teardown()
+
+
+def build(seed=0):
+    import yaml
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, "model.num_layers": 4})
+    torch.manual_seed(seed)
+    return build_model(config)
+
+
+def test_save_load_round_trip_and_expert_names(tmp_path):
+    model = build(0)
+    path = ckpt.save_checkpoint(str(tmp_path), 7, model, {"step": 7}, {"note": "x"})
+    assert os.path.basename(path) == "step_00000007"
+    assert ckpt.latest_checkpoint(str(tmp_path)) == path
+    from safetensors import safe_open
+
+    names = set()
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                names |= set(h.keys())
+    # experts are stored one tensor per global expert
+    assert "decoder.layers.0.mlp.experts.weight1.expert7" in names
+    assert "decoder.layers.0.mlp.experts.weight1" not in names
+
+    other = build(1)
+    first = next(iter(other.state_dict()))
+    assert not torch.equal(model.state_dict()[first], other.state_dict()[first])
+    ckpt.load_model_weights(path, other)
+    for (n, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), n
+    assert ckpt.load_rank_state(path) == {"step": 7}
+
+
+def test_incomplete_checkpoints_are_ignored_and_cleaned(tmp_path):
+    model = build(0)
+    root = tmp_path / ckpt.CKPT_DIR
+    good = ckpt.save_checkpoint(str(tmp_path), 5, model, {"step": 5}, {})
+    # a save killed half-way: a .tmp- directory, and a step directory without meta.json
+    (root / ".tmp-step_00000010").mkdir()
+    (root / ".tmp-step_00000010" / "model-ep00000-r00000.safetensors").write_bytes(b"partial")
+    (root / "step_00000009").mkdir()
+    assert ckpt.latest_checkpoint(str(tmp_path)) == good
+    with pytest.raises(ckpt.CheckpointError, match="meta.json"):
+        ckpt.load_model_weights(str(root / "step_00000009"), model)
+    ckpt.save_checkpoint(str(tmp_path), 6, model, {"step": 6}, {})
+    assert not (root / ".tmp-step_00000010").exists()
+
+
+def test_keep_prunes_old_checkpoints(tmp_path):
+    model = build(0)
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(str(tmp_path), step, model, {"step": step}, {}, keep=2)
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == ["step_00000002", "step_00000003"]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_state_is_never_unpickled(tmp_path):
+    model = build(0)
+    path = ckpt.save_checkpoint(str(tmp_path), 1, model, {"step": 1}, {})
+    torch.save({"step": 1, "payload": _Evil()}, os.path.join(path, "state-rank00000.pt"))
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_rank_state(path)
+
+
+def test_wrong_shape_names_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build(0)
+    path = ckpt.save_checkpoint(str(tmp_path), 1, model, {"step": 1}, {})
+    fname = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    tensors = load_file(os.path.join(path, fname))
+    tensors["output_layer.weight"] = tensors["output_layer.weight"][:-1].contiguous()
+    save_file(tensors, os.path.join(path, fname))
+    with pytest.raises(ckpt.CheckpointError, match="output_layer.weight"):
+        ckpt.load_model_weights(path, model)
