@@ -84,6 +84,7 @@ class MoEConfig:
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU MLP
     dense_ffn_hidden_size: int = 256
     dispatcher: str = "alltoall"  # registry.MOE_DISPATCHERS
+    permute_backend: str = "auto"  # "auto" (compiled _C op where built) | "torch" | "fused"
 
 
 @dataclass
@@ -384,6 +385,12 @@ def _validate(c: HybridMoEConfig) -> None:
         m.dispatcher in MOE_DISPATCHERS,
         "moe.dispatcher",
         f"unknown dispatcher {m.dispatcher!r}; registered: {', '.join(MOE_DISPATCHERS.names())}",
+    )
+
+    _require(
+        m.permute_backend in ("auto", "torch", "fused"),
+        "moe.permute_backend",
+        f"{m.permute_backend!r} is not one of auto, torch, fused",
     )
 
     # LoRA

@@ -13,7 +13,7 @@ Shape legend:
 import torch
 import torch.distributed as dist
 
-from megatron_moe_hybrid.ops.moe import permute, unpermute
+from megatron_moe_hybrid.ops.moe import permute_tokens, unpermute_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,8 +46,9 @@ class AllToAllDispatcher:
     combine steps (and their backward) reuse. ep_group None or of size 1: no communication.
     """
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None = None):
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None = None, permute_backend: str = "auto"):
         self.ep_group = ep_group
+        self.permute_backend = permute_backend
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         if num_experts % self.ep_size:
@@ -66,7 +67,7 @@ class AllToAllDispatcher:
 
     def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         """x [T, h], topk_idx [T, K] -> rows [N_send, h] ordered by expert, hence by destination."""
-        permuted, self.row_id_map, tokens_per_expert = permute(x, topk_idx, self.num_experts)
+        permuted, self.row_id_map, tokens_per_expert = permute_tokens(x, topk_idx, self.num_experts, self.permute_backend)
         self.tokens_per_expert = tokens_per_expert  # [E] local copies per global expert
         self.input_splits = tokens_per_expert.view(self.ep_size, -1).sum(1).tolist()  # [ep]
         return permuted
@@ -111,4 +112,4 @@ class AllToAllDispatcher:
 
     def combine_postprocess(self, y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """[N_send, h], probs [T, K] -> [T, h]: the probability-weighted sum over each token's experts."""
-        return unpermute(y, self.row_id_map, probs)
+        return unpermute_tokens(y, self.row_id_map, probs, self.permute_backend)

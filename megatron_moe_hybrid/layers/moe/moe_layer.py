@@ -59,7 +59,7 @@ class MoELayer(MegatronModule):
         self.router = TopKRouter(config)
         # Configs without a dispatcher field get the all-to-all one (the only one so far).
         dispatcher_cls = MOE_DISPATCHERS.get(getattr(moe, "dispatcher", "alltoall"))
-        self.dispatcher = dispatcher_cls(moe.num_experts, ep_group)
+        self.dispatcher = dispatcher_cls(moe.num_experts, ep_group, getattr(moe, "permute_backend", "auto"))
         num_local = self.dispatcher.num_local_experts
         self.local_expert_indices = list(
             range(self.dispatcher.ep_rank * num_local, (self.dispatcher.ep_rank + 1) * num_local)
