@@ -103,3 +103,26 @@ def test_wrong_shape_names_the_tensor(tmp_path):
     save_file(tensors, os.path.join(path, fname))
     with pytest.raises(ckpt.CheckpointError, match="output_layer.weight"):
         ckpt.load_model_weights(path, model)
+
+
+def test_inspect_tool_summarises_and_names_bad_files(tmp_path, capsys):
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", os.path.join(root, "tools", "inspect_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    model = build(0)
+    path = ckpt.save_checkpoint(str(tmp_path), 3, model, {"step": 3}, {"mode": "pretrain"})
+    s = tool.summarise(str(tmp_path))
+    assert s["step"] == 3 and s["num_experts"] == 8
+    assert s["num_params"] == sum(t.numel() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    assert tool.main([str(tmp_path)]) == 0
+    assert "step 3" in capsys.readouterr().out
+
+    fname = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    with open(os.path.join(path, fname), "r+b") as f:
+        f.write(b"\xff" * 16)  # corrupt the header
+    assert tool.main([path]) == 1
+    assert fname in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""Summarise a checkpoint written by megatron_moe_hybrid (no torch pickle is read).
+
+    python tools/inspect_checkpoint.py outputs/tiny            # a run: its newest checkpoint
+    python tools/inspect_checkpoint.py outputs/tiny/checkpoints/step_00000100 --tensors
+
+Prints the step, the layout it was saved with, the model shape from its config, and the
+parameter count (experts counted once each, under their global ids). Exits 1 with a
+message naming the file when the checkpoint is incomplete or a shard cannot be read.
+"""
+
+import argparse
+import os
+import re
+import sys
+
+from safetensors import safe_open
+
+from megatron_moe_hybrid.training.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+
+_EXPERT = re.compile(r"\.expert(\d+)$")
+
+
+def summarise(path: str) -> dict:
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    shapes: dict[str, tuple] = {}
+    for fname in sorted(os.listdir(path)):
+        if not fname.endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(os.path.join(path, fname), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{os.path.join(path, fname)}: cannot read ({e})") from e
+    numel = {k: 1 for k in shapes}
+    for k, shape in shapes.items():
+        for d in shape:
+            numel[k] *= d
+    experts = {int(m.group(1)) for k in shapes if (m := _EXPERT.search(k))}
+    expert_params = sum(n for k, n in numel.items() if _EXPERT.search(k))
+    return {
+        "path": path,
+        "step": meta["step"],
+        "mode": meta.get("mode"),
+        "world_size": meta["world_size"],
+        "expert_model_parallel_size": meta["expert_model_parallel_size"],
+        "model": meta.get("config", {}).get("model", {}),
+        "num_tensors": len(shapes),
+        "num_params": sum(numel.values()),
+        "num_expert_params": expert_params,
+        "num_experts": len(experts),
+        "shapes": shapes,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="a checkpoint directory, or a run's output_dir")
+    parser.add_argument("--tensors", action="store_true", help="list every tensor and its shape")
+    args = parser.parse_args(argv)
+    try:
+        s = summarise(args.path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    m = s["model"]
+    print(f"checkpoint: {s['path']}")
+    print(f"step {s['step']} ({s['mode']}), saved by {s['world_size']} ranks with expert parallel {s['expert_model_parallel_size']}")
+    if m:
+        print(f"model: {m.get('num_layers')} layers pattern {m.get('pattern')}, hidden {m.get('hidden_size')}, vocab {m.get('vocab_size')}")
+    print(f"tensors: {s['num_tensors']}, parameters: {s['num_params']:,} "
+          f"({s['num_expert_params']:,} in {s['num_experts']} routed experts per layer)")
+    if args.tensors:
+        for k in sorted(s["shapes"]):
+            print(f"  {k}: {list(s['shapes'][k])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
