@@ -137,7 +137,10 @@ class TrainingConfig:
     resume: str = "auto"  # "auto": newest complete checkpoint in output_dir; "none"; or a path
     init_from: Optional[str] = None  # a checkpoint directory whose model weights start the run
     progress_bar: bool = True
-    deterministic: bool = True
+    deterministic: bool = True  # torch deterministic algorithms; bitwise-repeatable runs
+    max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps are skipped; this many in a row stop the run
+    on_save_error: str = "stop"  # "stop" | "continue" when a checkpoint cannot be written (e.g. disk full)
+    on_corrupt_checkpoint: str = "error"  # "error" | "previous": resume from the newest loadable one
 
 
 GROUPS: dict[str, type] = {
@@ -463,6 +466,21 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(t.grad_clip >= 0, "training.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
     _require(t.exit_after_steps >= 0, "training.exit_after_steps", f"must be >= 0 (0: off), got {t.exit_after_steps}")
     _require(t.save_interval >= 0, "training.save_interval", f"must be >= 0, got {t.save_interval}")
+    _require(
+        t.max_consecutive_bad_steps >= 1,
+        "training.max_consecutive_bad_steps",
+        f"must be >= 1, got {t.max_consecutive_bad_steps}",
+    )
+    _require(
+        t.on_save_error in ("stop", "continue"),
+        "training.on_save_error",
+        f"{t.on_save_error!r} is not 'stop' or 'continue'",
+    )
+    _require(
+        t.on_corrupt_checkpoint in ("error", "previous"),
+        "training.on_corrupt_checkpoint",
+        f"{t.on_corrupt_checkpoint!r} is not 'error' or 'previous'",
+    )
     _require(t.keep_checkpoints >= 1, "training.keep_checkpoints", f"must be >= 1, got {t.keep_checkpoints}")
     for name in ("adam_beta1", "adam_beta2"):
         _require(0 <= getattr(t, name) < 1, f"training.{name}", f"must be within [0, 1), got {getattr(t, name)}")

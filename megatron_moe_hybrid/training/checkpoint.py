@@ -13,10 +13,13 @@ weights load under any expert-parallel size (each rank picks its experts by glob
 optimizer state needs the layout it was saved with.
 """
 
+import errno
+import pickle
 import json
 import os
 import re
 import shutil
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -107,6 +110,38 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     return found[-1] if found else None
 
 
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed on some rank; nothing partial is left behind."""
+
+
+def _crc32(t: torch.Tensor) -> str:
+    return f"{zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_rank_files(tmp: str, model, rank_state, trainable_only: bool) -> dict[str, int]:
+    """This rank's files; returns {file name: size in bytes}."""
+    rank = _rank()
+    ep_rank, _, _ = _ep_info()
+    written = {}
+    tensors = model_tensors_to_save(model, trainable_only)
+    if tensors:
+        path = os.path.join(tmp, f"model-ep{ep_rank:05d}-r{rank:05d}.safetensors")
+        # A CRC per tensor (in the safetensors header) lets a load name the corrupt tensor.
+        save_file(tensors, path, metadata={k: _crc32(v) for k, v in tensors.items()})
+        written[os.path.basename(path)] = path
+    path = os.path.join(tmp, f"state-rank{rank:05d}.pt")
+    torch.save(rank_state, path)
+    written[os.path.basename(path)] = path
+    for p in written.values():
+        _fsync(p)
+    return {name: os.path.getsize(p) for name, p in written.items()}
+
+
 def save_checkpoint(
     output_dir: str,
     step: int,
@@ -116,38 +151,99 @@ def save_checkpoint(
     keep: int = 2,
     trainable_only: bool = False,
 ) -> str:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it. Returns the final directory.
+
+    If any rank fails to write (a full disk, a permission error), every rank raises
+    CheckpointSaveError, the partial directory is removed and older checkpoints stay.
+    """
     root = os.path.join(output_dir, CKPT_DIR)
     name = f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
     rank = _rank()
+    error: Optional[str] = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for stale in os.listdir(root):  # leftovers of a crashed save
-            if stale.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-
-    ep_rank, ep_size, _ = _ep_info()
-    tensors = model_tensors_to_save(model, trainable_only)
-    if tensors:
-        save_file(tensors, os.path.join(tmp, f"model-ep{ep_rank:05d}-r{rank:05d}.safetensors"))
-    torch.save(rank_state, os.path.join(tmp, f"state-rank{rank:05d}.pt"))
-    _barrier()
-
+        try:
+            os.makedirs(root, exist_ok=True)
+            for stale in os.listdir(root):  # leftovers of a crashed save
+                if stale.startswith(".tmp-"):
+                    shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = _describe_os_error(e, tmp)
+    error = _first_error(error)
+    sizes: dict[str, int] = {}
+    if error is None:
+        try:
+            sizes = _write_rank_files(tmp, model, rank_state, trainable_only)
+        except OSError as e:
+            error = _describe_os_error(e, tmp)
+        error = _first_error(error)
+    all_sizes = _gather(sizes)
+    if error is None and rank == 0:
+        try:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            _, ep_size, _ = _ep_info()
+            files = {k: v for part in all_sizes for k, v in part.items()}
+            meta = dict(meta, step=step, world_size=world, expert_model_parallel_size=ep_size,
+                        files=dict(sorted(files.items())))
+            _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            if os.path.exists(final):  # re-saving the same step replaces it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+        except OSError as e:
+            error = _describe_os_error(e, tmp)
+    error = _first_error(error)
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        previous = latest_checkpoint(output_dir)
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} failed: {error}; nothing of it was kept, and the "
+            f"previous checkpoint {previous or '(none)'} is intact"
+        )
     if rank == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        meta = dict(meta, step=step, world_size=world, expert_model_parallel_size=ep_size,
-                    files=sorted(os.listdir(tmp)))
-        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        if os.path.exists(final):  # re-saving the same step replaces it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _describe_os_error(e: OSError, where: str) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"disk full (no space left on device) while writing {e.filename or where}: free space or lower training.keep_checkpoints"
+    if e.errno == errno.EDQUOT:
+        return f"disk quota exceeded while writing {e.filename or where}"
+    return f"{e.strerror or e} while writing {e.filename or where}"
+
+
+def _first_error(local: Optional[str]) -> Optional[str]:
+    """The first rank's error, agreed on by every rank (so no rank waits at a barrier alone)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, local)
+    for r, e in enumerate(errors):
+        if e is not None:
+            return e if r == _rank() else f"rank {r}: {e}"
+    return None
+
+
+def _gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -166,8 +262,25 @@ def read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})") from e
+
+
+def verify_files(path: str) -> dict[str, Any]:
+    """Checks that every file meta.json lists is there with its size; returns the meta."""
+    meta = read_meta(path)
+    files = meta.get("files", {})
+    for name, size in files.items():
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            raise CheckpointError(f"{fpath}: missing (the checkpoint lists it); restore it or load an older checkpoint")
+        actual = os.path.getsize(fpath)
+        if actual != size:
+            raise CheckpointError(f"{fpath}: truncated or altered: {actual} bytes, {size} were written")
+    return meta
 
 
 def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
@@ -177,13 +290,19 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     base checkpoint loaded under LoRA) only allows *missing* names.
     """
     path = resolve_checkpoint(path)
+    meta = verify_files(path)
     ep_rank, _, _ = _ep_info()
     available: dict[str, str] = {}
-    for fname in sorted(os.listdir(path)):
+    crcs: dict[str, str] = {}
+    for fname in sorted(meta.get("files") or os.listdir(path)):
         if fname.endswith(".safetensors"):
-            with safe_open(os.path.join(path, fname), framework="pt") as f:
-                for key in f.keys():
-                    available[key] = fname
+            try:
+                with safe_open(os.path.join(path, fname), framework="pt") as f:
+                    crcs.update(f.metadata() or {})
+                    for key in f.keys():
+                        available[key] = fname
+            except Exception as e:  # safetensors raises its own types on a corrupt header
+                raise CheckpointError(f"{os.path.join(path, fname)}: unreadable safetensors file ({e})") from e
     experts = _expert_params(model)
     state = model.state_dict()
     missing = []
@@ -193,7 +312,13 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
         fname = available[key]
         if fname not in handles:
             handles[fname] = safe_open(os.path.join(path, fname), framework="pt")
-        return handles[fname].get_tensor(key)
+        tensor = handles[fname].get_tensor(key)
+        if key in crcs and _crc32(tensor) != crcs[key]:
+            raise CheckpointError(
+                f"{os.path.join(path, fname)}: tensor {key} is corrupt (checksum mismatch); "
+                "load an older checkpoint (training.on_corrupt_checkpoint: previous)"
+            )
+        return tensor
 
     with torch.no_grad():
         for name, tensor in state.items():
@@ -225,7 +350,7 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
 
 def load_rank_state(path: str) -> dict[str, Any]:
     path = resolve_checkpoint(path)
-    meta = read_meta(path)
+    meta = verify_files(path)
     world = dist.get_world_size() if dist.is_initialized() else 1
     _, ep_size, _ = _ep_info()
     if meta["world_size"] != world or meta["expert_model_parallel_size"] != ep_size:
@@ -237,4 +362,12 @@ def load_rank_state(path: str) -> dict[str, Any]:
     state_path = os.path.join(path, f"state-rank{_rank():05d}.pt")
     if not os.path.isfile(state_path):
         raise CheckpointError(f"{state_path}: missing")
-    return torch.load(state_path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(state_path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # never executed: torch's weights_only unpickler refused it
+        raise CheckpointError(
+            f"{state_path}: refused to load: it holds Python objects other than tensors and plain "
+            f"containers, and checkpoints are never unpickled ({e})"
+        ) from e
+    except Exception as e:
+        raise CheckpointError(f"{state_path}: unreadable ({type(e).__name__}: {e})") from e

@@ -38,7 +38,17 @@ def main(mode: str, argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from megatron_moe_hybrid.training.trainer import run
+    from megatron_moe_hybrid.training.trainer import TrainingStopped, run
 
-    run(config, mode)
+    try:
+        run(config, mode)
+    except ConfigError as e:  # found at launch: ranks disagree, or the world size is wrong
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if e.peer_failed:  # do not wait on a process group whose peer is gone
+            sys.stdout.flush()
+            os._exit(1)
+        return 1
     return 0

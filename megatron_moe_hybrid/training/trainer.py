@@ -22,6 +22,14 @@ import torch.distributed as dist
 from megatron_moe_hybrid.config import HybridMoEConfig, save_config
 
 
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (bad steps, save failure, a dead rank); the message says why."""
+
+    def __init__(self, message: str, peer_failed: bool = False):
+        super().__init__(message)
+        self.peer_failed = peer_failed
+
+
 @dataclass
 class RunResult:
     output_dir: str
@@ -42,6 +50,7 @@ def init_distributed(config: HybridMoEConfig) -> None:
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=config.parallel.collective_timeout_s))
+    _check_launch(config)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     p = config.parallel
@@ -51,6 +60,30 @@ def init_distributed(config: HybridMoEConfig) -> None:
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
     )
+
+
+def _check_launch(config: HybridMoEConfig) -> None:
+    """Before any allocation: the launch matches the config, and every rank has the same one."""
+    from megatron_moe_hybrid.config import ConfigError
+    from megatron_moe_hybrid.parallel.health import check_same_config
+
+    world = dist.get_world_size()
+    p = config.parallel
+    if p.world_size is not None and p.world_size != world:
+        raise ConfigError(
+            "parallel.world_size",
+            f"is {p.world_size} but {world} processes were launched; launch {p.world_size} "
+            "(torchrun --nproc-per-node) or leave parallel.world_size unset",
+        )
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    if world % (mp * p.expert_model_parallel_size):
+        raise ConfigError(
+            "parallel.expert_model_parallel_size",
+            f"{world} processes are not divisible by TP x EP x PP x CP = {mp * p.expert_model_parallel_size}",
+        )
+    mismatch = check_same_config(config.to_dict())
+    if mismatch is not None:
+        raise ConfigError(*mismatch.split(": ", 1))
 
 
 def _copy_atomic(src: str, dst: str) -> None:
@@ -92,6 +125,7 @@ class Trainer:
 
         self.config, self.mode = config, mode
         t = config.training
+        torch.use_deterministic_algorithms(t.deterministic)
         self.rank = dist.get_rank()
         self.groups = ParallelGroups.from_parallel_state()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -139,28 +173,47 @@ class Trainer:
         self.step = 0
         self.consecutive_bad = 0
         self.skipped = 0
+        self.bad_steps: list[tuple[int, Optional[str]]] = []
+        from megatron_moe_hybrid.parallel.health import NonFiniteTracker
+
+        self.tracker = NonFiniteTracker(self.model)
+        self.last_checkpoint: Optional[str] = None
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
-        resume = self.config.training.resume
-        path = None
-        if resume == "auto":
-            path = ckpt.latest_checkpoint(self.output_dir)
-        elif resume != "none":
-            path = resume
-        if path is None:
+        t = self.config.training
+        if t.resume == "none":
             return
+        candidates = (
+            list(reversed(ckpt.list_checkpoints(self.output_dir))) if t.resume == "auto" else [t.resume]
+        )
+        if t.on_corrupt_checkpoint == "error":
+            candidates = candidates[:1]
+        for i, path in enumerate(candidates):
+            try:
+                self._load(path)
+            except ckpt.CheckpointError as e:
+                if i + 1 < len(candidates):
+                    _print0(f"warning: {e}; falling back to {candidates[i + 1]} (training.on_corrupt_checkpoint: previous)")
+                    continue
+                raise
+            _print0(f"resumed from {path} at step {self.step}")
+            self.last_checkpoint = path
+            if self.rank == 0:  # drop metrics of steps after the checkpoint
+                self._truncate_metrics(self.step)
+            return
+
+    def _load(self, path: str) -> None:
+        from megatron_moe_hybrid.training import checkpoint as ckpt
+
+        state = ckpt.load_rank_state(path)  # checks the layout before touching the model
         ckpt.load_model_weights(path, self.model)
-        state = ckpt.load_rank_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         torch.set_rng_state(state["rng"])
-        _print0(f"resumed from {path} at step {self.step}")
-        if self.rank == 0:  # drop metrics of steps after the checkpoint
-            self._truncate_metrics(self.step)
 
     def _metrics_path(self) -> str:
         return os.path.join(self.output_dir, "metrics.jsonl")
@@ -216,6 +269,7 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.tracker.reset()
         # Auxiliary losses (MoE balancing, indexer KL) are averaged over micro-batches like
         # the LM loss, so the gradient does not depend on how the batch is split.
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro))
@@ -239,9 +293,10 @@ class Trainer:
             self.optimizer.step()
             self.consecutive_bad = 0
         else:
-            self.skipped += 1
-            self.consecutive_bad += 1
+            self._bad_step(loss_value, grad_norm)
         metrics = {"step": self.step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        if not finite:
+            metrics["bad_step"] = True
         metrics.update(self._moe_stats())
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = t.global_batch_size * t.seq_length / elapsed
@@ -249,7 +304,31 @@ class Trainer:
         self.step += 1
         return metrics
 
-    def save(self) -> str:
+    def _bad_step(self, loss_value: float, grad_norm: float) -> None:
+        """Skips the update; stops the run after max_consecutive_bad_steps in a row."""
+        self.skipped += 1
+        self.consecutive_bad += 1
+        first = self.tracker.first_bad()
+        names: list = [None] * dist.get_world_size()
+        dist.all_gather_object(names, first)
+        where = next((f"{n} (on rank {r})" for r, n in enumerate(names) if n is not None), None)
+        self.bad_steps.append((self.step + 1, where))
+        _print0(
+            f"warning: step {self.step + 1} skipped: loss {loss_value}, gradient norm {grad_norm}"
+            + (f"; first non-finite gradient in {where}" if where else "")
+        )
+        limit = self.config.training.max_consecutive_bad_steps
+        if self.consecutive_bad >= limit:
+            first_step, first_where = self.bad_steps[-self.consecutive_bad]
+            raise TrainingStopped(
+                f"training stopped: {self.consecutive_bad} steps in a row ({first_step}-{self.step + 1}) "
+                f"had a non-finite loss or gradient (training.max_consecutive_bad_steps={limit}); "
+                f"at step {first_step} the first non-finite gradient in backward order was in "
+                f"{first_where or 'no parameter (the loss itself was not finite)'}; "
+                f"last good checkpoint: {self.last_checkpoint or '(none)'}"
+            )
+
+    def save(self) -> Optional[str]:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
         state = {
@@ -259,9 +338,17 @@ class Trainer:
             "rng": torch.get_rng_state(),
         }
         meta = {"mode": self.mode, "config": self.config.to_dict()}
-        return ckpt.save_checkpoint(
-            self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints
-        )
+        try:
+            path = ckpt.save_checkpoint(
+                self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints
+            )
+        except ckpt.CheckpointSaveError as e:
+            if self.config.training.on_save_error == "stop":
+                raise TrainingStopped(f"training stopped at step {self.step}: {e} (training.on_save_error: stop)") from e
+            _print0(f"warning: {e}; training continues (training.on_save_error: continue)")
+            return None
+        self.last_checkpoint = path
+        return path
 
     def save_adapter(self) -> str:
         """Gathers every rank's adapter tensors to rank 0: adapter/adapter_model.safetensors."""
@@ -304,6 +391,9 @@ class Trainer:
         stop_at = t.train_steps
         if t.exit_after_steps:
             stop_at = min(t.train_steps, self.step + t.exit_after_steps)
+        from megatron_moe_hybrid.parallel.health import Heartbeat
+
+        heartbeat = Heartbeat().start()
         try:
             while self.step < stop_at:
                 m = self.train_step()
@@ -319,7 +409,22 @@ class Trainer:
             result.checkpoint = self.save()
             if self.mode == "finetune" and self.step >= t.train_steps:
                 result.adapter_dir = self.save_adapter()
+        except TrainingStopped:
+            raise
+        except Exception as e:
+            if dist.get_world_size() == 1:
+                raise
+            dead, note = heartbeat.dead_ranks()
+            if not dead:
+                raise
+            raise TrainingStopped(
+                f"rank {self.rank}: rank {', '.join(map(str, dead))} failed during step {self.step + 1} "
+                f"({note}; the collective reported: {str(e).splitlines()[0][:200]}); last good "
+                f"checkpoint: {self.last_checkpoint or '(none)'}; restart the job to resume from it",
+                peer_failed=True,
+            ) from e
         finally:
+            heartbeat.stop()
             if bar is not None:
                 bar.close()
             if metrics_file is not None:
@@ -343,7 +448,9 @@ def loss_curve_text(losses: list, rows: int = 10) -> str:
 
 
 def run(config: HybridMoEConfig, mode: str) -> RunResult:
+    """Trains; raises ConfigError (bad launch) or TrainingStopped (the message says why)."""
     init_distributed(config)
+    peer_failed = False
     try:
         trainer = Trainer(config, mode)
         result = trainer.fit()
@@ -358,10 +465,15 @@ def run(config: HybridMoEConfig, mode: str) -> RunResult:
         if result.adapter_dir:
             _print0(f"adapter saved to: {result.adapter_dir}")
         return result
+    except TrainingStopped as e:
+        peer_failed = e.peer_failed
+        raise
     finally:
         from megatron.core import parallel_state as ps
 
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # After a peer died, collectives (and group teardown) could block: leave them.
+        if not peer_failed:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()

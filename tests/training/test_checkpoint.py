@@ -1,7 +1,6 @@
 """Checkpoints: atomic directories, no pickle on load, global expert names."""
 
 import os
-import pickle
 
 import pytest
 import torch
@@ -80,16 +79,34 @@ def test_keep_prunes_old_checkpoints(tmp_path):
 
 
 class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
     def __reduce__(self):
-        return (os.system, ("echo pwned",))
+        return (os.mkdir, (self.marker,))
+
+
+def _resize_meta(path):
+    """Records the files' current sizes, as a checkpoint written by another program would."""
+    import json
+
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["files"] = {name: os.path.getsize(os.path.join(path, name)) for name in meta["files"]}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
 
 
 def test_state_is_never_unpickled(tmp_path):
     model = build(0)
     path = ckpt.save_checkpoint(str(tmp_path), 1, model, {"step": 1}, {})
-    torch.save({"step": 1, "payload": _Evil()}, os.path.join(path, "state-rank00000.pt"))
-    with pytest.raises(pickle.UnpicklingError):
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "payload": _Evil(str(marker))}, os.path.join(path, "state-rank00000.pt"))
+    _resize_meta(path)
+    with pytest.raises(ckpt.CheckpointError, match="state-rank00000.pt: refused"):
         ckpt.load_rank_state(path)
+    assert not marker.exists()
 
 
 def test_wrong_shape_names_the_tensor(tmp_path):
@@ -101,6 +118,7 @@ def test_wrong_shape_names_the_tensor(tmp_path):
     tensors = load_file(os.path.join(path, fname))
     tensors["output_layer.weight"] = tensors["output_layer.weight"][:-1].contiguous()
     save_file(tensors, os.path.join(path, fname))
+    _resize_meta(path)
     with pytest.raises(ckpt.CheckpointError, match="output_layer.weight"):
         ckpt.load_model_weights(path, model)
 
