@@ -9,6 +9,12 @@ Indexing is stateless: sample i is a pure function of (corpus, tokenizer, seq_le
 seed, i), so the data position of a run is just the number of samples consumed and a
 resumed run sees exactly the samples it would have seen.
 
+Files: a .jsonl file holds one JSON object per line, its `text_field` is one document;
+any other file is UTF-8 text whose documents are separated by a blank line; a directory
+is its *.txt and *.jsonl files in sorted order. Bad data (a line that is not UTF-8, not
+JSON, lacks the text field, or a document over `max_document_chars`) raises a ValueError
+naming file and line under `bad_data="error"`, and is dropped and counted under "skip".
+
 Shape legend:
   S  seq_length: tokens per sample (each sample reads S + 1 tokens; labels are shifted by one)
   N  number of samples in a batch
@@ -21,17 +27,29 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import os
+import re
 import sys
 import sysconfig
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 STDLIB = "stdlib"
+BAD_DATA_POLICIES = ("error", "skip")
+STAT_KEYS = ("skipped_bad_json", "skipped_non_utf8", "skipped_too_long", "skipped_missing_field")
+# Part of the file cache key: bump it when load_documents changes what it reads from files.
+_FILES_FORMAT_VERSION = 1
+_DATA_SUFFIXES = (".txt", ".jsonl")
+# json.loads turns an escaped lone surrogate ("\\ud800") into a str that UTF-8 cannot encode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # Part of the stdlib cache key: bump it when stdlib_corpus changes what it extracts.
 _STDLIB_CORPUS_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
@@ -115,38 +133,196 @@ def _stdlib_files(root: Path) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def load_text(data_path: str) -> str:
-    """data_path "stdlib": stdlib_corpus(); a text file: its text; a directory: its *.txt files, sorted, joined by a blank line."""
-    if data_path == STDLIB:
-        return stdlib_corpus()
-    if data_path.startswith(STDLIB + ":"):
-        return stdlib_corpus(subset=data_path[len(STDLIB) + 1 :])
+@dataclass(frozen=True)
+class _TextOptions:
+    """How files are read; part of their cache keys because each changes the text."""
+
+    bad_data: str = "error"
+    text_field: str = "text"
+    max_document_chars: int | None = None
+
+    def __post_init__(self):
+        if self.bad_data not in BAD_DATA_POLICIES:
+            raise ValueError(f"training.bad_data: {self.bad_data!r} is not a policy; use 'error' or 'skip'")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"training.text_field: {self.text_field!r} must be a non-empty JSON key, e.g. 'text'")
+        limit = self.max_document_chars
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(
+                f"training.max_document_chars: {self.max_document_chars!r} must be a positive int, or None for no limit"
+            )
+
+
+def load_documents(
+    data_path: str, *, bad_data: str = "error", text_field: str = "text", max_document_chars: int | None = None
+) -> tuple[list[str], dict[str, int]]:
+    """(documents, counts of skipped lines by STAT_KEYS) of data_path.
+
+    "stdlib" is generated, trusted text: its documents are the blank-line-separated
+    paragraphs of stdlib_corpus() and the bad-data options do not apply to it.
+    A non-UTF-8 line is dropped on its own (in a .txt file the rest of its document stays).
+    """
+    opts = _TextOptions(bad_data, text_field, max_document_chars)
+    stats = dict.fromkeys(STAT_KEYS, 0)
+    if data_path == STDLIB or data_path.startswith(STDLIB + ":"):
+        return _stdlib_text(data_path).split(_DOC_SEP), stats
+    docs: list[str] = []
+    files = _data_files(data_path)
+    num_empty = 0
+    for path in files:
+        raw = path.read_bytes()
+        if not raw.strip():
+            num_empty += 1  # an error only when every file is empty
+            continue
+        before = dict(stats)
+        read = _jsonl_documents if path.suffix == ".jsonl" else _text_documents
+        docs.extend(read(path, raw, opts, stats))
+        skipped = {k: stats[k] - before[k] for k in STAT_KEYS if stats[k] != before[k]}
+        if skipped:
+            logger.warning("training.data_path: skipped lines of %s: %s (bad_data: error names each)", path, skipped)
+    if num_empty == len(files):
+        if Path(data_path).is_file():
+            raise ValueError(f"training.data_path: file {data_path!r} is empty; point it at text data")
+        raise ValueError(
+            f"training.data_path: directory {data_path!r} holds only empty files "
+            f"({', '.join(f.name for f in files)}); point it at text data"
+        )
+    if not any(doc.strip() for doc in docs):
+        raise ValueError(
+            f"training.data_path: {data_path!r} has no text left after skipping bad data ({stats}); "
+            "fix the data, or check training.text_field and training.max_document_chars"
+        )
+    return docs, stats
+
+
+def load_text(
+    data_path: str, *, bad_data: str = "error", text_field: str = "text", max_document_chars: int | None = None
+) -> str:
+    """The documents of load_documents joined by a blank line: for a .txt file its text, minus skipped lines."""
+    docs, _ = load_documents(data_path, bad_data=bad_data, text_field=text_field, max_document_chars=max_document_chars)
+    return _DOC_SEP.join(docs)
+
+
+def _stdlib_text(data_path: str) -> str:
+    return stdlib_corpus() if data_path == STDLIB else stdlib_corpus(subset=data_path[len(STDLIB) + 1 :])
+
+
+def _data_files(data_path: str) -> list[Path]:
     path = Path(data_path)
     if not path.exists():
         raise ValueError(
             f"training.data_path: {data_path!r} does not exist; "
-            f"use '{STDLIB}' for the built-in corpus or a .txt file/dir"
+            f"use '{STDLIB}' for the built-in corpus or a .txt/.jsonl file or a directory of them"
         )
     if path.is_file():
-        return path.read_text(encoding="utf-8")
-    files = sorted(path.rglob("*.txt"))
+        return [path]
+    files = sorted(f for f in path.rglob("*") if f.suffix in _DATA_SUFFIXES and f.is_file())
     if not files:
-        raise ValueError(f"training.data_path: directory {data_path!r} holds no .txt files; add some or use '{STDLIB}'")
-    return _DOC_SEP.join(f.read_text(encoding="utf-8") for f in files)
+        raise ValueError(
+            f"training.data_path: directory {data_path!r} holds no .txt or .jsonl files; add some or use '{STDLIB}'"
+        )
+    return files
+
+
+def _bad(opts: _TextOptions, stats: dict[str, int], key: str, message: str) -> None:
+    if opts.bad_data == "error":
+        raise ValueError(f"training.data_path: {message}; or set training.bad_data: skip to drop and count such lines")
+    stats[key] += 1
+
+
+def _over_limit(opts: _TextOptions) -> str:
+    return f"more than training.max_document_chars={opts.max_document_chars}; split it or raise the limit"
+
+
+def _utf8_lines(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line without its newline) of every line that decodes."""
+    offset = 0  # of the line's first byte in the file
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            yield number, line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad = offset + err.start
+            problem = f"byte offset {bad} ({raw[bad : bad + 4]!r}...) is not UTF-8"
+            _bad(opts, stats, "skipped_non_utf8", f"{path}:{number}: {problem}; re-encode the file as UTF-8")
+        offset += len(line) + 1
+
+
+def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "\n".join(line for _, line in _utf8_lines(path, raw, opts, stats))
+    docs = text.split(_DOC_SEP)
+    if opts.max_document_chars is None:
+        return docs
+    kept, offset = [], 0
+    for doc in docs:
+        if len(doc) <= opts.max_document_chars:
+            kept.append(doc)
+        else:
+            # Under "error" no line was dropped before, so the offset counts lines of the file.
+            line = text.count("\n", 0, offset) + 1
+            problem = f"the document starting here has {len(doc)} characters, {_over_limit(opts)}"
+            _bad(opts, stats, "skipped_too_long", f"{path}:{line}: {problem}")
+        offset += len(doc) + len(_DOC_SEP)
+    return kept
+
+
+def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
+    docs = []
+    field = opts.text_field
+    for number, line in _utf8_lines(path, raw, opts, stats):
+        if not line.strip():
+            continue  # blank lines, e.g. a trailing newline, are no records
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            problem = f"not valid JSON ({err.msg} at column {err.colno})"
+            _bad(opts, stats, "skipped_bad_json", f"{where}: {problem}; write one JSON object per line")
+            continue
+        if not isinstance(record, dict):
+            fix = f"write one object per line, e.g. {{{json.dumps(field)}: \"...\"}}"
+            _bad(opts, stats, "skipped_bad_json", f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
+            continue
+        doc = record.get(field)
+        if not isinstance(doc, str):
+            found = "has no field" if doc is None else f"has a {type(doc).__name__}, not a string, in field"
+            problem = f"the record {found} {field!r} (its keys: {sorted(record)[:8]})"
+            _bad(opts, stats, "skipped_missing_field", f"{where}: {problem}; set training.text_field to the text's key")
+            continue
+        surrogate = _SURROGATE.search(doc)
+        if surrogate:
+            problem = f"the text holds the lone surrogate escape \\u{ord(surrogate.group()):04x}, which is not UTF-8"
+            _bad(opts, stats, "skipped_non_utf8", f"{where}: {problem}; fix the escape")
+            continue
+        if opts.max_document_chars is not None and len(doc) > opts.max_document_chars:
+            problem = f"the document has {len(doc)} characters, {_over_limit(opts)}"
+            _bad(opts, stats, "skipped_too_long", f"{where}: {problem}")
+            continue
+        docs.append(doc)
+    return docs
 
 
 def _sha256(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def _text_key(data_path: str) -> str:
-    """A hash that changes whenever load_text(data_path) would.
+def _text_key(data_path: str, opts: _TextOptions) -> str:
+    """A hash that changes whenever load_documents(data_path, **opts) would.
 
-    The stdlib corpus is keyed by its source files' stats instead of its text, so that
-    warm caches spare every rank the multi-second parse.
+    Files are keyed by their bytes (not the parsed text, so that skip counts cached under
+    a key belong to it); the stdlib corpus by its source files' stats, so that warm
+    caches spare every rank the multi-second parse.
     """
     if data_path != STDLIB and not data_path.startswith(STDLIB + ":"):
-        return _sha256(load_text(data_path))
+        root = Path(data_path)
+        digests = []
+        for path in _data_files(data_path):
+            name = path.relative_to(root).as_posix() if root.is_dir() else path.name  # the suffix picks the format
+            with open(path, "rb") as f:
+                digests.append((name, hashlib.file_digest(f, "sha256").hexdigest()))
+        return _sha256(json.dumps([_FILES_FORMAT_VERSION, asdict(opts), digests]))
     root = stdlib_root(data_path[len(STDLIB) + 1 :])
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in _stdlib_files(root)]
     return _sha256(json.dumps([_STDLIB_CORPUS_VERSION, sys.version, str(root), stats]))
@@ -204,19 +380,29 @@ class Tokenizer:
         return self._sp.decode(ids)
 
 
-def get_tokenizer(data_path: str, vocab_size: int, cache_dir: str | os.PathLike) -> Tokenizer:
-    """The BPE tokenizer of data_path's text, trained on first use and then loaded from cache_dir."""
+def get_tokenizer(
+    data_path: str,
+    vocab_size: int,
+    cache_dir: str | os.PathLike,
+    *,
+    bad_data: str = "error",
+    text_field: str = "text",
+    max_document_chars: int | None = None,
+) -> Tokenizer:
+    """The BPE tokenizer of data_path's text (read as load_text reads it), trained on first
+    use and then loaded from cache_dir."""
+    opts = _TextOptions(bad_data, text_field, max_document_chars)
     if vocab_size < _MIN_VOCAB:
         raise ValueError(
             f"model vocab size: {vocab_size} is too small; byte_fallback needs 256 byte pieces "
             f"+ 4 specials, so use at least {_MIN_VOCAB} (512 or more in practice)"
         )
     options = {"spm": _SPM_OPTIONS, "max_train_sentences": _MAX_TRAIN_SENTENCES}
-    key = _sha256(json.dumps({"text": _text_key(data_path), "vocab_size": vocab_size, **options}, sort_keys=True))
+    key = _sha256(json.dumps({"text": _text_key(data_path, opts), "vocab_size": vocab_size, **options}, sort_keys=True))
     model_path = Path(cache_dir) / f"spm-bpe-v{vocab_size}-{key[:16]}.model"
     with _locked(model_path):
         if not model_path.exists():
-            model_proto = _train_sentencepiece(load_text(data_path), vocab_size)
+            model_proto = _train_sentencepiece(load_text(data_path, **asdict(opts)), vocab_size)
             _atomic_write(model_path, lambda f: f.write(model_proto))
     return Tokenizer(model_path)
 
@@ -248,17 +434,32 @@ def _train_sentencepiece(text: str, vocab_size: int) -> bytes:
 class TokenDataset:
     """The corpus as one token stream cut into num_samples samples of S + 1 tokens.
 
-    Documents (separated by a blank line) are followed by eos_id. get(i) reads sample
+    Documents (those of load_documents) are followed by eos_id. get(i) reads sample
     perm_e[i % num_samples] of epoch e = i // num_samples, where perm_e is a permutation
     seeded by (seed, e): every index is valid and the order is deterministic.
+    data_stats counts the lines skipped under bad_data="skip" (keys STAT_KEYS), also
+    when the tokens come from the cache.
     """
 
-    def __init__(self, data_path: str, tokenizer: Tokenizer, seq_length: int, cache_dir: str | os.PathLike, seed: int):
+    def __init__(
+        self,
+        data_path: str,
+        tokenizer: Tokenizer,
+        seq_length: int,
+        cache_dir: str | os.PathLike,
+        seed: int,
+        *,
+        bad_data: str = "error",
+        text_field: str = "text",
+        max_document_chars: int | None = None,
+    ):
         if seq_length < 1:
             raise ValueError(f"training.seq_length must be >= 1, got {seq_length}")
         self.seq_length = seq_length
         self.seed = seed
-        self.tokens = _cached_token_ids(data_path, tokenizer, Path(cache_dir))  # [num_tokens] int32
+        opts = _TextOptions(bad_data, text_field, max_document_chars)
+        # [num_tokens] int32, and the skip counts by STAT_KEYS
+        self.tokens, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
         self.num_samples = (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(
@@ -287,19 +488,24 @@ class TokenDataset:
         return window[:-1], window[1:]
 
 
-def _cached_token_ids(data_path: str, tokenizer: Tokenizer, cache_dir: Path) -> np.ndarray:
-    key = _sha256(f"{_text_key(data_path)}-{tokenizer.sha256}")
+def _cached_token_ids(
+    data_path: str, tokenizer: Tokenizer, cache_dir: Path, opts: _TextOptions
+) -> tuple[np.ndarray, dict[str, int]]:
+    key = _sha256(f"{_text_key(data_path, opts)}-{tokenizer.sha256}")
     ids_path = cache_dir / f"tokens-{key[:16]}.npy"
+    stats_path = cache_dir / f"tokens-{key[:16]}.stats.json"  # the skip counts of the text behind ids_path
     with _locked(ids_path):
-        if not ids_path.exists():
-            docs = [doc for doc in load_text(data_path).split(_DOC_SEP) if doc.strip()]
+        if not (ids_path.exists() and stats_path.exists()):
+            docs, stats = load_documents(data_path, **asdict(opts))
             ids: list[int] = []
-            for doc_ids in tokenizer.encode_batch(docs):
+            for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
                 ids.extend(doc_ids)
                 ids.append(tokenizer.eos_id)
             array = np.asarray(ids, dtype=np.int32)  # [num_tokens]
+            _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
             _atomic_write(ids_path, lambda f: np.save(f, array))
-    return np.load(ids_path, mmap_mode="r")
+        stats = json.loads(stats_path.read_text())
+    return np.load(ids_path, mmap_mode="r"), stats
 
 
 def batch(dataset: TokenDataset, start_sample: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,17 @@
 """Chunked linear + cross-entropy against the naive oracle: forward and both gradients.
 
 Shape legend:
-  N  tokens    D  hidden size    V  vocabulary size    C  chunk size
+  N  tokens    D  hidden size    V  vocabulary size    C  token chunk    U  vocabulary chunk
 """
+
+import math
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_moe_hybrid.ops.cross_entropy import (
     available_backends,
@@ -119,6 +123,107 @@ def test_public_function_dispatches_to_torch_backend():
             torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
+def oracle(hidden, weight, labels, ignore_index=IGNORE, reduction="mean", z_loss_weight=0.0, label_smoothing=0.0):
+    """F.cross_entropy on the full logits plus the z-loss written out: independent of the package."""
+    logits = hidden @ weight.T  # [N, V]
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)  # [N]
+    valid = labels != ignore_index  # [N]
+    loss = loss + z_loss_weight * torch.logsumexp(logits, dim=-1) ** 2 * valid
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)
+
+
+OPTION_CASES = [  # (N, D, V, C, U, z_loss_weight, label_smoothing)
+    (64, 16, 40, 16, 8, 0.0, 0.0),
+    (63, 16, 41, 16, 9, 1e-2, 0.0),
+    (37, 8, 129, 10, 50, 0.0, 0.1),
+    (29, 6, 31, 7, 31, 0.05, 0.2),
+    (5, 3, 7, 1, 1, 0.3, 1.0),
+    (50, 12, 97, 64, 8192, 1e-3, 0.05),
+]
+OPTION_IDS = [f"N{n}-D{d}-V{v}-C{c}-U{u}-z{z}-ls{ls}" for n, d, v, c, u, z, ls in OPTION_CASES]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("num_tokens,hidden_size,vocab_size,chunk_size,vocab_chunk,z_loss,smoothing", OPTION_CASES, ids=OPTION_IDS)
+def test_vocab_chunks_z_loss_smoothing_match_f_cross_entropy(
+    num_tokens, hidden_size, vocab_size, chunk_size, vocab_chunk, z_loss, smoothing, reduction
+):
+    seed = num_tokens * 7 + vocab_size
+    inputs = make_inputs(num_tokens, hidden_size, vocab_size, torch.float64, seed)
+    options = {"z_loss_weight": z_loss, "label_smoothing": smoothing}
+    expected = loss_and_grads(oracle, *inputs, reduction, seed, **options)
+    actual = loss_and_grads(
+        chunked_linear_cross_entropy, *inputs, reduction, seed, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk, **options
+    )
+    for name, a, e in zip(("loss", "grad_hidden", "grad_weight"), actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_frozen_weight_gives_hidden_grad_and_no_weight_work(reduction):
+    num_tokens, hidden_size, vocab_size, chunk_size, vocab_chunk = 41, 8, 53, 9, 10
+    hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, torch.float64, seed=17)
+    options = {"z_loss_weight": 0.01, "label_smoothing": 0.1}
+    upstream = torch.randn(num_tokens if reduction == "none" else (), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    # [U, D]: the weight gradient's products, for the full and the last vocabulary chunk
+    weight_grad_shapes = {(vocab_chunk, hidden_size), (vocab_size % vocab_chunk, hidden_size)}
+
+    def run(weight_trainable):
+        leaves = (hidden.detach().requires_grad_(), weight.detach().requires_grad_(weight_trainable))
+        loss = chunked_linear_cross_entropy(*leaves, labels, reduction=reduction, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk, **options)
+        products = []
+        with TorchDispatchRecorder(products):
+            grads = torch.autograd.grad((loss * upstream).sum(), leaves[: 1 + weight_trainable])
+        return loss, grads[0], leaves[1].grad, set(products)
+
+    loss, grad_hidden, frozen_grad, products = run(weight_trainable=False)
+    hidden_leaf = hidden.detach().requires_grad_()
+    expected = oracle(hidden_leaf, weight, labels, reduction=reduction, **options)
+    (expected_grad,) = torch.autograd.grad((expected * upstream).sum(), (hidden_leaf,))
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_hidden, expected_grad, rtol=1e-12, atol=1e-12)
+    assert frozen_grad is None
+    assert not weight_grad_shapes & products, f"weight-gradient products ran for a frozen weight: {products}"
+    # positive control: the same recorder sees them when the weight trains
+    assert weight_grad_shapes <= run(weight_trainable=True)[3]
+
+
+class TorchDispatchRecorder(TorchDispatchMode):
+    """Records the output shape of every matrix product (mm / addmm / bmm) run inside it."""
+
+    def __init__(self, shapes, all_ops=False):
+        super().__init__()
+        self.shapes, self.all_ops = shapes, all_ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if isinstance(out, torch.Tensor) and (self.all_ops or name in ("mm", "addmm", "bmm", "matmul")):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_no_tensor_reaches_chunk_by_full_vocab():
+    """With vocab_chunk_size < V, no intermediate of forward or backward has C * V elements or more."""
+    num_tokens, hidden_size, vocab_size, chunk_size, vocab_chunk = 40, 4, 101, 16, 10
+    hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, torch.float64, seed=19)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    shapes = []
+    with TorchDispatchRecorder(shapes, all_ops=True):
+        loss = chunked_linear_cross_entropy(
+            hidden, weight, labels, z_loss_weight=0.1, label_smoothing=0.1, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk
+        )
+        torch.autograd.grad(loss, (hidden, weight))
+    assert (chunk_size, vocab_chunk) in shapes, "the logits tile was not seen, so this test checks nothing"
+    largest = max(math.prod(shape) for shape in shapes)
+    assert largest < chunk_size * vocab_size, f"largest intermediate {largest} elements, shapes {sorted(set(shapes))}"
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -126,13 +231,16 @@ def test_public_function_dispatches_to_torch_backend():
         ({"reduction": "avg"}, "reduction"),
         ({"chunk_size": 0}, "chunk_size"),
         ({"vocab_start": 3}, "vocab_start"),
+        ({"vocab_chunk_size": 0}, "vocab_chunk_size"),
+        ({"z_loss_weight": -1.0}, "z_loss_weight"),
+        ({"label_smoothing": 1.5}, "label_smoothing"),
         ({"labels": torch.full((6,), 9)}, "labels"),
         ({"labels": torch.zeros(6, dtype=torch.int32)}, "labels"),
         ({"labels": torch.zeros(5, dtype=torch.int64)}, "labels"),
         ({"weight": torch.randn(9, 5)}, "weight"),
         ({"hidden": torch.randn(6)}, "hidden"),
     ],
-    ids=["backend", "reduction", "chunk_size", "vocab_start", "label-out-of-vocab", "labels-int32", "labels-len", "weight-D", "hidden-1d"],
+    ids=["backend", "reduction", "chunk_size", "vocab_start", "vocab_chunk_size", "z_loss_weight", "label_smoothing", "label-out-of-vocab", "labels-int32", "labels-len", "weight-D", "hidden-1d"],
 )
 def test_bad_input_raises_value_error(kwargs, match):
     args = {"hidden": torch.randn(6, 4), "weight": torch.randn(9, 4), "labels": torch.zeros(6, dtype=torch.int64)}
@@ -142,23 +250,26 @@ def test_bad_input_raises_value_error(kwargs, match):
         linear_cross_entropy(hidden, weight, labels, **args)
 
 
-TP_CASES = [  # (N, D, V, C, reduction, split): split = vocab rows on rank 0, uneven on purpose
-    (33, 8, 37, 8, "mean", 18),
-    (20, 6, 50, 64, "sum", 25),
-    (17, 5, 23, 4, "none", 1),
+TP_CASES = [  # (N, D, V, C, U, reduction, split, z_loss_weight, label_smoothing): split = vocab rows on rank 0, uneven
+    (33, 8, 37, 8, 5, "mean", 18, 0.0, 0.0),
+    (20, 6, 50, 64, 8192, "sum", 25, 0.0, 0.0),
+    (17, 5, 23, 4, 3, "none", 1, 0.0, 0.0),
+    (29, 7, 45, 6, 7, "mean", 20, 0.02, 0.15),
+    (15, 4, 31, 5, 4, "none", 9, 0.1, 0.3),
 ]
 
 
 def _vocab_parallel_worker(rank, world_size, cases):
     group = dist.new_group(list(range(world_size)))
     results = []
-    for index, (num_tokens, hidden_size, vocab_size, chunk_size, reduction, split) in enumerate(cases):
+    for index, (num_tokens, hidden_size, vocab_size, chunk_size, vocab_chunk, reduction, split, z_loss, smoothing) in enumerate(cases):
         hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, torch.float64, seed=index)
         bounds = (0, split, vocab_size)
         shard = weight[bounds[rank] : bounds[rank + 1]]  # [V_rank, D]
         outputs = loss_and_grads(
             linear_cross_entropy, hidden, shard, labels, reduction, index,
-            chunk_size=chunk_size, tp_group=group, vocab_start=bounds[rank],
+            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk, z_loss_weight=z_loss, label_smoothing=smoothing,
+            tp_group=group, vocab_start=bounds[rank],
         )
         # numpy, not tensors: torch's queue shares tensor memory, which dies with the child
         results.append([t.numpy() for t in outputs])
@@ -168,9 +279,11 @@ def _vocab_parallel_worker(rank, world_size, cases):
 @pytest.mark.distributed
 def test_vocab_parallel_matches_single_process():
     per_rank = spawn(_vocab_parallel_worker, 2, TP_CASES)
-    for index, (num_tokens, hidden_size, vocab_size, chunk_size, reduction, split) in enumerate(TP_CASES):
+    for index, (num_tokens, hidden_size, vocab_size, _, _, reduction, _, z_loss, smoothing) in enumerate(TP_CASES):
         inputs = make_inputs(num_tokens, hidden_size, vocab_size, torch.float64, seed=index)
-        loss, grad_hidden, grad_weight = loss_and_grads(naive_linear_cross_entropy, *inputs, reduction, index)
+        loss, grad_hidden, grad_weight = loss_and_grads(
+            oracle, *inputs, reduction, index, z_loss_weight=z_loss, label_smoothing=smoothing
+        )
         for rank in range(2):
             rank_loss, rank_grad_hidden, _ = map(torch.from_numpy, per_rank[rank][index])
             torch.testing.assert_close(rank_loss, loss, rtol=1e-12, atol=1e-12)

@@ -70,8 +70,10 @@ def test_load_text_file_and_sorted_directory(tmp_path):
     (tmp_path / "b.txt").write_text("second", encoding="utf-8")
     (tmp_path / "a.txt").write_text("first", encoding="utf-8")
     (tmp_path / "skip.md").write_text("not text data", encoding="utf-8")
+    (tmp_path / "c.jsonl").write_text('{"text": "third"}\n{"text": "fourth", "id": 4}\n', encoding="utf-8")
     assert load_text(str(tmp_path / "b.txt")) == "second"
-    assert load_text(str(tmp_path)) == "first\n\nsecond"
+    assert load_text(str(tmp_path / "c.jsonl")) == "third\n\nfourth"
+    assert load_text(str(tmp_path)) == "first\n\nsecond\n\nthird\n\nfourth"
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty-dir"])
@@ -150,7 +152,10 @@ def test_two_processes_build_the_same_cache(tmp_path, small_text_file):
     assert tokens0.shape == (4, SEQ)
     assert np.array_equal(tokens0, tokens1) and np.array_equal(labels0, labels1)
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
-    assert len(names) == 2 and names[0].startswith("spm-") and names[1].startswith("tokens-"), names
+    # one tokenizer, one token array and the skip counts beside it (no temporary files left)
+    assert len(names) == 3 and names[0].startswith("spm-"), names
+    key = names[1].removesuffix(".npy")
+    assert key.startswith("tokens-") and names[1:] == [f"{key}.npy", f"{key}.stats.json"], names
     # and the parent, loading what the children cached, agrees
     assert get_tokenizer(str(small_text_file), VOCAB, tmp_path).sha256 == sha0
 

@@ -1,17 +1,26 @@
 """Linear + cross-entropy over a large vocabulary, in plain PyTorch.
 
-loss_n = logsumexp_v(h_n . w_v) - h_n . w_{y_n}, for tokens whose label is not ignore_index.
+Per non-ignored token n with logits z = W h_n, lse_n = logsumexp_v z_v, target y_n,
+smoothing eps over the full vocabulary of size V_total and z-loss weight zw:
 
-naive_linear_cross_entropy is the oracle: it materialises the logits. The chunked
-version never holds more than [chunk_size, V] logits: the forward keeps only the
-per-token logsumexp, and the backward recomputes each chunk's logits, turns them
-into softmax - onehot and accumulates the input and weight gradients in fp32.
+    loss_n = lse_n - (1 - eps) z_y - eps / V_total * sum_v z_v + zw * lse_n^2
+
+which is F.cross_entropy(z, y, label_smoothing=eps) plus zw * lse^2; ignored tokens give 0.
+d loss_n / d z_v = softmax_v * (1 + 2 zw lse_n) - (1 - eps) [v = y] - eps / V_total.
+README.md has the derivation and the vocab-parallel combine.
+
+naive_linear_cross_entropy is the oracle: it materialises the logits.
+chunked_linear_cross_entropy never holds more than [chunk_size, vocab_chunk_size] logits:
+its forward runs an online logsumexp over vocabulary chunks and keeps only lse [N]; its
+backward recomputes each tile, turns it into d loss / d logits and accumulates both
+gradients in the compute dtype. No gradient entry is skipped.
 
 Vocab-parallel (tp_group given): weight is this rank's shard of rows
-[vocab_start, vocab_start + V); max, sum-exp and target logit are all-reduced as in
-Megatron's vocab_parallel_cross_entropy, so the loss is the full-vocab loss on every
-rank. grad_weight is this rank's shard; grad_hidden is all-reduced, i.e. complete, so
-hidden must not also pass through copy_to_tensor_model_parallel_region.
+[vocab_start, vocab_start + V). Only per-token max, sum-exp, target logit and logit sum
+(for smoothing) are all-reduced, as in Megatron's vocab_parallel_cross_entropy, so the
+loss is the full-vocab loss on every rank. grad_weight is this rank's shard; grad_hidden
+is all-reduced, i.e. complete, so hidden must not also pass through
+copy_to_tensor_model_parallel_region.
 
 Logits are computed in fp32 (fp64 inputs stay fp64); the loss is returned in that dtype.
 
@@ -19,6 +28,7 @@ Shape legend:
   N  tokens            D  hidden size
   V  vocabulary rows held by this rank (all of them without tp_group)
   C  tokens in one chunk (chunk_size, the last one shorter)
+  U  vocabulary rows in one chunk (vocab_chunk_size, the last one shorter)
 """
 
 import torch
@@ -32,7 +42,9 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, torch.float32)
 
 
-def _check_inputs(hidden, weight, labels, reduction, chunk_size=1, vocab_start=0) -> None:
+def check_inputs(
+    hidden, weight, labels, reduction, chunk_size=1, vocab_start=0, z_loss_weight=0.0, label_smoothing=0.0, vocab_chunk_size=1
+) -> None:
     if hidden.dim() != 2 or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a float tensor [N, D], got {tuple(hidden.shape)} {hidden.dtype}")
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[1] or not weight.is_floating_point():
@@ -46,11 +58,17 @@ def _check_inputs(hidden, weight, labels, reduction, chunk_size=1, vocab_start=0
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if vocab_chunk_size < 1:
+        raise ValueError(f"vocab_chunk_size must be >= 1, got {vocab_chunk_size}")
     if vocab_start < 0:
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if z_loss_weight < 0:
+        raise ValueError(f"z_loss_weight must be >= 0, got {z_loss_weight}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
 
 
-def _check_labels_in_vocab(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     valid = labels[labels != ignore_index]
     if valid.numel() and (valid.min() < 0 or valid.max() >= vocab_size):
         raise ValueError(
@@ -59,7 +77,7 @@ def _check_labels_in_vocab(labels: torch.Tensor, vocab_size: int, ignore_index: 
         )
 
 
-def _reduce(loss: torch.Tensor, num_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_loss(loss: torch.Tensor, num_valid: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -72,91 +90,136 @@ def naive_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int = -100,
+    z_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """F.cross_entropy(hidden @ weight.T, labels); "mean" over 0 valid tokens gives 0."""
-    _check_inputs(hidden, weight, labels, reduction)
-    _check_labels_in_vocab(labels, weight.shape[0], ignore_index)
+    """F.cross_entropy(hidden @ weight.T, labels, label_smoothing) + z_loss_weight * lse^2.
+
+    "mean" is over non-ignored tokens (as F.cross_entropy) and gives 0 when there are none.
+    """
+    check_inputs(hidden, weight, labels, reduction, z_loss_weight=z_loss_weight, label_smoothing=label_smoothing)
+    check_labels_in_vocab(labels, weight.shape[0], ignore_index)
     dtype = _compute_dtype(hidden)
     logits = hidden.to(dtype) @ weight.to(dtype).T  # [N, V]
-    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")  # [N], 0 where ignored
-    return _reduce(loss, (labels != ignore_index).sum(), reduction)
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)  # [N]
+    valid = labels != ignore_index  # [N]
+    loss = loss + torch.where(valid, z_loss_weight * torch.logsumexp(logits, dim=-1) ** 2, 0.0)
+    return reduce_loss(loss, valid.sum(), reduction)
 
 
-def _all_reduce(tensor: torch.Tensor, op, tp_group) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op, tp_group) -> torch.Tensor:
     if tp_group is not None:
         dist.all_reduce(tensor, op=op, group=tp_group)
     return tensor
 
 
-def _local_targets(labels, vocab_start, vocab_size, ignore_index):
-    """(target row in this shard [N] clamped to be a valid index, whether it is in this shard [N])."""
+def global_vocab_size(vocab_size: int, device, tp_group) -> int:
+    if tp_group is None:
+        return vocab_size  # no device round trip on the single-rank path
+    size = torch.tensor([vocab_size], dtype=torch.int64, device=device)
+    return int(all_reduce(size, dist.ReduceOp.SUM, tp_group).item())
+
+
+def local_targets(labels, vocab_start, vocab_size, ignore_index):
+    """(target row in this shard [N], or -1 where the target lives elsewhere or is ignored)."""
     local = labels - vocab_start
     in_shard = (labels != ignore_index) & (local >= 0) & (local < vocab_size)
-    return torch.where(in_shard, local, 0), in_shard
+    return torch.where(in_shard, local, -1)
+
+
+def combine_stats(row_max, sum_exp, target, logit_sum, tp_group):
+    """This rank's per-token (max, sum-exp under that max, target logit, logit sum) [C] -> full-vocab lse, target, logit sum."""
+    global_max = all_reduce(row_max.clone(), dist.ReduceOp.MAX, tp_group)  # [C]
+    sums = torch.stack([sum_exp * torch.exp(row_max - global_max), target, logit_sum])  # [3, C]
+    sums = all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+    return global_max + torch.log(sums[0]), sums[1], sums[2]
+
+
+def token_loss(lse, target, logit_sum, valid, z_loss_weight, label_smoothing, num_classes):
+    """loss_n from the full-vocab per-token statistics [N]; 0 where ignored."""
+    loss = lse - (1.0 - label_smoothing) * target - (label_smoothing / num_classes) * logit_sum + z_loss_weight * lse**2
+    return torch.where(valid, loss, 0.0)
+
+
+def grad_per_token(grad_loss, valid, reduction, dtype):
+    """d (reduced loss) / d loss_n [N]: zero for ignored tokens."""
+    if reduction == "mean":
+        return valid * (grad_loss.to(dtype) / valid.sum().clamp(min=1))
+    return valid * grad_loss.to(dtype).expand(valid.shape[0])
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_size, tp_group, vocab_start):
+    def forward(ctx, hidden, weight, labels, options):
+        ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, vocab_chunk_size, tp_group, vocab_start = options
         dtype = _compute_dtype(hidden)
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
-        weight_c = weight.to(dtype)  # [V, D]
-        local, in_shard = _local_targets(labels, vocab_start, vocab_size, ignore_index)  # [N], [N]
+        num_classes = global_vocab_size(vocab_size, hidden.device, tp_group)
+        local = local_targets(labels, vocab_start, vocab_size, ignore_index)  # [N]
         lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)  # [N]
-        target = torch.empty(num_tokens, dtype=dtype, device=hidden.device)  # [N]
+        target = torch.empty_like(lse)  # [N]
+        logit_sum = torch.empty_like(lse)  # [N]
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = hidden[rows].to(dtype) @ weight_c.T  # [C, V]
-            row_max = _all_reduce(logits.amax(dim=-1), dist.ReduceOp.MAX, tp_group)  # [C]
-            sum_exp = torch.exp(logits - row_max[:, None]).sum(dim=-1)  # [C]
-            picked = logits.gather(1, local[rows, None]).squeeze(1)  # [C]
-            target_logit = torch.where(in_shard[rows], picked, 0.0)  # [C]: only the owning rank adds it
-            sums = _all_reduce(torch.stack([sum_exp, target_logit]), dist.ReduceOp.SUM, tp_group)  # [2, C]
-            lse[rows] = row_max + torch.log(sums[0])
-            target[rows] = sums[1]
+            hidden_c = hidden[rows].to(dtype)  # [C, D]
+            local_c = local[rows]  # [C]
+            row_max = torch.full_like(local_c, float("-inf"), dtype=dtype)  # [C]
+            sum_exp, target_c, logit_sum_c = (torch.zeros_like(row_max) for _ in range(3))  # [C] each
+            for col in range(0, vocab_size, vocab_chunk_size):
+                weight_u = weight[col : col + vocab_chunk_size].to(dtype)  # [U, D]
+                logits = hidden_c @ weight_u.T  # [C, U]
+                new_max = torch.maximum(row_max, logits.amax(dim=-1))
+                sum_exp = sum_exp * torch.exp(row_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=-1)
+                row_max = new_max
+                hit = (local_c >= col) & (local_c < col + weight_u.shape[0])  # [C]: target in this tile
+                picked = logits.gather(1, torch.where(hit, local_c - col, 0)[:, None]).squeeze(1)
+                target_c = target_c + torch.where(hit, picked, 0.0)
+                logit_sum_c = logit_sum_c + logits.sum(dim=-1)
+            lse[rows], target[rows], logit_sum[rows] = combine_stats(row_max, sum_exp, target_c, logit_sum_c, tp_group)
         valid = labels != ignore_index  # [N]
-        loss = torch.where(valid, lse - target, 0.0)  # [N]
-        num_valid = valid.sum()
+        loss = token_loss(lse, target, logit_sum, valid, z_loss_weight, label_smoothing, num_classes)  # [N]
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.options = (ignore_index, reduction, chunk_size, tp_group, vocab_start)
-        ctx.mark_non_differentiable(labels)
-        return _reduce(loss, num_valid, reduction)
+        ctx.options = options
+        ctx.num_classes = num_classes
+        return reduce_loss(loss, valid.sum(), reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse = ctx.saved_tensors
-        ignore_index, reduction, chunk_size, tp_group, vocab_start = ctx.options
+        ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, vocab_chunk_size, tp_group, vocab_start = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         dtype = lse.dtype
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
-        valid = labels != ignore_index  # [N]
-        # d loss / d loss_n per token [N]: zero for ignored tokens
-        if reduction == "mean":
-            grad_token = valid * (grad_loss.to(dtype) / valid.sum().clamp(min=1))
-        else:
-            grad_token = valid * grad_loss.to(dtype).expand(num_tokens)
-        weight_c = weight.to(dtype)  # [V, D]
-        local, in_shard = _local_targets(labels, vocab_start, vocab_size, ignore_index)  # [N], [N]
+        grad_token = grad_per_token(grad_loss, labels != ignore_index, reduction, dtype)  # [N]
+        # d loss / d z_v = softmax_v * scale_softmax - target_weight [v = y] - uniform, per token [N]
+        scale_softmax = grad_token * (1.0 + 2.0 * z_loss_weight * lse)
+        target_weight = grad_token * (1.0 - label_smoothing)
+        uniform = grad_token * (label_smoothing / ctx.num_classes)
+        local = local_targets(labels, vocab_start, vocab_size, ignore_index)  # [N]
         grad_hidden = torch.zeros_like(hidden, dtype=dtype) if need_hidden else None  # [N, D]
         grad_weight = torch.zeros_like(weight, dtype=dtype) if need_weight else None  # [V, D]
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
             hidden_c = hidden[rows].to(dtype)  # [C, D]
-            # lse is the full-vocab logsumexp, so this is already this shard's part of the softmax
-            grad_logits = torch.exp(hidden_c @ weight_c.T - lse[rows, None])  # [C, V]
-            num_rows = grad_logits.shape[0]
-            grad_logits[torch.arange(num_rows), local[rows]] -= in_shard[rows].to(dtype)
-            grad_logits *= grad_token[rows, None]
-            if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight_c
-            if need_weight:
-                grad_weight += grad_logits.T @ hidden_c
+            local_c = local[rows]  # [C]
+            for col in range(0, vocab_size, vocab_chunk_size):
+                cols = slice(col, col + vocab_chunk_size)
+                weight_u = weight[cols].to(dtype)  # [U, D]
+                # lse is the full-vocab logsumexp, so this is already this shard's part of the softmax
+                grad_logits = torch.exp(hidden_c @ weight_u.T - lse[rows, None]) * scale_softmax[rows, None]  # [C, U]
+                grad_logits -= uniform[rows, None]
+                hit = (local_c >= col) & (local_c < col + weight_u.shape[0])  # [C]
+                grad_logits[hit, (local_c - col)[hit]] -= target_weight[rows][hit]
+                if need_hidden:
+                    grad_hidden[rows] += grad_logits @ weight_u
+                if need_weight:
+                    grad_weight[cols] += grad_logits.T @ hidden_c
         if need_hidden:
-            grad_hidden = _all_reduce(grad_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
+            grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -164,22 +227,25 @@ def chunked_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int = -100,
+    z_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
     reduction: str = "mean",
-    chunk_size: int = 1024,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int = 8192,
 ) -> torch.Tensor:
-    """Same loss as naive_linear_cross_entropy, holding at most [chunk_size, V] logits.
+    """Same loss as naive_linear_cross_entropy, holding at most [chunk_size, vocab_chunk_size] logits.
 
     hidden [N, D], weight [V, D] (this rank's vocab rows from vocab_start when tp_group
     is given), labels [N] int64 (global vocab ids or ignore_index). Returns a scalar, or
-    [N] for reduction="none", in fp32 (fp64 for fp64 inputs).
+    [N] for reduction="none", in fp32 (fp64 for fp64 inputs). A weight with
+    requires_grad=False (frozen, e.g. under LoRA) costs no weight-gradient work.
     """
-    _check_inputs(hidden, weight, labels, reduction, chunk_size, vocab_start)
+    check_inputs(hidden, weight, labels, reduction, chunk_size, vocab_start, z_loss_weight, label_smoothing, vocab_chunk_size)
     if tp_group is None:
         if vocab_start != 0:
             raise ValueError(f"vocab_start={vocab_start} needs tp_group (a vocab shard); pass tp_group or vocab_start=0")
-        _check_labels_in_vocab(labels, weight.shape[0], ignore_index)
-    return ChunkedLinearCrossEntropy.apply(
-        hidden, weight, labels, ignore_index, reduction, chunk_size, tp_group, vocab_start
-    )
+        check_labels_in_vocab(labels, weight.shape[0], ignore_index)
+    options = (ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, vocab_chunk_size, tp_group, vocab_start)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, options)

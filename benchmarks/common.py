@@ -1,0 +1,66 @@
+"""Shared by the benchmarks: CUDA-event timing, peak memory above the inputs, the results JSON.
+
+See ../shared/DESIGN.md ("Benchmark results") for the file format.
+"""
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+
+import torch
+
+
+def time_and_peak(fn, warmup: int, reps: int) -> tuple[float, int]:
+    """(median ms over reps, peak bytes allocated above what was live before the first call)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak
+
+
+def versions(*packages: str) -> dict[str, str]:
+    found = {}
+    for name in ("torch", "triton", "megatron-core", *packages):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GIT_SHA", "unknown")
+
+
+def write_results(path: str, rows: list[dict], packages: tuple[str, ...] = ()) -> None:
+    """Writes the results file (again after every row, so a run cut short keeps what it measured)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "git_sha": git_sha(),
+        "command": "python " + " ".join(sys.argv),
+        "versions": versions(*packages),
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)

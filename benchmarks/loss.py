@@ -1,0 +1,131 @@
+"""Linear + cross-entropy, forward + backward on one GPU: ours against Liger, CCE and naive PyTorch.
+
+    python benchmarks/loss.py [--out benchmarks/results/h200/loss.json] [--quick]
+
+All four run in this process on the same bf16 inputs (16384 x 4096 x 151936 and
+32768 x 7168 x 262144 tokens x hidden x vocabulary), with a trainable and a frozen weight.
+Each reports the median of CUDA-event timed fwd+bwd calls and the peak memory allocated
+above the inputs; the lower bound of that peak is the gradients themselves. Anchors:
+Liger 0.8.5 fused linear cross-entropy, cut-cross-entropy 25.1.1 in exact mode
+(filter_eps=None: no gradient filtering), and logits -> F.cross_entropy in fp32.
+A row whose anchor fails (out of memory, not installed) records why and anchor_ms null.
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from common import time_and_peak, write_results
+
+from megatron_moe_hybrid.ops.cross_entropy import linear_cross_entropy
+
+SHAPES = [(16384, 4096, 151936), (32768, 7168, 262144)]  # (N, D, V)
+TARGET_VS_LIGER = 1 / 0.9  # issue 7: at most 0.9x Liger's time
+
+
+def ours_chunk_size(num_tokens, hidden_size, vocab_size):
+    """A [C, V] bf16 buffer of about the hidden-gradient's size: small next to the gradients, large for cuBLAS."""
+    return min(num_tokens, triton_next_pow2(math.ceil(num_tokens / math.ceil(vocab_size / hidden_size))))
+
+
+def gib(num_bytes):
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.2f} GiB"
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def ours(chunk_size):
+    def fn(hidden, weight, labels):
+        return linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size, backend="triton")
+
+    return fn
+
+
+def liger(hidden, weight, labels):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def cce_exact(hidden, weight, labels):
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    return cce(hidden, weight, labels, filter_eps=None)
+
+
+def naive(hidden, weight, labels):
+    return F.cross_entropy((hidden @ weight.T).float(), labels)
+
+
+def fwd_bwd(impl, hidden, weight, labels):
+    leaves = [t for t in (hidden, weight) if t.requires_grad]
+
+    def step():
+        loss = impl(hidden, weight, labels)
+        torch.autograd.grad(loss, leaves)
+
+    return step
+
+
+def measure(impl, hidden, weight, labels, warmup, reps):
+    try:
+        ms, peak = time_and_peak(fwd_bwd(impl, hidden, weight, labels), warmup, reps)
+        return {"ms": round(ms, 2), "peak": peak, "error": None}
+    except (torch.OutOfMemoryError, ImportError, RuntimeError) as error:
+        torch.cuda.empty_cache()
+        return {"ms": None, "peak": None, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/h200/loss.json")
+    parser.add_argument("--quick", action="store_true", help="first shape only, fewer repeats")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    anchors = [("liger 0.8.5", liger), ("cut-cross-entropy 25.1.1 exact (filter_eps=None)", cce_exact), ("naive torch fp32 CE", naive)]
+    for num_tokens, hidden_size, vocab_size in SHAPES[:1] if args.quick else SHAPES:
+        reps = 10 if num_tokens * vocab_size * hidden_size < 2**44 else 4
+        hidden = (torch.randn(num_tokens, hidden_size, device="cuda") / 2).bfloat16()  # [N, D]
+        weight = (torch.randn(vocab_size, hidden_size, device="cuda") / hidden_size**0.5).bfloat16()  # [V, D]
+        labels = torch.randint(0, vocab_size, (num_tokens,), device="cuda")  # [N]
+        labels[torch.rand(num_tokens, device="cuda") < 0.05] = -100
+        chunk = ours_chunk_size(num_tokens, hidden_size, vocab_size)
+        for trainable in (True, False):
+            hidden.requires_grad_(True)
+            weight.requires_grad_(trainable)
+            shape = f"N{num_tokens}-D{hidden_size}-V{vocab_size}-bf16-{'trainable' if trainable else 'frozen'}"
+            lower_bound = (hidden.numel() + (weight.numel() if trainable else 0)) * 2  # the gradients, bf16
+            flops = (6 if trainable else 4) * num_tokens * vocab_size * hidden_size
+            mine = measure(ours(chunk), hidden, weight, labels, 2, reps)
+            extra = measure(ours(2 * chunk), hidden, weight, labels, 1, reps) if trainable else None
+            for anchor_name, anchor in anchors:
+                theirs = measure(anchor, hidden, weight, labels, 1, reps)
+                speedup = mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3)
+                notes = [f"median of {reps}, CUDA events; ours = backend triton, chunk_size {chunk}"]
+                notes += [f"ours {e}" for e in [mine["error"]] if e] + [f"anchor {e}" for e in [theirs["error"]] if e]
+                if extra is not None:
+                    notes.append(f"ours with chunk_size {2 * chunk}: {extra['ms']} ms, peak {extra['peak']} B")
+                rows.append({
+                    "name": "linear+cross-entropy fwd+bwd", "shape": shape,
+                    "ours_ms": mine["ms"], "anchor": anchor_name, "anchor_ms": theirs["ms"],
+                    "speedup": speedup, "target_speedup": round(TARGET_VS_LIGER, 3) if anchor is liger else None,
+                    "ours_peak_mem_bytes": mine["peak"], "anchor_peak_mem_bytes": theirs["peak"],
+                    "lower_bound_mem_bytes": lower_bound,
+                    "ours_peak_over_lower_bound": mine["peak"] and round(mine["peak"] / lower_bound, 3),
+                    "tflops": mine["ms"] and round(flops / mine["ms"] / 1e9, 1),
+                    "notes": "; ".join(notes),
+                })
+                print(f"{shape:48s} ours {mine['ms']} ms {gib(mine['peak'])} | "
+                      f"{anchor_name[:24]:24s} {theirs['ms']} ms {gib(theirs['peak'])} {theirs['error'] or ''}", flush=True)
+                write_results(args.out, rows, ("liger-kernel", "cut-cross-entropy"))
+        del hidden, weight, labels
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

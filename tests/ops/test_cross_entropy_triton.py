@@ -1,0 +1,189 @@
+"""Triton linear + cross-entropy against the fp64 oracle: forward and both gradients.
+
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before
+the kernels are defined) on small fp32/fp16 shapes; bf16 is left to the `gpu` tests,
+because the interpreter's bf16 loads are wrong on CPU.
+
+Shape legend:
+  N  tokens    D  hidden size    V  vocabulary size    C  token chunk
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from megatron_moe_hybrid.ops.cross_entropy import linear_cross_entropy  # noqa: E402
+from megatron_moe_hybrid.ops.cross_entropy.triton import BLOCK_V, triton_linear_cross_entropy  # noqa: E402
+from megatron_moe_hybrid.testing import spawn  # noqa: E402
+
+IGNORE = -100
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(num_tokens, hidden_size, vocab_size, seed, ignore_frac=0.25, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen, dtype=torch.float64)  # [N, D]
+    weight = torch.randn(vocab_size, hidden_size, generator=gen, dtype=torch.float64) / hidden_size**0.5  # [V, D]
+    labels = torch.randint(0, vocab_size, (num_tokens,), generator=gen)  # [N]
+    labels[torch.rand(num_tokens, generator=gen) < ignore_frac] = IGNORE
+    return hidden.to(device), weight.to(device), labels.to(device)
+
+
+def oracle(hidden, weight, labels, ignore_index=IGNORE, reduction="mean", z_loss_weight=0.0, label_smoothing=0.0):
+    """F.cross_entropy on the full logits plus the z-loss written out."""
+    logits = hidden @ weight.T  # [N, V]
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = labels != ignore_index  # [N]
+    loss = loss + z_loss_weight * torch.logsumexp(logits, dim=-1) ** 2 * valid
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)
+
+
+def loss_and_grads(fn, hidden, weight, labels, reduction, seed, weight_trainable=True, **kwargs):
+    """loss and d(sum(loss * r))/d(hidden[, weight]) for a random upstream gradient r."""
+    hidden = hidden.detach().requires_grad_()
+    weight = weight.detach().requires_grad_(weight_trainable)
+    loss = fn(hidden, weight, labels, ignore_index=IGNORE, reduction=reduction, **kwargs)
+    gen = torch.Generator().manual_seed(seed + 1)
+    upstream = torch.randn(loss.shape, generator=gen, dtype=torch.float64).to(loss.device, loss.dtype)
+    leaves = (hidden, weight) if weight_trainable else (hidden,)
+    return (loss.detach(), *torch.autograd.grad((loss * upstream).sum(), leaves))
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def check_against_oracle(dtype, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed, tolerance,
+                         weight_trainable=True, device=DEVICE, **options):
+    hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed, device=device)
+    truth = loss_and_grads(oracle, hidden, weight, labels, reduction, seed, weight_trainable, **options)
+    got = loss_and_grads(
+        triton_linear_cross_entropy, hidden.to(dtype), weight.to(dtype), labels, reduction, seed, weight_trainable,
+        chunk_size=chunk_size, **options,
+    )
+    assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
+    for name, g, t in zip(("loss", "grad_hidden", "grad_weight"), got, truth):
+        assert torch.isfinite(g).all(), name
+        error = relative_error(g, t)
+        assert error < tolerance, f"{name}: relative error {error:.3g} >= {tolerance}"
+
+
+INTERPRET_CASES = [  # (N, D, V, C, z_loss_weight, label_smoothing)
+    (16, 8, 40, 16, 0.0, 0.0),
+    (37, 16, 53, 8, 1e-2, 0.0),
+    (23, 8, 129, 5, 0.0, 0.1),
+    (9, 4, BLOCK_V + 5, 4, 1e-3, 0.2),  # several column blocks per row, the last one partial
+    (5, 3, 7, 1, 0.3, 1.0),
+]
+INTERPRET_IDS = [f"N{n}-D{d}-V{v}-C{c}-z{z}-ls{ls}" for n, d, v, c, z, ls in INTERPRET_CASES]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("num_tokens,hidden_size,vocab_size,chunk_size,z_loss,smoothing", INTERPRET_CASES, ids=INTERPRET_IDS)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+def test_triton_matches_oracle(dtype, tolerance, num_tokens, hidden_size, vocab_size, chunk_size, z_loss, smoothing, reduction):
+    check_against_oracle(
+        dtype, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed=num_tokens + vocab_size,
+        tolerance=tolerance, z_loss_weight=z_loss, label_smoothing=smoothing,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_frozen_weight(reduction):
+    check_against_oracle(torch.float32, 31, 8, 45, 7, reduction, seed=5, tolerance=1e-5, weight_trainable=False, z_loss_weight=0.01)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_triton_all_ignored_gives_zero(reduction):
+    hidden, weight, labels = make_inputs(11, 8, 17, seed=2, device=DEVICE)
+    labels.fill_(IGNORE)
+    got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, reduction, 2, chunk_size=4)
+    for name, t in zip(("loss", "grad_hidden", "grad_weight"), got):
+        torch.testing.assert_close(t, torch.zeros_like(t), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_backend_triton_is_selectable_and_auto_keeps_torch_on_cpu():
+    hidden, weight, labels = make_inputs(13, 8, 21, seed=4)
+    from megatron_moe_hybrid.ops import cross_entropy
+
+    assert cross_entropy._auto_backend(hidden) == "torch"
+    expected = oracle(hidden, weight, labels, label_smoothing=0.1)
+    got = linear_cross_entropy(hidden.float().to(DEVICE), weight.float().to(DEVICE), labels.to(DEVICE), label_smoothing=0.1,
+                               chunk_size=4, backend="triton")
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        triton_linear_cross_entropy(hidden.float(), weight.half(), labels)
+
+
+def _triton_vocab_parallel_worker(rank, world_size, num_tokens, hidden_size, vocab_size, split):
+    group = dist.new_group(list(range(world_size)))
+    hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
+    bounds = (0, split, vocab_size)
+    outputs = loss_and_grads(
+        triton_linear_cross_entropy, hidden.float(), weight[bounds[rank] : bounds[rank + 1]].float(), labels, "none", 8,
+        chunk_size=6, z_loss_weight=0.01, label_smoothing=0.1, tp_group=group, vocab_start=bounds[rank],
+    )
+    return [t.numpy() for t in outputs]
+
+
+@pytest.mark.distributed
+def test_triton_vocab_parallel_matches_oracle():
+    num_tokens, hidden_size, vocab_size, split = 19, 8, 37, 15
+    per_rank = spawn(_triton_vocab_parallel_worker, 2, num_tokens, hidden_size, vocab_size, split)
+    inputs = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
+    loss, grad_hidden, grad_weight = loss_and_grads(oracle, *inputs, "none", 8, z_loss_weight=0.01, label_smoothing=0.1)
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(per_rank[rank][0]).double(), loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(per_rank[rank][1]).double(), grad_hidden, rtol=1e-5, atol=1e-5)
+    grad_weight_tp = torch.from_numpy(np.concatenate([per_rank[0][2], per_rank[1][2]])).double()  # [V, D]
+    torch.testing.assert_close(grad_weight_tp, grad_weight, rtol=1e-5, atol=1e-5)
+
+
+GPU_CASES = [  # (N, D, V, C, z_loss_weight, label_smoothing)
+    (2048, 512, 50257, 512, 0.0, 0.0),
+    (1999, 256, 32003, 700, 1e-4, 0.1),
+]
+GPU_IDS = [f"N{n}-D{d}-V{v}-C{c}-z{z}-ls{ls}" for n, d, v, c, z, ls in GPU_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_trainable", [True, False], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("num_tokens,hidden_size,vocab_size,chunk_size,z_loss,smoothing", GPU_CASES, ids=GPU_IDS)
+def test_triton_bf16_on_gpu(num_tokens, hidden_size, vocab_size, chunk_size, z_loss, smoothing, reduction, weight_trainable):
+    # bf16 operands: relative errors land between 1e-3 and 1e-2
+    check_against_oracle(
+        torch.bfloat16, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed=num_tokens, tolerance=2e-2,
+        weight_trainable=weight_trainable, device="cuda", z_loss_weight=z_loss, label_smoothing=smoothing,
+    )
+
+
+@pytest.mark.gpu
+def test_triton_gpu_peak_memory_is_gradients_plus_one_chunk():
+    num_tokens, hidden_size, vocab_size, chunk_size = 8192, 1024, 65536, 1024
+    hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed=1, device="cuda")
+    hidden = hidden.bfloat16().requires_grad_()
+    weight = weight.bfloat16().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)  # "auto" must pick triton on CUDA
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    gradients = (hidden.numel() + weight.numel()) * 2
+    chunk = chunk_size * vocab_size * 2
+    assert peak <= gradients + chunk + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB > gradients + one chunk {(gradients + chunk) / 2**20:.0f} MiB"
