@@ -226,7 +226,7 @@ def _first_error(local: Optional[str]) -> Optional[str]:
     dist.all_gather_object(errors, local)
     for r, e in enumerate(errors):
         if e is not None:
-            return e if r == _rank() else f"rank {r}: {e}"
+            return f"rank {r}: {e}"
     return None
 
 

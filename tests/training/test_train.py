@@ -4,48 +4,8 @@ import json
 import os
 
 import pytest
-import yaml
 
 from megatron_moe_hybrid.testing import spawn
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """A small slice of the built-in corpus keeps tokenizer training fast in tests."""
-    from megatron_moe_hybrid.training.data import stdlib_corpus
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(stdlib_corpus(max_bytes=400_000))
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def raw_config(corpus, cache_dir, output_dir, **overrides):
-    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    ov = {
-        "model.vocab_size": 512,
-        "training.data_path": corpus,
-        "training.cache_dir": cache_dir,
-        "training.output_dir": output_dir,
-        "training.seq_length": 32,
-        "training.micro_batch_size": 2,
-        "training.global_batch_size": 4,
-        "training.warmup_steps": 2,
-        "training.save_interval": 0,
-        "training.progress_bar": False,
-        "sparse_attention.topk": 8,
-        "parallel.world_size": 1,
-    }
-    ov.update(overrides)
-    return raw, ov
-
 
 def _train(rank, world_size, raw, overrides, mode="pretrain"):
     from megatron_moe_hybrid.config import config_from_dict
@@ -61,7 +21,7 @@ def read_metrics(output_dir):
 
 
 @pytest.mark.slow
-def test_loss_falls(corpus, cache_dir, tmp_path):
+def test_loss_falls(corpus, cache_dir, tmp_path, raw_config):
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{"training.train_steps": 40})
     (res,) = spawn(_train, 1, raw, ov)
     losses = res["losses"]
@@ -74,7 +34,7 @@ def test_loss_falls(corpus, cache_dir, tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 41))
 
 
-def test_resume_is_bitwise_exact(corpus, cache_dir, tmp_path):
+def test_resume_is_bitwise_exact(corpus, cache_dir, tmp_path, raw_config):
     steps = {"training.train_steps": 20}
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "straight"), **steps)
     (straight,) = spawn(_train, 1, raw, ov)
@@ -94,7 +54,7 @@ def test_resume_is_bitwise_exact(corpus, cache_dir, tmp_path):
 
 
 @pytest.mark.distributed
-def test_ep2_equals_ep1(corpus, cache_dir, tmp_path):
+def test_ep2_equals_ep1(corpus, cache_dir, tmp_path, raw_config):
     steps = {"training.train_steps": 3, "training.warmup_steps": 0}
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "ep1"), **steps)
     (ep1,) = spawn(_train, 1, raw, ov)
@@ -128,7 +88,7 @@ def test_ep2_equals_ep1(corpus, cache_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path):
+def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     import torch
     from safetensors.torch import load_file
 
