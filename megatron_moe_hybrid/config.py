@@ -114,7 +114,10 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", or a .txt file / dir
+    data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", or a .txt/.jsonl file or dir
+    bad_data: str = "error"  # "error": stop naming file and line; "skip": drop the record, count it in metrics
+    text_field: str = "text"  # the JSONL field holding a document
+    max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
     tokenizer_model: Optional[str] = None  # a sentencepiece .model; None: train one on data_path
     output_dir: str = "outputs/run"
     cache_dir: str = ".cache/megatron_moe_hybrid"
@@ -437,6 +440,10 @@ def _validate(c: HybridMoEConfig) -> None:
         f"{t.min_lr} must be within [0, training.lr={t.lr}]",
     )
     _require(bool(t.data_path), "training.data_path", "is empty; use 'stdlib' or a .txt file/dir")
+    _require(t.bad_data in ("error", "skip"), "training.bad_data", f"{t.bad_data!r} is not 'error' or 'skip'")
+    _require(bool(t.text_field), "training.text_field", "is empty; name the JSONL field holding the text")
+    if t.max_document_chars is not None:
+        _positive(t.max_document_chars, "training.max_document_chars")
     if t.data_path.startswith("stdlib:"):
         import sysconfig
 
@@ -450,7 +457,7 @@ def _validate(c: HybridMoEConfig) -> None:
         _require(
             t.data_path == "stdlib" or os.path.exists(t.data_path),
             "training.data_path",
-            f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt file or directory",
+            f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt/.jsonl file or directory",
         )
     if t.tokenizer_model is not None:
         _require(

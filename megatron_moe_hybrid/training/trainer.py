@@ -138,12 +138,15 @@ class Trainer:
         # Rank 0 trains/tokenises first; the others then read the cache.
         for turn in (0, 1):
             if (self.rank == 0) == (turn == 0):
+                data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars)
                 self.tokenizer = (
                     Tokenizer(t.tokenizer_model)
                     if t.tokenizer_model
-                    else get_tokenizer(t.data_path, config.vocab_size, t.cache_dir)
+                    else get_tokenizer(t.data_path, config.vocab_size, t.cache_dir, **data_opts)
                 )
-                self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed)
+                self.dataset = TokenDataset(
+                    t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts
+                )
             if turn == 0:
                 dist.barrier()
         if self.tokenizer.vocab_size > config.vocab_size:
@@ -301,6 +304,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = t.global_batch_size * t.seq_length / elapsed
         metrics["skipped_steps"] = self.skipped
+        metrics.update(self.dataset.data_stats)  # records dropped under training.bad_data: skip
         self.step += 1
         return metrics
 

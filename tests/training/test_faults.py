@@ -399,3 +399,27 @@ def test_deterministic_runs_are_bitwise_equal_with_ep2(corpus, cache_dir, tmp_pa
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert la != lc
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+# 6. Bad data, end to end (the data module's own tests cover each fault) ---------------------
+
+
+def test_bad_jsonl_lines_error_or_are_counted(corpus, cache_dir, tmp_path, raw_config):
+    docs = open(corpus).read().split("\n\n")
+    data = tmp_path / "data.jsonl"
+    lines = [json.dumps({"text": d}) for d in docs[:400]]
+    lines.insert(5, "{not json")
+    lines.insert(9, json.dumps({"body": "no text field"}))
+    data.write_text("\n".join(lines) + "\n")
+    tok = os.path.join(cache_dir, "tok")
+    base = {"training.data_path": str(data), "training.train_steps": 2}
+
+    raw, ov = raw_config(corpus, tok, str(tmp_path / "a"), **base)
+    status, message = spawn(_run_catching, 1, raw, ov)[0]
+    assert status == "ValueError" and f"{data}:6:" in message and "training.bad_data: skip" in message, message
+
+    raw, ov = raw_config(corpus, tok, str(tmp_path / "b"), **base, **{"training.bad_data": "skip"})
+    status, losses = spawn(_run_catching, 1, raw, ov)[0]
+    assert status == "ok", losses
+    last = read_metrics(str(tmp_path / "b"))[-1]
+    assert last["skipped_bad_json"] == 1 and last["skipped_missing_field"] == 1
