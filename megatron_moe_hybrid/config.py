@@ -19,6 +19,7 @@ group, and raises ConfigError (a ValueError) whose message starts with the field
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -94,6 +95,11 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: list = field(default_factory=lambda: ["linear_attention", "sparse_attention", "experts"])
+    target_modules: list = field(default_factory=list)  # optional regexes over module paths, further restricting targets
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    expert_adapter: str = "per_expert"  # "per_expert" | "shared" (one adapter for all local experts)
+    adapters_only_checkpoint: bool = False  # checkpoints hold the adapters alone (the base comes from init_from)
+    base_dtype: str = "float32"  # dtype of the frozen base weights: "float32" | "bfloat16"
 
 
 @dataclass
@@ -110,6 +116,9 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     world_size: Optional[int] = None  # None: from the WORLD_SIZE environment variable (torchrun)
     collective_timeout_s: float = 600.0
+    fsdp: bool = False  # FSDP2 fully_shard: dense modules over data parallel, experts over expert-data parallel
+    fsdp_param_dtype: str = "float32"  # mixed-precision policy: compute dtype of gathered params
+    fsdp_reduce_dtype: str = "float32"  # dtype of gradient reduction
 
 
 @dataclass
@@ -408,6 +417,17 @@ def _validate(c: HybridMoEConfig) -> None:
             0.0 <= lo.dropout < 1.0, "lora.dropout", f"must be within [0, 1), got {lo.dropout}"
         )
         _require(len(lo.targets) > 0, "lora.targets", f"is empty; choose from {', '.join(LORA_TARGETS)}")
+        _require(
+            lo.expert_adapter in ("per_expert", "shared"),
+            "lora.expert_adapter",
+            f"{lo.expert_adapter!r} is not 'per_expert' or 'shared'",
+        )
+        _require(lo.base_dtype in ("float32", "bfloat16"), "lora.base_dtype", f"{lo.base_dtype!r} is not float32 or bfloat16")
+        for pattern in lo.target_modules:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError("lora.target_modules", f"{pattern!r} is not a valid regular expression ({e})") from None
         for t in lo.targets:
             _require(
                 t in LORA_TARGETS,
@@ -430,6 +450,12 @@ def _validate(c: HybridMoEConfig) -> None:
             "parallelism for now",
         )
     _positive(p.collective_timeout_s, "parallel.collective_timeout_s")
+    for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
+        _require(
+            getattr(p, name) in _DTYPES,
+            f"parallel.{name}",
+            f"{getattr(p, name)!r} is not one of {', '.join(_DTYPES)}",
+        )
 
     # training
     t = c.training
