@@ -71,6 +71,15 @@ INVALID = [
     ("wrong-type-int", {"moe.num_experts": "eight"}, 1, "moe.num_experts"),
     ("wrong-type-bool", {"lora.enabled": "yes please"}, 1, "lora.enabled"),
     ("unknown-dtype", {"model.params_dtype": "float8"}, 1, "model.params_dtype"),
+    ("lora-expert-adapter", {"lora.enabled": True, "lora.expert_adapter": "each", "training.init_from": ROOT}, 1, "lora.expert_adapter"),
+    ("lora-bad-regex", {"lora.enabled": True, "lora.target_modules": ["experts("], "training.init_from": ROOT}, 1, "lora.target_modules"),
+    ("fsdp-dtype", {"parallel.fsdp_param_dtype": "fp8"}, 1, "parallel.fsdp_param_dtype"),
+    ("on-save-error", {"training.on_save_error": "retry"}, 1, "training.on_save_error"),
+    ("on-corrupt", {"training.on_corrupt_checkpoint": "skip"}, 1, "training.on_corrupt_checkpoint"),
+    ("bad-data-policy", {"training.bad_data": "ignore"}, 1, "training.bad_data"),
+    ("zero-bad-steps", {"training.max_consecutive_bad_steps": 0}, 1, "training.max_consecutive_bad_steps"),
+    ("unknown-stdlib-package", {"training.data_path": "stdlib:nonexistent_pkg"}, 1, "training.data_path"),
+    ("init-from-without-tokenizer", {"training.init_from": ROOT}, 1, "training.tokenizer_model"),
     ("lora-dropout-one", {"lora.enabled": True, "lora.dropout": 1.0, "training.init_from": ROOT}, 1, "lora.dropout"),
 ]
 
