@@ -8,6 +8,10 @@ Each rank's loss is the mean over its own tokens and the global loss is the mean
 data-parallel ranks, so every gradient is summed over its replicas and divided by the
 data-parallel size. Expert gradients already hold the contributions of every EP rank's
 tokens (the all-to-all brought them), hence the same 1/dp factor.
+
+Under FSDP2 (parallel.fsdp) parameters are DTensors sharded over their mesh: FSDP itself
+reduce-scatters their gradients, so sync_gradients leaves them alone, and the gradient norm
+sums the squares of the local shards over the mesh that shards them.
 """
 
 import math
@@ -21,6 +25,12 @@ from torch.distributed import ProcessGroup
 
 def is_expert_param(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
+
+
+def is_fsdp_param(p: torch.nn.Parameter) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 @dataclass
@@ -61,7 +71,7 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group: Optional[ProcessGroup])
 
 
 def sync_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups) -> None:
-    params = [p for p in params if p.requires_grad]
+    params = [p for p in params if p.requires_grad and not is_fsdp_param(p)]
     for p in params:
         if p.grad is None:  # keep every rank's flat buffer the same length
             p.grad = torch.zeros_like(p)
@@ -75,11 +85,29 @@ def sync_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups)
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], groups: ParallelGroups) -> float:
-    """L2 norm over all gradients of the model, expert shards included (fp32)."""
+    """L2 norm over all gradients of the model, expert shards included (fp32).
+
+    Squared sums by kind: replicated dense (already whole), FSDP-sharded dense (summed over
+    dp), replicated expert (summed over ep: experts differ across EP ranks) and FSDP-sharded
+    expert (summed over expert-dp, then over ep).
+    """
     params = [p for p in params if p.grad is not None]
-    dense_sq = sum((p.grad.float().pow(2).sum() for p in params if not is_expert_param(p)), torch.zeros(()))
-    expert_sq = sum((p.grad.float().pow(2).sum() for p in params if is_expert_param(p)), torch.zeros(()))
-    expert_sq = expert_sq.reshape(1).clone()
+
+    def sq(kind) -> torch.Tensor:
+        grads = [p.grad.to_local() if is_fsdp_param(p) else p.grad for p in params if kind(p)]
+        return sum((g.float().pow(2).sum() for g in grads), torch.zeros(())).reshape(1).clone()
+
+    dense_sq = sq(lambda p: not is_expert_param(p) and not is_fsdp_param(p))
+    expert_sq = sq(lambda p: is_expert_param(p) and not is_fsdp_param(p))
+    if any(is_fsdp_param(p) for p in params):  # the same on every rank: one model structure
+        sharded_dense_sq = sq(lambda p: not is_expert_param(p) and is_fsdp_param(p))
+        sharded_expert_sq = sq(lambda p: is_expert_param(p) and is_fsdp_param(p))
+        if _size(groups.dp) > 1:
+            dist.all_reduce(sharded_dense_sq, group=groups.dp)
+        if _size(groups.expert_dp) > 1:
+            dist.all_reduce(sharded_expert_sq, group=groups.expert_dp)
+        dense_sq += sharded_dense_sq
+        expert_sq += sharded_expert_sq
     if _size(groups.ep) > 1:
         dist.all_reduce(expert_sq, group=groups.ep)
     return math.sqrt(float(dense_sq) + float(expert_sq))

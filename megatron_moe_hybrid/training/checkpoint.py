@@ -11,6 +11,11 @@ All ranks write into `.tmp-step_...`, rank 0 writes meta.json and renames the di
 a checkpoint without meta.json, or a `.tmp-` one, is incomplete and never loaded. Model
 weights load under any expert-parallel size (each rank picks its experts by global id);
 optimizer state needs the layout it was saved with.
+
+Under FSDP2 the model's tensors are DTensors: a save gathers each one whole (a collective
+over the mesh that shards it, so every rank walks the same names in the same order) and
+writes the same global names as an unsharded run; a load cuts this rank's shard out of the
+whole tensor. Checkpoints therefore move freely between FSDP and plain runs.
 """
 
 import errno
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 CKPT_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -72,6 +78,8 @@ def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) 
             continue
         if trainable_only and name not in trainable:
             continue
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         if name in experts:
             if expert_dp_rank != 0:
                 continue
@@ -342,7 +350,10 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
                     f"{available.get(name) or available.get(f'{name}.expert0')}, the model expects "
                     f"{tuple(tensor.shape)}"
                 )
-            tensor.copy_(value.to(tensor.dtype))
+            value = value.to(tensor.dtype)
+            if isinstance(tensor, DTensor):  # every rank read the whole tensor: no scatter needed
+                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.copy_(value)
     if strict and missing:
         raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return missing

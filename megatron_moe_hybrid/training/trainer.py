@@ -2,9 +2,10 @@
 
 One step: for each micro-batch of this data-parallel rank, forward (the chunked loss returns
 [b, s] per-token losses) and backward; then gradients are summed over replicas and divided
-by the data-parallel size (parallel.data_parallel), clipped by the global norm, and AdamW
-steps. Sample i of the run is always the same sequence (the dataset indexes statelessly),
-so the data position is just `step * global_batch_size` and resume is exact.
+by the data-parallel size (parallel.data_parallel; under parallel.fsdp FSDP2 reduce-scatters
+them, parallel.fsdp), clipped by the global norm, and AdamW steps. Sample i of the run is
+always the same sequence (the dataset indexes statelessly), so the data position is just
+`step * global_batch_size` and resume is exact.
 """
 
 import json
@@ -168,6 +169,18 @@ class Trainer:
             self.lora_paths = apply_lora(self.model, lo.targets, lo.rank, lo.alpha, lo.dropout)
             if not self.lora_paths:
                 raise ValueError(f"lora.targets: {lo.targets} matched no module of this model")
+            if lo.base_dtype != "float32":
+                from megatron_moe_hybrid.parallel.fsdp import _dtype
+
+                base_dtype = _dtype(lo.base_dtype, "lora.base_dtype")
+                for p in self.model.parameters():
+                    if not p.requires_grad:  # the frozen base; adapters stay fp32
+                        p.data = p.data.to(base_dtype)
+        if config.parallel.fsdp:
+            from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
+
+            apply_fsdp(self.model, config)
+        # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
@@ -212,11 +225,25 @@ class Trainer:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
         state = ckpt.load_rank_state(path)  # checks the layout before touching the model
-        ckpt.load_model_weights(path, self.model)
+        if self._adapters_only():
+            # The frozen base came from training.init_from; the checkpoint holds the rest.
+            missing = ckpt.load_model_weights(path, self.model, strict=False)
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            if trainable & set(missing):
+                raise ckpt.CheckpointError(f"{path}: missing trainable tensors {sorted(trainable & set(missing))[:5]}")
+        else:
+            ckpt.load_model_weights(path, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.config.parallel.fsdp:
+            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_from_local
+
+            optimizer_state_from_local(self.optimizer)
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         torch.set_rng_state(state["rng"])
+
+    def _adapters_only(self) -> bool:
+        return self.config.lora.enabled and self.config.lora.adapters_only_checkpoint
 
     def _metrics_path(self) -> str:
         return os.path.join(self.output_dir, "metrics.jsonl")
@@ -335,8 +362,13 @@ class Trainer:
     def save(self) -> Optional[str]:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
+        optimizer_state = self.optimizer.state_dict()
+        if self.config.parallel.fsdp:  # DTensors are not weights_only-loadable: keep local shards
+            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
+
+            optimizer_state = optimizer_state_to_local(optimizer_state)
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "step": self.step,
             "skipped": self.skipped,
             "rng": torch.get_rng_state(),
@@ -344,7 +376,8 @@ class Trainer:
         meta = {"mode": self.mode, "config": self.config.to_dict()}
         try:
             path = ckpt.save_checkpoint(
-                self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints
+                self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints,
+                trainable_only=self._adapters_only(),
             )
         except ckpt.CheckpointSaveError as e:
             if self.config.training.on_save_error == "stop":
