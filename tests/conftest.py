@@ -6,6 +6,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# Without a GPU, Triton kernels run in its interpreter. The flag is read when a kernel is
+# decorated, so it must be set before any test module imports one.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests are skipped where no CUDA device exists (CI, developer machines)."""
     try:
