@@ -1,73 +1,285 @@
 """LoRA adapters over a frozen base: linears (Megatron's or torch's) and grouped experts.
 
-Shapes: x [..., in], A [r, in], B [out, r]; experts: A1 [E, h, r], B1 [E, r, 2F],
-A2 [E, F, r], B2 [E, r, h]. B starts at zero, so an adapted model first computes exactly
-what its base does. Adapter tensors are plain (non-expert or expert-sharded) parameters, so
-the data-parallel sync and the checkpoints treat them like any other parameter.
+Shape legend: N rows (tokens), r rank, E experts of this EP rank, h hidden size,
+F expert FFN size, tp tensor-parallel size.
+  linear:            x [..., in], A [r, in], B [out, r], y = base(x) + s * x A^T B^T
+  column-parallel:   A [r, in] replicated, B [out/tp, r] sharded like the base output
+  row-parallel:      A [r, in/tp] sharded like the input, B [out, r] replicated
+  experts (per_expert): A1 [E, r, h], B1 [E, 2F, r], A2 [E, r, F], B2 [E, h, r]
+  experts (shared):     A1 [r, h], B1 [2F, r], A2 [r, F], B2 [h, r]
+s = alpha / r, or alpha / sqrt(r) with rsLoRA. B starts at zero, so an adapted model first
+computes exactly what its base does.
 
-Tensor parallelism is not supported here yet (config validation keeps TP at 1).
+Tensor parallelism adds no collective to the forward or backward of a layer: the adapter of
+a column-parallel linear reads the same copied input and its input gradient joins the base's
+single all-reduce; the adapter of a row-parallel linear adds its partial product before the
+base's single all-reduce. The price is that the replicated factor's gradient (A of a column,
+B of a row) is this rank's partial sum: call allreduce_lora_partial_grads(model) once per
+step, after backward and before clipping (it does nothing at tp = 1).
 """
 
 import math
-from typing import Iterable
+import re
+import zlib
+from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
 _LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+EXPERT_ADAPTERS = ("per_expert", "shared")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def _seed(base_seed: int, path: str) -> int:
+    # A stable per-module seed: adapters do not depend on module order or on the TP/EP layout.
+    return (base_seed + zlib.crc32(path.encode())) % 2**62
+
+
+def _init_a_(a: torch.Tensor, fan_in: int, seed: int) -> None:
+    """PEFT's kaiming_uniform(a=sqrt(5)) bound, 1 / sqrt(fan_in), drawn from its own seed."""
+    bound = 1.0 / math.sqrt(fan_in)
+    with torch.random.fork_rng(devices=[]):  # devices=[] keeps fork_rng off CUDA
+        torch.manual_seed(seed)
+        a.uniform_(-bound, bound)
+
+
+def _tp_info(base: nn.Module) -> tuple[int, int, Optional[dist.ProcessGroup]]:
+    """(tp_rank, tp_size, tp_group) of a Megatron linear; (0, 1, None) for torch's."""
+    group = getattr(base, "tp_group", None)
+    if group is None or not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        return 0, 1, None
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _my_slice_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+# Megatron's gather/scatter mappings allocate on the current CUDA device; these two stay on
+# the input's device, so tensor parallelism also runs on CPU (gloo).
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: all-gather along the last dim; backward: this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_slice_last_dim(grad, ctx.group), None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    """Forward: this rank's slice of the last dim; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_slice_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last_dim(grad, ctx.group), None
 
 
 class LoRALinear(nn.Module):
-    """Wraps a linear; returns what the base returns (a tensor, or Megatron's (out, bias))."""
+    """Wraps a linear; returns what the base returns (a tensor, or Megatron's (out, bias)).
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+    The Megatron forwards are re-implemented around the base weight so the adapter shares
+    the base's communication (see the module docstring). The base computes in its own dtype
+    (bf16 when the frozen base is cast down), the adapter in its own (fp32).
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        rslora: bool = False,
+        seed: int = 0,
+        adapter_dtype: Optional[torch.dtype] = None,
+    ):
         super().__init__()
+        if getattr(base, "sequence_parallel", False) or getattr(base, "explicit_expert_comm", False):
+            raise ValueError(
+                f"base: LoRA does not support sequence-parallel or expert linears ({type(base).__name__}); "
+                "turn sequence_parallel off"
+            )
         self.base = base
-        weight = base.weight  # [out, in]
-        out_features, in_features = weight.shape
-        self.scale = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=weight.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=weight.dtype))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.rank, self.alpha, self.rslora = rank, alpha, rslora
+        self.scale = lora_scale(rank, alpha, rslora)
+        self.merged = False
+        dtype = adapter_dtype or base.weight.dtype
+        out_local, in_local = base.weight.shape  # [out(/tp), in(/tp)]
+        tp_rank, tp, _ = _tp_info(base)
+        self.is_row = isinstance(base, RowParallelLinear)
+        in_full = in_local * tp if self.is_row else in_local
+        a_full = torch.empty(rank, in_full, dtype=dtype)  # [r, in]: every TP rank draws the same
+        _init_a_(a_full, in_full, seed)
+        if self.is_row:  # A sharded like the input: this rank's columns
+            self.lora_A = nn.Parameter(a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local].clone())
+            self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype))
+        else:  # column (or torch) linear: B sharded like the output
+            self.lora_A = nn.Parameter(a_full)
+            self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype))
+        if tp > 1:
+            sharded, replicated, dim = (
+                (self.lora_A, self.lora_B, 1) if self.is_row else (self.lora_B, self.lora_A, 0)
+            )
+            set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+            replicated.lora_tp_partial_grad = True
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @property
     def weight(self):
         return self.base.weight
 
+    def delta_weight(self) -> torch.Tensor:
+        """[out(/tp), in(/tp)] s * B A: this rank's block of the weight delta (merge only)."""
+        return (self.lora_B @ self.lora_A) * self.scale
+
+    def _adapter(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)  # [..., r]
+        return F.linear(u, self.lora_B) * self.scale  # [..., out(/tp)]
+
+    def _base_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        w = self.base.weight
+        return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+
     def forward(self, x, *args, **kwargs):
-        out = self.base(x, *args, **kwargs)
-        delta = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
-        if isinstance(out, tuple):
-            return (out[0] + delta.to(out[0].dtype), *out[1:])
-        return out + delta.to(out.dtype)
+        base = self.base
+        if isinstance(base, ColumnParallelLinear):
+            return self._column_forward(x, *args, **kwargs)
+        if isinstance(base, RowParallelLinear):
+            return self._row_forward(x)
+        out = self._base_linear(x, base.bias)
+        return out if self.merged else out + self._adapter(x).to(out.dtype)
+
+    def _column_forward(self, x, weight=None, runtime_gather_output=None):
+        base = self.base
+        if weight is not None:
+            raise ValueError("weight: a LoRA-wrapped ColumnParallelLinear uses its own weight; pass None")
+        _, tp, group = _tp_info(base)
+        # Identity forward, all-reduce backward: the base's one reduction, now summing the
+        # input gradients of both the base and the adapter.
+        x_par = copy_to_tensor_model_parallel_region(x, group=group) if tp > 1 else x
+        out = self._base_linear(x_par, None if base.skip_bias_add else base.bias)  # [..., out/tp]
+        if not self.merged:
+            out = out + self._adapter(x_par).to(out.dtype)
+        gather = base.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and tp > 1:
+            out = _GatherLastDim.apply(out, group)
+        return out, base.bias if base.skip_bias_add else None
+
+    def _row_forward(self, x):
+        base = self.base
+        _, tp, group = _tp_info(base)
+        x_par = x if base.input_is_parallel or tp == 1 else _ScatterLastDim.apply(x, group)
+        partial = self._base_linear(x_par, None)  # [..., out], this rank's share of the sum
+        if not self.merged:
+            partial = partial + self._adapter(x_par).to(partial.dtype)
+        out = reduce_from_tensor_model_parallel_region(partial, group=group) if tp > 1 else partial
+        if base.skip_bias_add:
+            return out, base.bias
+        return (out + base.bias if base.bias is not None else out), None
+
+    def merge(self) -> None:
+        if not self.merged:
+            with torch.no_grad():
+                self.base.weight += self.delta_weight().to(self.base.weight.dtype)
+            self.merged = True
+
+    def unmerge(self) -> None:
+        if self.merged:
+            with torch.no_grad():
+                self.base.weight -= self.delta_weight().to(self.base.weight.dtype)
+            self.merged = False
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    """x [N, K] grouped by expert, w [E, K, M] (any strides), tokens_per_expert [E] -> [N, M].
+
+    One grouped GEMM (torch._grouped_mm) for bf16 on CUDA; a loop over experts elsewhere.
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == x.dtype and hasattr(torch, "_grouped_mm"):
+        counts = torch.as_tensor(tokens_per_expert, device=x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
+        return torch._grouped_mm(x, w, offs=offs)
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+    parts = [x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts))]  # [N_e, M] each
+    return torch.cat(parts)
 
 
 class LoRAGroupedExperts(nn.Module):
-    """Per-expert adapters on both expert matmuls, computed as low-rank grouped matmuls.
+    """Adapters on both SwiGLU expert matmuls, computed as grouped low-rank matmuls.
 
-    The full weight delta is never formed: each expert's tokens go through x A B.
+    The per-expert weight delta is never formed: each expert's rows go through (x A^T) B^T.
+    per_expert: stacked adapters, sharded by EP like the experts (allreduce=False,
+    num_local_experts). shared: one adapter for every expert, an ordinary dense parameter.
     """
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(
+        self,
+        base: nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        rslora: bool = False,
+        expert_adapter: str = "per_expert",
+        seed: int = 0,
+        adapter_dtype: Optional[torch.dtype] = None,
+    ):
         super().__init__()
+        if expert_adapter not in EXPERT_ADAPTERS:
+            raise ValueError(f"expert_adapter: {expert_adapter!r} is not one of {', '.join(EXPERT_ADAPTERS)}")
         self.base = base
+        self.rank, self.alpha, self.rslora = rank, alpha, rslora
+        self.expert_adapter = expert_adapter
+        self.scale = lora_scale(rank, alpha, rslora)
+        self.merged = False
         w1, w2 = base.weight1, base.weight2  # [E, h, 2F], [E, F, h]
         e, h, f2 = w1.shape
         f = w2.shape[1]
-        self.scale = alpha / rank
-        self.lora_A1 = nn.Parameter(torch.empty(e, h, rank, dtype=w1.dtype))
-        self.lora_B1 = nn.Parameter(torch.zeros(e, rank, f2, dtype=w1.dtype))
-        self.lora_A2 = nn.Parameter(torch.empty(e, f, rank, dtype=w2.dtype))
-        self.lora_B2 = nn.Parameter(torch.zeros(e, rank, h, dtype=w2.dtype))
-        for a, fan_in in ((self.lora_A1, h), (self.lora_A2, f)):
-            nn.init.uniform_(a, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
-        # Adapters are sharded like the experts they adapt.
-        for p in (self.lora_A1, self.lora_B1, self.lora_A2, self.lora_B2):
-            p.allreduce = False
-            p.num_local_experts = e
+        dtype = adapter_dtype or w1.dtype
+        self.per_expert = expert_adapter == "per_expert"
+        lead = (e,) if self.per_expert else ()
+        self.lora_A1 = nn.Parameter(torch.empty(*lead, rank, h, dtype=dtype))
+        self.lora_B1 = nn.Parameter(torch.zeros(*lead, f2, rank, dtype=dtype))
+        self.lora_A2 = nn.Parameter(torch.empty(*lead, rank, f, dtype=dtype))
+        self.lora_B2 = nn.Parameter(torch.zeros(*lead, h, rank, dtype=dtype))
+        offset = getattr(base, "expert_offset", 0)
+        if self.per_expert:
+            # Seeded by global expert index: any EP layout holds the slice of the same full set.
+            for i in range(e):
+                _init_a_(self.lora_A1.data[i], h, seed + 2 * (offset + i))
+                _init_a_(self.lora_A2.data[i], f, seed + 2 * (offset + i) + 1)
+            for p in (self.lora_A1, self.lora_B1, self.lora_A2, self.lora_B2):
+                p.allreduce = False  # Megatron's marker: sharded by EP, skip the dense DP all-reduce
+                p.num_local_experts = e
+        else:
+            _init_a_(self.lora_A1.data, h, seed)
+            _init_a_(self.lora_A2.data, f, seed + 1)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @property
@@ -78,18 +290,64 @@ class LoRAGroupedExperts(nn.Module):
     def weight2(self):
         return self.base.weight2
 
+    @property
+    def num_local_experts(self) -> int:
+        return self.base.weight1.shape[0]
+
+    @property
+    def expert_offset(self) -> int:
+        return getattr(self.base, "expert_offset", 0)
+
+    def _adapter(self, x, a, b, counts) -> torch.Tensor:
+        """x [N, in] -> [N, out]: s * (x A_e^T) B_e^T per expert, or with the one shared A, B."""
+        x = self.dropout(x).to(a.dtype)
+        if not self.per_expert:
+            return F.linear(F.linear(x, a), b) * self.scale
+        u = grouped_matmul(x, a.transpose(1, 2), counts)  # [N, r]
+        return grouped_matmul(u, b.transpose(1, 2), counts) * self.scale  # [N, out]
+
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-        counts = [int(c) for c in tokens_per_expert]
-        outs = []
-        for e, x_e in enumerate(torch.split(x_sorted, counts)):  # x_e [n_e, h]
-            h1 = x_e @ self.base.weight1[e] + (self.dropout(x_e) @ self.lora_A1[e]) @ self.lora_B1[e] * self.scale
-            a, b = h1.chunk(2, dim=-1)
-            act = F.silu(a) * b  # [n_e, F]
-            out = act @ self.base.weight2[e] + (self.dropout(act) @ self.lora_A2[e]) @ self.lora_B2[e] * self.scale
-            outs.append(out)
-        if not outs:
-            return x_sorted.new_zeros(0, self.base.weight2.shape[-1])
-        return torch.cat(outs)
+        """x_sorted [N, h] grouped by local expert, tokens_per_expert [E] -> [N, h]."""
+        w1, w2 = self.base.weight1, self.base.weight2
+        counts = tokens_per_expert
+        if not x_sorted.is_cuda:  # the loop over experts needs host ints; checking them is free here
+            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
+            if len(counts) != w1.shape[0] or sum(counts) != x_sorted.shape[0] or min(counts) < 0:
+                raise ValueError(
+                    f"tokens_per_expert: expected {w1.shape[0]} non-negative counts summing to "
+                    f"N={x_sorted.shape[0]}, got {counts}"
+                )
+        h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
+        if not self.merged:
+            h1 = h1 + self._adapter(x_sorted, self.lora_A1, self.lora_B1, counts).to(h1.dtype)
+        gate, up = h1.chunk(2, dim=-1)  # [N, F] each
+        act = F.silu(gate) * up
+        out = grouped_matmul(act.to(w2.dtype), w2, counts).to(act.dtype)  # [N, h]
+        if not self.merged:
+            out = out + self._adapter(act, self.lora_A2, self.lora_B2, counts).to(out.dtype)
+        return out
+
+    def delta_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """s * (B A)^T in the base layout: [E, h, 2F] and [E, F, h] (merge only)."""
+        d1 = (self.lora_B1 @ self.lora_A1).transpose(-1, -2) * self.scale
+        d2 = (self.lora_B2 @ self.lora_A2).transpose(-1, -2) * self.scale
+        return d1.expand_as(self.base.weight1), d2.expand_as(self.base.weight2)
+
+    def merge(self) -> None:
+        if not self.merged:
+            d1, d2 = self.delta_weights()
+            with torch.no_grad():
+                self.base.weight1 += d1.to(self.base.weight1.dtype)
+                self.base.weight2 += d2.to(self.base.weight2.dtype)
+            self.merged = True
+
+    def unmerge(self) -> None:
+        if self.merged:
+            d1, d2 = self.delta_weights()
+            with torch.no_grad():
+                self.base.weight1 -= d1.to(self.base.weight1.dtype)
+                self.base.weight2 -= d2.to(self.base.weight2.dtype)
+            self.merged = False
 
 
 def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | None:
@@ -109,7 +367,7 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
         if isinstance(parent, LinearAttention):
             return "linear_attention"
         if isinstance(parent, SparseAttention):
-            return "indexer" if "index" in path.lower() else "sparse_attention"
+            return "indexer" if "index" in path.rsplit(".", 1)[-1].lower() else "sparse_attention"
         if isinstance(parent, MoELayer):
             return "shared_expert" if "shared" in path.lower() else None
         if isinstance(parent, MLP):
@@ -117,43 +375,203 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
     return None
 
 
-def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
-    """Freezes the model and wraps the targeted modules in place; returns the wrapped paths."""
-    targets = set(targets)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    found: list[tuple[nn.Module, str, str, nn.Module]] = []
+def _listing(items: Iterable[str], limit: int = 12) -> str:
+    items = list(items)
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def find_lora_targets(
+    model: nn.Module, targets: Iterable[str], target_modules: Iterable[str] = ()
+) -> list[tuple[nn.Module, str, str]]:
+    """(parent, child name, full path) of every module to wrap.
+
+    A module is taken when its group is in `targets` and, if `target_modules` is given, its
+    full path matches one of the regexes (re.fullmatch). A group or a pattern that selects
+    nothing raises ValueError listing what this model has.
+    """
+    from megatron_moe_hybrid.registry import LORA_TARGETS
+
+    targets, patterns = list(targets), list(target_modules)
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"lora.targets: unknown or empty {unknown or targets}; valid: {', '.join(LORA_TARGETS)}")
+    groups: dict[str, list[tuple[nn.Module, str, str]]] = {}
 
     def walk(module: nn.Module, prefix: str, parents: list[nn.Module]):
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            target = _target_of(path, child, parents + [module])
-            if target is not None:
-                if target in targets:
-                    found.append((module, name, path, child))
+            if isinstance(child, (LoRALinear, LoRAGroupedExperts)):
+                raise ValueError(f"model: {path} already has a LoRA adapter; apply_lora once per model")
+            group = _target_of(path, child, parents + [module])
+            if group is not None:
+                groups.setdefault(group, []).append((module, name, path))
                 continue
             walk(child, path, parents + [module])
 
     walk(model, "", [])
-    for parent, name, _, child in found:
-        cls = LoRAGroupedExperts if hasattr(child, "weight1") else LoRALinear
-        setattr(parent, name, cls(child, rank, alpha, dropout))
-    return [path for _, _, path, _ in found]
+    for t in targets:
+        if t not in groups:
+            have = ", ".join(f"{g} (e.g. {m[0][2]})" for g, m in groups.items())
+            raise ValueError(f"lora.targets: {t!r} matches no module of this model; it has: {have}")
+    candidates = [m for t in targets for m in groups[t]]
+    if not patterns:
+        return candidates
+    compiled = []
+    for p in patterns:
+        try:
+            compiled.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"lora.target_modules: {p!r} is not a valid regular expression ({e})") from None
+    for p, rx in zip(patterns, compiled):
+        if not any(rx.fullmatch(path) for _, _, path in candidates):
+            raise ValueError(
+                f"lora.target_modules: {p!r} matches no module path of lora.targets {targets} "
+                f"(patterns must match the whole path); paths: {_listing(c[2] for c in candidates)}"
+            )
+    return [c for c in candidates if any(rx.fullmatch(c[2]) for rx in compiled)]
+
+
+def apply_lora(
+    model: nn.Module,
+    targets: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    *,
+    rslora: bool = False,
+    expert_adapter: str = "per_expert",
+    target_modules: Iterable[str] = (),
+    base_dtype: Optional[str | torch.dtype] = None,
+) -> list[str]:
+    """Freezes the model and wraps the targeted modules in place; returns the wrapped paths.
+
+    base_dtype (e.g. "bfloat16") casts the frozen weights of the wrapped modules; adapters
+    keep the model's parameter dtype. Draws one number from the global RNG (every adapter's
+    init derives from it and its path), so call it with the same RNG state on every rank.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora.rank: must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"lora.alpha: must be > 0, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora.dropout: must be within [0, 1), got {dropout!r}")
+    if expert_adapter not in EXPERT_ADAPTERS:
+        raise ValueError(f"lora.expert_adapter: {expert_adapter!r} is not one of {', '.join(EXPERT_ADAPTERS)}")
+    if isinstance(base_dtype, str):
+        if base_dtype not in _DTYPES:
+            raise ValueError(f"lora.base_dtype: {base_dtype!r} is not one of {', '.join(_DTYPES)}")
+        base_dtype = _DTYPES[base_dtype]
+    found = find_lora_targets(model, targets, target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    base_seed = int(torch.randint(2**62, ()))
+    for parent, name, path in found:
+        child = getattr(parent, name)
+        adapter_dtype = next(child.parameters()).dtype
+        kw = dict(rslora=rslora, seed=_seed(base_seed, path), adapter_dtype=adapter_dtype)
+        if hasattr(child, "weight1"):
+            wrapped = LoRAGroupedExperts(child, rank, alpha, dropout, expert_adapter=expert_adapter, **kw)
+        else:
+            wrapped = LoRALinear(child, rank, alpha, dropout, **kw)
+        if base_dtype is not None:
+            child.to(base_dtype)
+        setattr(parent, name, wrapped)
+    return [path for _, _, path in found]
+
+
+def lora_modules(model: nn.Module):
+    """(path, module) of every LoRA wrapper."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if "lora_" in n}
 
 
-def merge_lora_(model: nn.Module) -> None:
-    """Folds every adapter into its base weight in place and unwraps it."""
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This process's adapters under the trainer's file names: per-expert adapters split as
+    `<param>.expert<g>` with g the global expert index (TP is taken as 1)."""
+    out = {}
+    for path, m in lora_modules(model):
+        for pname, p in m.named_parameters(recurse=False):
+            name = f"{path}.{pname}"
+            if isinstance(m, LoRAGroupedExperts) and m.per_expert:
+                for i in range(p.shape[0]):
+                    out[f"{name}.expert{m.expert_offset + i}"] = p[i].detach().clone()
+            else:
+                out[name] = p.detach().clone()
+    return out
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copies adapter_tensors()-named tensors into the model's adapters; every adapter of the
+    model must be present with its shape (ValueError names what is missing)."""
+    missing, wrong = [], []
     with torch.no_grad():
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, LoRALinear):
-                    child.base.weight += (child.lora_B @ child.lora_A) * child.scale
-                    setattr(module, name, child.base)
-                elif isinstance(child, LoRAGroupedExperts):
-                    child.base.weight1 += torch.bmm(child.lora_A1, child.lora_B1) * child.scale
-                    child.base.weight2 += torch.bmm(child.lora_A2, child.lora_B2) * child.scale
-                    setattr(module, name, child.base)
+        for path, m in lora_modules(model):
+            for pname, p in m.named_parameters(recurse=False):
+                name = f"{path}.{pname}"
+                if isinstance(m, LoRAGroupedExperts) and m.per_expert:
+                    keys = [f"{name}.expert{m.expert_offset + i}" for i in range(p.shape[0])]
+                    if any(k not in tensors for k in keys):
+                        missing.append(keys[0])
+                        continue
+                    src = torch.stack([tensors[k] for k in keys])
+                else:
+                    if name not in tensors:
+                        missing.append(name)
+                        continue
+                    src = tensors[name]
+                if src.shape != p.shape:
+                    wrong.append(f"{name} {tuple(src.shape)} vs {tuple(p.shape)}")
+                    continue
+                p.copy_(src)
+    if missing or wrong:
+        raise ValueError(
+            f"tensors: adapter file does not match the model (same lora.rank, targets and expert_adapter?); "
+            f"missing: {_listing(missing)}; wrong shape: {_listing(wrong)}"
+        )
+
+
+def allreduce_lora_partial_grads(model: nn.Module) -> None:
+    """Sums the partial gradients of replicated TP factors over their TP group, one flat
+    all-reduce per group (nothing at tp = 1). Call once per step after backward."""
+    by_group: dict = {}
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            _, tp, group = _tp_info(m.base)
+            for p in (m.lora_A, m.lora_B):
+                if tp > 1 and getattr(p, "lora_tp_partial_grad", False) and p.grad is not None:
+                    by_group.setdefault(group, []).append(p.grad)
+    for group, grads in by_group.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def merge(model: nn.Module) -> int:
+    """Folds every adapter into its base weight (the wrappers stay and skip their adapter);
+    returns how many were merged. Exact for the forward in eval mode (dropout off)."""
+    mods = [m for _, m in lora_modules(model) if not m.merged]
+    for m in mods:
+        m.merge()
+    return len(mods)
+
+
+def unmerge(model: nn.Module) -> int:
+    """Subtracts what merge() added (to the rounding of the base dtype); returns the count."""
+    mods = [m for _, m in lora_modules(model) if m.merged]
+    for m in mods:
+        m.unmerge()
+    return len(mods)
+
+
+def merge_lora_(model: nn.Module) -> None:
+    """Folds every adapter into its base weight in place and unwraps it (no way back)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (LoRALinear, LoRAGroupedExperts)):
+                child.merge()
+                setattr(module, name, child.base)
