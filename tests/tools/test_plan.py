@@ -1,0 +1,108 @@
+"""tools/plan.py: exact parameter counts, and the flagship's figures."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import yaml
+
+from megatron_moe_hybrid.config import config_from_dict, load_config
+from megatron_moe_hybrid.testing import init_megatron, teardown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(ROOT, "tools", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _load_tool()
+
+VARIANTS = {
+    "tiny": {},
+    "simple-gla-no-conv": {"linear_attention.variant": "simple_gla", "linear_attention.conv_kernel_size": 0},
+    "dense-first-no-shared": {"moe.first_k_dense": 1, "moe.shared_expert_ffn_hidden_size": 0, "model.num_layers": 8},
+    "pattern-LS-layernorm-mha": {"model.pattern": "LS", "model.num_layers": 4, "model.normalization": "LayerNorm",
+                                 "model.num_query_groups": 4, "moe.num_experts": 6, "moe.topk": 3},
+    "all-sparse": {"model.pattern": "S", "model.num_layers": 2, "sparse_attention.index_n_heads": 2},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    init_megatron()
+    yield
+    teardown()
+
+
+@pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_parameter_count_equals_built_model(overrides):
+    from megatron_moe_hybrid.models import build_model
+
+    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, **overrides})
+    torch.manual_seed(0)
+    model = build_model(config)
+    numel = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for p in model.parameters() if hasattr(p, "num_local_experts"))
+    counted = plan.count_parameters(config)
+    assert counted["total"] == numel
+    assert counted["routed_experts"] == experts
+
+
+def test_lora_parameter_count_equals_adapters():
+    from megatron_moe_hybrid.layers.lora import apply_lora
+    from megatron_moe_hybrid.models import build_model
+
+    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1})
+    model = build_model(config)
+    apply_lora(model, ["linear_attention", "sparse_attention", "experts"], 4, 8.0)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.lora_parameters(config, 4) == adapters
+
+
+def flagship(**cluster_overrides):
+    cluster = plan.load_cluster(os.path.join(ROOT, "examples", "clusters", "h200_128.yaml"), cluster_overrides)
+    config = load_config(
+        os.path.join(ROOT, "examples", "configs", "flagship_2p8t.yaml"),
+        {"parallel.world_size": cluster.accelerators},
+    )
+    return config, cluster, plan.plan(config, cluster)
+
+
+def test_flagship_figures():
+    config, _, p = flagship()
+    total = p["parameters"]["total"]
+    assert abs(total - 2.8e12) / 2.8e12 <= 0.03, total
+    assert abs(p["bf16_weights_bytes"] - 5.6e12) / 5.6e12 <= 0.03
+    assert config.moe.num_experts == 896 and config.moe.topk == 16
+    assert config.pattern == "LLLS" and config.sparse_attention.topk == 2048
+    assert config.training.seq_length == 1 << 20
+
+
+def test_flagship_lora_fits_full_needs_offload():
+    _, _, lora = flagship()
+    assert lora["fits"], lora["per_device_bytes"]
+    _, _, full = flagship(training="full")
+    assert not full["fits"] and full["dominant"] == "optimizer"
+    _, _, offloaded = flagship(training="full", offload_optimizer=True)
+    assert offloaded["fits"] and offloaded["fits_host"]
+
+
+def test_cli_reports_and_rejects_bad_cluster(capsys):
+    args = ["--config", os.path.join(ROOT, "examples", "configs", "flagship_2p8t.yaml"),
+            "--cluster", os.path.join(ROOT, "examples", "clusters", "h200_128.yaml")]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2.83T total" in out and "FITS" in out
+    assert plan.main(args + ["--cluster.training", "full"]) == 1
+    assert "DOES NOT FIT: the dominant term is optimizer" in capsys.readouterr().out
+    assert plan.main(args + ["--cluster.accelerators", "100"]) == 2
+    assert "cluster.accelerators" in capsys.readouterr().err

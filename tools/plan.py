@@ -1,0 +1,363 @@
+"""Plan a run before launching it: parameters, memory per device, All-to-All traffic, fit.
+
+    python tools/plan.py --config examples/configs/flagship_2p8t.yaml \
+        --cluster examples/clusters/h200_128.yaml [--cluster.training full] [--json]
+
+The parameter count follows the layers exactly (tests compare it with the built model's
+numel()). Memory is a model of what a rank holds at its peak:
+
+    weights      base weights (bf16) / EP for experts, / data-parallel replicas under FSDP2
+    gradients    trainable parameters only (fp32 main gradients)
+    optimizer    fp32 master copy + Adam moments of trainable parameters; with
+                 offload_optimizer these and the fp32 gradients live in host memory
+                 (ZeRO-Offload style) and the device keeps one layer's bf16 gradient bucket
+    activations  saved activations of the layers of one micro-batch (see _activation_bytes)
+    loss         one fp32 [token chunk, vocabulary chunk] tile of the chunked cross-entropy
+    comm         All-to-All send/receive buffers of one MoE layer
+
+Shapes: h hidden, V vocabulary, E experts, K top-k, F expert FFN, S sequence, b micro-batch.
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_moe_hybrid.config import ConfigError, HybridMoEConfig, load_config, parse_overrides  # noqa: E402
+
+GiB = 1024**3
+
+
+@dataclass
+class Cluster:
+    accelerators: int = 8
+    devices_per_node: int = 8
+    hbm_gib: float = 141.0  # H200
+    host_gib_per_node: float = 2048.0
+    intra_node_gbps: float = 450.0  # GB/s per direction (NVLink)
+    inter_node_gbps: float = 50.0  # GB/s per device (400 Gb/s NIC)
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 8
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    fsdp: bool = True
+    training: str = "lora"  # "lora" | "full"
+    lora_rank: int = 16
+    offload_optimizer: bool = False  # master weights, Adam moments and fp32 gradients in host memory
+    activation_offload: bool = False  # saved activations of MoE layers in host memory
+    recompute: str = "none"  # "none" | "full" (keep layer inputs only, recompute the rest)
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+    weight_bytes: int = 2  # bf16 base weights
+    headroom: float = 0.9  # usable fraction of HBM (allocator fragmentation, workspaces)
+
+    def validate(self) -> None:
+        def need(cond, name, msg):
+            if not cond:
+                raise ConfigError(f"cluster.{name}", msg)
+
+        need(self.training in ("lora", "full"), "training", f"{self.training!r} is not 'lora' or 'full'")
+        need(self.recompute in ("none", "full"), "recompute", f"{self.recompute!r} is not 'none' or 'full'")
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        need(
+            self.accelerators % (mp * self.expert_model_parallel_size) == 0,
+            "accelerators",
+            f"{self.accelerators} is not divisible by TP x EP x PP x CP = {mp * self.expert_model_parallel_size}",
+        )
+        for name in ("accelerators", "devices_per_node", "hbm_gib", "micro_batch_size", "seq_length", "lora_rank"):
+            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.accelerators // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        return self.accelerators // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.expert_model_parallel_size
+        )
+
+
+def load_cluster(path: Optional[str], overrides: dict) -> Cluster:
+    raw = {}
+    if path:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    raw.update(overrides)
+    names = {f.name: f.type for f in fields(Cluster)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"cluster.{key}", f"unknown field; valid: {', '.join(names)}")
+    cluster = Cluster(**raw)
+    cluster.validate()
+    return cluster
+
+
+# Parameters ---------------------------------------------------------------------------------
+
+
+def _norm(c: HybridMoEConfig, dim: int) -> int:
+    return dim * (2 if c.normalization == "LayerNorm" else 1)
+
+
+def linear_attention_params(c: HybridMoEConfig) -> int:
+    la = c.linear_attention
+    qk, v = la.num_qk_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+    logits = 2 if la.variant == "gated_delta_rule" else 1
+    n = c.hidden_size * (2 * qk + 2 * v + logits * la.num_v_heads)  # in_proj: q k v z + head logits
+    if la.conv_kernel_size:
+        n += (2 * qk + v) * la.conv_kernel_size  # depthwise conv over q, k, v
+    if la.variant == "gated_delta_rule":
+        n += 2 * la.num_v_heads  # A_log, dt_bias
+    n += la.head_v_dim  # output RMSNorm, shared by heads
+    n += v * c.hidden_size  # out_proj
+    return n
+
+
+def sparse_attention_params(c: HybridMoEConfig) -> int:
+    sa = c.sparse_attention
+    heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
+    n = c.hidden_size * (heads + 2 * groups) * d  # linear_qkv
+    n += heads * d * c.hidden_size  # linear_proj
+    n += c.hidden_size * sa.index_n_heads * sa.index_head_dim  # indexer queries
+    n += c.hidden_size * sa.index_head_dim  # indexer key (one, shared)
+    n += c.hidden_size * sa.index_n_heads  # per-head weights
+    n += 2 * sa.index_head_dim  # LayerNorm on the key
+    return n
+
+
+def moe_params(c: HybridMoEConfig) -> tuple[int, int]:
+    """(routed expert params, the rest of the MoE layer) per layer."""
+    m, h = c.moe, c.hidden_size
+    experts = m.num_experts * 3 * h * m.ffn_hidden_size  # SwiGLU: [h, 2F] + [F, h]
+    rest = m.num_experts * h  # router
+    if m.shared_expert_ffn_hidden_size:
+        rest += 3 * h * m.shared_expert_ffn_hidden_size
+    return experts, rest
+
+
+def count_parameters(c: HybridMoEConfig) -> dict[str, Any]:
+    h, V = c.hidden_size, c.vocab_size
+    attention = {"L": linear_attention_params(c), "S": sparse_attention_params(c)}
+    expert_per_layer, moe_rest = moe_params(c)
+    dense_mlp = 3 * h * c.moe.dense_ffn_hidden_size
+    counts = {"embedding": V * h, "output_layer": V * h, "final_norm": _norm(c, h)}
+    attn_total = expert_total = mlp_dense = 0
+    num_moe = 0
+    for i in range(c.num_layers):
+        attn_total += attention[c.layer_kind(i)] + 2 * _norm(c, h)  # + the layer's two norms
+        if c.is_moe_layer(i):
+            num_moe += 1
+            expert_total += expert_per_layer
+            mlp_dense += moe_rest
+        else:
+            mlp_dense += dense_mlp
+    counts.update(attention_and_norms=attn_total, routed_experts=expert_total, mlp_other=mlp_dense)
+    total = sum(counts.values())
+    per_expert = 3 * h * c.moe.ffn_hidden_size
+    active = total - expert_total + num_moe * c.moe.topk * per_expert
+    return {"total": total, "active": active, "routed_experts": expert_total, "dense": total - expert_total,
+            "num_moe_layers": num_moe, "breakdown": counts}
+
+
+def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
+    """Adapters on the attention projections and on both matmuls of every routed expert."""
+    la, h = c.linear_attention, c.hidden_size
+    qk, v = la.num_qk_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+    logits = 2 if la.variant == "gated_delta_rule" else 1
+    lin = rank * (h + 2 * qk + 2 * v + logits * la.num_v_heads) + rank * (v + h)
+    heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
+    sparse = rank * (h + (heads + 2 * groups) * d) + rank * (heads * d + h)
+    F = c.moe.ffn_hidden_size
+    experts = c.moe.num_experts * rank * ((h + 2 * F) + (F + h))
+    n = 0
+    for i in range(c.num_layers):
+        n += lin if c.layer_kind(i) == "L" else sparse
+        if c.is_moe_layer(i):
+            n += experts
+    return n
+
+
+# Memory ---------------------------------------------------------------------------------------
+
+
+def _activation_bytes_per_token(c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2) -> float:
+    """Bytes a layer saves for its backward, per token (bf16 activations, fp32 where kept so)."""
+    h = c.hidden_size
+    la, sa, m = c.linear_attention, c.sparse_attention, c.moe
+    n = 2 * h * act_bytes  # the two norm inputs
+    if kind == "L":
+        qk, v = la.num_qk_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+        n += (2 * qk + 2 * v + 2 * la.num_v_heads) * act_bytes  # in_proj output
+        n += (2 * qk + v) * act_bytes * 2  # conv output and its activation
+        n += 3 * v * 4  # chunk output and gated-norm input (fp32)
+    else:
+        heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
+        n += (heads + 2 * groups) * d * act_bytes + heads * d * act_bytes  # qkv, attention output
+        n += heads * 4  # log-sum-exp
+        n += sa.index_n_heads * sa.index_head_dim * act_bytes + sa.index_head_dim * act_bytes
+        n += sa.topk * 4  # selected indices (int32)
+    if moe:
+        k, F = m.topk, m.ffn_hidden_size
+        n += m.num_experts * 4  # router scores
+        n += k * (h + 2 * F + F + h) * act_bytes  # permuted input, fc1 out, activation, fc2 out
+        if m.shared_expert_ffn_hidden_size:
+            n += 3 * m.shared_expert_ffn_hidden_size * act_bytes
+    else:
+        n += 3 * m.dense_ffn_hidden_size * act_bytes
+    return n
+
+
+def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
+    params = count_parameters(c)
+    wb = cl.weight_bytes
+    pp, ep, tp = cl.pipeline_model_parallel_size, cl.expert_model_parallel_size, cl.tensor_model_parallel_size
+    dp, edp = cl.data_parallel_size, cl.expert_data_parallel_size
+    dense_share = 1 / (tp * pp * (dp if cl.fsdp else 1))
+    expert_share = 1 / (tp * pp * ep * (edp if cl.fsdp else 1))
+    weights = wb * (params["dense"] * dense_share + params["routed_experts"] * expert_share)
+
+    if cl.training == "full":
+        trainable_dense, trainable_expert = params["dense"], params["routed_experts"]
+    else:
+        lora_total = lora_parameters(c, cl.lora_rank)
+        per_layer_experts = c.moe.num_experts * cl.lora_rank * (3 * c.hidden_size + 3 * c.moe.ffn_hidden_size)
+        trainable_expert = per_layer_experts * params["num_moe_layers"]
+        trainable_dense = lora_total - trainable_expert
+        weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
+    trainable_local = trainable_dense * dense_share + trainable_expert * expert_share
+    optimizer_bytes = (12 if cl.training == "full" else 8) * trainable_local  # (+master) + Adam m, v
+    if cl.offload_optimizer:
+        layer_trainable = trainable_local / max(1, c.num_layers / pp)
+        gradients, optimizer = 2 * layer_trainable, 0.0  # one layer's bf16 bucket in flight
+        host_optimizer = optimizer_bytes + 4 * trainable_local
+    else:
+        gradients, optimizer, host_optimizer = 4 * trainable_local, optimizer_bytes, 0.0
+
+    tokens = cl.micro_batch_size * cl.seq_length / cl.context_parallel_size
+    layers_local = c.num_layers / pp
+    per_layer = [
+        _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i)) for i in range(c.num_layers)
+    ]
+    if cl.recompute == "full":
+        activations = tokens * (layers_local * c.hidden_size * 2 + max(per_layer))
+    else:
+        kept = list(per_layer)
+        if cl.activation_offload:  # MoE activations go to the host; keep one layer's worth in flight
+            moe_part = [
+                _activation_bytes_per_token(c, c.layer_kind(i), True) - _activation_bytes_per_token(c, c.layer_kind(i), False)
+                if c.is_moe_layer(i) else 0.0 for i in range(c.num_layers)
+            ]
+            kept = [b - m for b, m in zip(per_layer, moe_part)]
+            kept[0] += max(moe_part)
+        activations = tokens * sum(kept) / pp
+    loss = 4 * min(c.memory.ce_chunk_size, tokens) * min(c.vocab_size / tp, 8192) * 2 + tokens * (
+        c.hidden_size * 4
+    )
+    a2a_tokens = tokens * c.moe.topk
+    comm = 2 * a2a_tokens * c.hidden_size * wb  # send + receive of one layer in flight
+    if cl.fsdp:  # one unsharded layer gathered at a time (+ prefetch of the next)
+        biggest = max(
+            (linear_attention_params(c) if k == "L" else sparse_attention_params(c)) for k in set(c.pattern)
+        ) + moe_params(c)[1] + moe_params(c)[0] / ep
+        comm += 2 * biggest * wb
+    terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
+             "loss": loss, "comm_buffers": comm}
+    peak = sum(terms.values())
+    budget = cl.hbm_gib * GiB * cl.headroom
+    host_per_node = host_optimizer * cl.devices_per_node
+    if cl.activation_offload:
+        host_per_node += tokens * sum(per_layer) / pp * cl.devices_per_node
+    fits_host = host_per_node <= cl.host_gib_per_node * GiB * cl.headroom
+    # All-to-All: dispatch + combine in the forward, their mirrors in the backward.
+    a2a_bytes = 4 * a2a_tokens * c.hidden_size * wb * (ep - 1) / ep * params["num_moe_layers"] / pp
+    a2a_bytes *= 1 if cl.recompute == "none" else 1.5  # recomputed forward re-dispatches
+    num_micro = max(1, c.training.global_batch_size // (cl.micro_batch_size * dp))
+    link = cl.intra_node_gbps if ep <= cl.devices_per_node else cl.inter_node_gbps
+    return {
+        "parameters": params,
+        "trainable_parameters": trainable_dense + trainable_expert,
+        "bf16_weights_bytes": 2 * params["total"],
+        "per_device_bytes": terms,
+        "peak_bytes": peak,
+        "budget_bytes": budget,
+        "fits": peak <= budget and fits_host,
+        "dominant": max(terms, key=terms.get),
+        "host_bytes_per_node": host_per_node,
+        "fits_host": fits_host,
+        "a2a_bytes_per_micro_batch_per_device": a2a_bytes,
+        "a2a_bytes_per_step_per_device": a2a_bytes * num_micro,
+        "a2a_seconds_per_step": a2a_bytes * num_micro / (link * 1e9),
+        "micro_batches_per_step": num_micro,
+        "data_parallel_size": dp,
+        "expert_data_parallel_size": edp,
+    }
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
+    pr = p["parameters"]
+    lines = [
+        f"model: {c.num_layers} layers {c.pattern}, hidden {c.hidden_size}, {c.moe.num_experts} experts top-{c.moe.topk}, vocab {c.vocab_size}",
+        f"parameters: {_fmt(pr['total'])} total, {_fmt(pr['active'])} active per token; bf16 weights {p['bf16_weights_bytes'] / 1e12:.2f} TB",
+        f"run: {cl.training} on {cl.accelerators} x {cl.hbm_gib:.0f} GiB, TP{cl.tensor_model_parallel_size} EP{cl.expert_model_parallel_size} "
+        f"PP{cl.pipeline_model_parallel_size} CP{cl.context_parallel_size} DP{p['data_parallel_size']} (expert DP {p['expert_data_parallel_size']}), "
+        f"FSDP2 {'on' if cl.fsdp else 'off'}, micro-batch {cl.micro_batch_size} x {cl.seq_length}, recompute {cl.recompute}"
+        + (", optimizer offloaded" if cl.offload_optimizer else ""),
+        f"trainable parameters: {_fmt(p['trainable_parameters'])}",
+        "per-device memory:",
+    ]
+    for k, v in p["per_device_bytes"].items():
+        lines.append(f"  {k:<13} {v / GiB:10.2f} GiB")
+    lines.append(f"  {'peak':<13} {p['peak_bytes'] / GiB:10.2f} GiB of {p['budget_bytes'] / GiB:.1f} usable")
+    if p["host_bytes_per_node"]:
+        lines.append(f"host memory per node: {p['host_bytes_per_node'] / GiB:.1f} GiB of {cl.host_gib_per_node:.0f}")
+    lines.append(f"All-to-All per device per step ({p['micro_batches_per_step']} micro-batches): "
+                 f"{p['a2a_bytes_per_step_per_device'] / GiB:.2f} GiB (~{p['a2a_seconds_per_step']:.1f} s at link speed)")
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    why = "host memory" if not p["fits_host"] else p["dominant"]
+    lines.append(f"{verdict}: the dominant term is {why}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--cluster", default=None, help="a YAML of Cluster fields")
+    parser.add_argument("--json", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        overrides = parse_overrides(rest)
+        cluster_ov = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("cluster.")}
+        model_ov = {k: v for k, v in overrides.items() if not k.startswith("cluster.")}
+        cluster = load_cluster(args.cluster, cluster_ov)
+        model_ov.setdefault("parallel.world_size", cluster.accelerators)
+        model_ov.setdefault("parallel.expert_model_parallel_size", cluster.expert_model_parallel_size)
+        config = load_config(args.config, model_ov)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = plan(config, cluster)
+    if args.json:
+        print(json.dumps({**result, "cluster": asdict(cluster)}, indent=1, default=float))
+    else:
+        print(report(config, cluster, result))
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
