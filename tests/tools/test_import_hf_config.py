@@ -1,0 +1,70 @@
+"""tools/import_hf_config.py on configs made by transformers itself."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_moe_hybrid.config import config_from_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("import_hf_config", os.path.join(ROOT, "tools", "import_hf_config.py"))
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_qwen3_next_defaults():
+    hf = transformers.Qwen3NextConfig().to_dict()
+    ours, unmapped = tool.import_hf_config(hf)
+    c = config_from_dict(ours, {"parallel.world_size": 1})
+    assert c.pattern == "LLLS" and c.num_layers == hf["num_hidden_layers"]
+    assert c.hidden_size == hf["hidden_size"] and c.vocab_size == hf["vocab_size"]
+    la = c.linear_attention
+    assert (la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim) == (
+        hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"])
+    assert (c.moe.num_experts, c.moe.topk, c.moe.ffn_hidden_size) == (
+        hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"])
+    assert c.moe.shared_expert_ffn_hidden_size == hf["shared_expert_intermediate_size"]
+    assert c.num_query_groups == hf["num_key_value_heads"] and c.kv_channels == hf["head_dim"]
+    text = "\n".join(unmapped)
+    assert "full_attention layers became S" in text
+    assert "max_position_embeddings" in text and "rope_parameters" in text
+
+
+def test_deepseek_v32_small():
+    hf = transformers.DeepseekV32Config(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1,
+        n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=64, vocab_size=512, n_group=1, topk_group=1,
+    ).to_dict()
+    ours, unmapped = tool.import_hf_config(hf)
+    c = config_from_dict(ours, {"parallel.world_size": 1})
+    assert c.pattern == "S" and c.num_layers == 4
+    sa = c.sparse_attention
+    assert (sa.topk, sa.index_n_heads, sa.index_head_dim, sa.index_rope_dim) == (64, 4, 16, 8)
+    assert (c.moe.num_experts, c.moe.topk, c.moe.first_k_dense, c.moe.score_func) == (8, 2, 1, "sigmoid")
+    assert c.moe.shared_expert_ffn_hidden_size == 32 and c.moe.dense_ffn_hidden_size == 96
+    text = "\n".join(unmapped)
+    assert "kv_lora_rank" in text and "MLA" in text and "routed_scaling_factor" in text
+
+
+def test_unknown_architecture_and_cli(tmp_path, capsys):
+    with pytest.raises(ValueError, match="model_type: unknown architecture 'llama'"):
+        tool.import_hf_config({"model_type": "llama"})
+    src = tmp_path / "config.json"
+    src.write_text(json.dumps(transformers.Qwen3NextConfig(num_hidden_layers=8).to_dict()))
+    out = tmp_path / "ours.yaml"
+    assert tool.main([str(src), str(out)]) == 0
+    assert "# not mapped exactly:" in out.read_text()
+    from megatron_moe_hybrid.config import load_config
+
+    c = load_config(str(out), {"parallel.world_size": 1})
+    assert c.num_layers == 8
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "gpt2"}))
+    assert tool.main([str(bad), str(out)]) == 2
+    assert "model_type: unknown architecture" in capsys.readouterr().err

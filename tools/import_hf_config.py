@@ -1,0 +1,195 @@
+"""Turn a Hugging Face config.json into our YAML, reporting every field it could not map.
+
+    python tools/import_hf_config.py path/to/config.json out.yaml
+
+Known families: Qwen3-Next (`qwen3_next`: Gated DeltaNet + gated full attention + MoE) and
+DeepSeek-V3.2 (`deepseek_v32`: MLA + DSA sparse attention + MoE). The output loads with
+`megatron_moe_hybrid.config.load_config`; the fields it could not represent exactly are
+listed on stderr and as comments at the top of the YAML, so nothing is dropped silently.
+"""
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+import yaml
+
+# Keys of every transformers config that say nothing about the architecture.
+GENERIC_KEYS = {
+    "_name_or_path", "architectures", "transformers_version", "model_type", "dtype", "torch_dtype",
+    "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict", "problem_type",
+    "is_encoder_decoder", "chunk_size_feed_forward", "use_cache", "bos_token_id", "eos_token_id",
+    "pad_token_id", "output_router_logits", "attention_dropout", "hidden_act", "tokenizer_class",
+}  # fmt: skip
+
+
+class Importer:
+    def __init__(self, hf: dict):
+        self.hf = hf
+        self.used: set[str] = set()
+        self.notes: list[str] = []
+        self.out: dict[str, dict] = {"model": {}, "linear_attention": {}, "sparse_attention": {}, "moe": {}}
+
+    def take(self, key: str, group: str, field: str, convert: Callable[[Any], Any] = lambda x: x) -> None:
+        if key in self.hf and self.hf[key] is not None:
+            self.out[group][field] = convert(self.hf[key])
+        self.used.add(key)
+
+    def note(self, key: str, why: str, when: bool = True) -> None:
+        """Marks key as handled; reports it (with why) if present and `when` holds."""
+        self.used.add(key)
+        if key in self.hf and when:
+            self.notes.append(f"{key}={self.hf[key]!r}: {why}")
+
+    def unmapped(self) -> list[str]:
+        rest = [
+            f"{k}={v!r}: not mapped" for k, v in sorted(self.hf.items())
+            if k not in self.used and k not in GENERIC_KEYS
+        ]
+        return self.notes + rest
+
+
+def _pattern(letters: list[str]) -> str:
+    """The shortest unit whose repetition gives the layer letters."""
+    n = len(letters)
+    for size in range(1, n + 1):
+        if n % size == 0 and letters == letters[:size] * (n // size):
+            return "".join(letters[:size])
+    return "".join(letters)
+
+
+def _common_model(imp: Importer) -> None:
+    imp.take("hidden_size", "model", "hidden_size")
+    imp.take("num_hidden_layers", "model", "num_layers")
+    imp.take("vocab_size", "model", "vocab_size")
+    imp.take("rms_norm_eps", "model", "layernorm_epsilon")
+    imp.take("initializer_range", "model", "init_method_std")
+    imp.take("num_attention_heads", "model", "num_attention_heads")
+    imp.out["model"]["normalization"] = "RMSNorm"
+    imp.note("tie_word_embeddings", "tied embeddings are not supported; the output layer is separate",
+             when=bool(imp.hf.get("tie_word_embeddings")))
+    imp.note("max_position_embeddings", "context length is a training choice: set training.seq_length")
+    imp.note("rope_parameters", "RoPE scaling is not configurable; sparse attention uses plain RoPE")
+    imp.note("rope_theta", "RoPE base of the main attention is not configurable")
+    imp.note("attention_bias", "our projections have no bias", when=bool(imp.hf.get("attention_bias")))
+    imp.note("mlp_bias", "our MLPs have no bias", when=bool(imp.hf.get("mlp_bias")))
+
+
+def import_qwen3_next(hf: dict) -> Importer:
+    imp = Importer(hf)
+    _common_model(imp)
+    layer_types = hf.get("layer_types") or []
+    imp.used.add("layer_types")
+    letters = ["L" if t == "linear_attention" else "S" for t in layer_types]
+    if letters:
+        imp.out["model"]["pattern"] = _pattern(letters)
+    if "full_attention" in layer_types:
+        imp.notes.append(
+            "layer_types: full_attention layers became S (top-k sparse attention with top-k = "
+            "max_position_embeddings, i.e. dense); Qwen3-Next's output gate, q/k RMSNorm and partial "
+            "RoPE are not represented (no gated full-attention layer yet)"
+        )
+        imp.out["sparse_attention"]["topk"] = hf.get("max_position_embeddings", 262144)
+    imp.take("num_key_value_heads", "model", "num_query_groups")
+    imp.take("head_dim", "model", "kv_channels")
+    imp.out["linear_attention"]["variant"] = "gated_delta_rule"
+    imp.take("linear_num_key_heads", "linear_attention", "num_qk_heads")
+    imp.take("linear_num_value_heads", "linear_attention", "num_v_heads")
+    imp.take("linear_key_head_dim", "linear_attention", "head_k_dim")
+    imp.take("linear_value_head_dim", "linear_attention", "head_v_dim")
+    imp.take("linear_conv_kernel_dim", "linear_attention", "conv_kernel_size")
+    imp.take("num_experts", "moe", "num_experts")
+    imp.take("num_experts_per_tok", "moe", "topk")
+    imp.take("moe_intermediate_size", "moe", "ffn_hidden_size")
+    imp.take("shared_expert_intermediate_size", "moe", "shared_expert_ffn_hidden_size")
+    imp.take("router_aux_loss_coef", "moe", "aux_loss_coeff")
+    imp.take("intermediate_size", "moe", "dense_ffn_hidden_size")
+    imp.out["moe"]["score_func"] = "softmax"
+    imp.note("norm_topk_prob", "softmax top-k weights are used as they are (not renormalised)",
+             when=bool(hf.get("norm_topk_prob")))
+    mlp_only = hf.get("mlp_only_layers") or []
+    imp.used.add("mlp_only_layers")
+    if mlp_only:
+        if sorted(mlp_only) == list(range(len(mlp_only))):
+            imp.out["moe"]["first_k_dense"] = len(mlp_only)
+        else:
+            imp.notes.append(f"mlp_only_layers={mlp_only!r}: only a prefix of dense layers is supported")
+    imp.note("decoder_sparse_step", "only MoE in every layer after the first dense ones is supported",
+             when=hf.get("decoder_sparse_step", 1) != 1)
+    imp.note("shared_expert_gate", "the shared expert has no sigmoid gate here")
+    return imp
+
+
+def import_deepseek_v32(hf: dict) -> Importer:
+    imp = Importer(hf)
+    _common_model(imp)
+    imp.out["model"]["pattern"] = "S"
+    imp.used.add("layer_types")
+    imp.take("num_key_value_heads", "model", "num_query_groups")
+    imp.take("v_head_dim", "model", "kv_channels")
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_head_dim", "head_dim"):
+        imp.note(key, "MLA (latent q/kv) is not implemented; the sparse attention layer uses GQA heads")
+    imp.take("index_n_heads", "sparse_attention", "index_n_heads")
+    imp.take("index_head_dim", "sparse_attention", "index_head_dim")
+    imp.take("index_topk", "sparse_attention", "topk")
+    imp.take("qk_rope_head_dim", "sparse_attention", "index_rope_dim")
+    imp.take("n_routed_experts", "moe", "num_experts")
+    imp.take("num_experts_per_tok", "moe", "topk")
+    imp.take("moe_intermediate_size", "moe", "ffn_hidden_size")
+    imp.take("first_k_dense_replace", "moe", "first_k_dense")
+    imp.take("intermediate_size", "moe", "dense_ffn_hidden_size")
+    n_shared = hf.get("n_shared_experts") or 0
+    imp.used.add("n_shared_experts")
+    if n_shared:
+        imp.out["moe"]["shared_expert_ffn_hidden_size"] = n_shared * hf.get("moe_intermediate_size", 0)
+    imp.out["moe"]["score_func"] = "sigmoid"
+    imp.out["moe"]["expert_bias"] = True
+    imp.used.add("norm_topk_prob")
+    imp.used.add("mlp_layer_types")
+    imp.note("routed_scaling_factor", "routed outputs are not rescaled")
+    for key in ("n_group", "topk_group"):
+        imp.note(key, "group-limited routing is not implemented", when=(hf.get(key) or 1) > 1)
+    return imp
+
+
+IMPORTERS = {"qwen3_next": import_qwen3_next, "deepseek_v32": import_deepseek_v32}
+
+
+def import_hf_config(hf: dict) -> tuple[dict, list[str]]:
+    """(our config as a dict of groups, the fields not mapped exactly)."""
+    model_type = hf.get("model_type")
+    if model_type not in IMPORTERS:
+        raise ValueError(
+            f"model_type: unknown architecture {model_type!r}; supported: {', '.join(sorted(IMPORTERS))}"
+        )
+    imp = IMPORTERS[model_type](hf)
+    out = {k: v for k, v in imp.out.items() if v}
+    return out, imp.unmapped()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config_json")
+    parser.add_argument("out_yaml")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.config_json) as f:
+            hf = json.load(f)
+        ours, unmapped = import_hf_config(hf)
+    except (OSError, ValueError) as e:
+        print(f"error: {args.config_json}: {e}", file=sys.stderr)
+        return 2
+    header = [f"# imported from {args.config_json} ({hf.get('model_type')})"]
+    header += [f"# not mapped exactly: {line}" for line in unmapped]
+    with open(args.out_yaml, "w") as f:
+        f.write("\n".join(header) + "\n")
+        yaml.safe_dump(ours, f, sort_keys=False)
+    for line in unmapped:
+        print(f"not mapped exactly: {line}", file=sys.stderr)
+    print(f"wrote {args.out_yaml} ({len(unmapped)} fields not mapped exactly)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
