@@ -82,6 +82,13 @@ class MoEConfig:
     expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
     bias_update_rate: float = 1e-3
     capacity_factor: Optional[float] = None  # None: dropless
+    drop_policy: str = "probs"  # with a capacity: drop the lowest-probability copies ("probs") or the latest ("position")
+    num_groups: int = 1  # group-limited routing: experts in num_groups groups ...
+    topk_groups: int = 1  # ... and each token picks its experts from its best topk_groups groups
+    norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights (None: for sigmoid only)
+    routed_scaling_factor: float = 1.0
+    aux_loss_type: str = "micro_batch"  # "micro_batch" | "seq" (per sequence) | "global" (over the global batch)
+    z_loss_coeff: float = 0.0  # router z-loss (mean logsumexp^2 of the router logits)
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU MLP
     dense_ffn_hidden_size: int = 256
     dispatcher: str = "alltoall"  # registry.MOE_DISPATCHERS
@@ -383,12 +390,32 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(
         m.bias_update_rate >= 0, "moe.bias_update_rate", f"must be >= 0, got {m.bias_update_rate}"
     )
+    if m.capacity_factor is not None:
+        _positive(m.capacity_factor, "moe.capacity_factor")
+    _require(m.drop_policy in ("probs", "position"), "moe.drop_policy", f"{m.drop_policy!r} is not 'probs' or 'position'")
+    _positive(m.num_groups, "moe.num_groups")
     _require(
-        m.capacity_factor is None,
-        "moe.capacity_factor",
-        f"token dropping is not implemented yet (got {m.capacity_factor}); "
-        "leave it unset (null) for dropless routing",
+        m.num_experts % m.num_groups == 0,
+        "moe.num_groups",
+        f"{m.num_groups} groups do not divide moe.num_experts={m.num_experts}",
     )
+    _require(
+        1 <= m.topk_groups <= m.num_groups,
+        "moe.topk_groups",
+        f"{m.topk_groups} must be within [1, moe.num_groups={m.num_groups}]",
+    )
+    _require(
+        m.topk <= m.topk_groups * (m.num_experts // m.num_groups),
+        "moe.topk",
+        f"{m.topk} experts cannot be chosen from {m.topk_groups} groups of {m.num_experts // m.num_groups}",
+    )
+    _require(
+        m.aux_loss_type in ("micro_batch", "seq", "global"),
+        "moe.aux_loss_type",
+        f"{m.aux_loss_type!r} is not one of micro_batch, seq, global",
+    )
+    _require(m.z_loss_coeff >= 0, "moe.z_loss_coeff", f"must be >= 0, got {m.z_loss_coeff}")
+    _positive(m.routed_scaling_factor, "moe.routed_scaling_factor")
     _require(
         0 <= m.first_k_dense <= c.num_layers,
         "moe.first_k_dense",
