@@ -1,0 +1,177 @@
+"""FSDP2 + expert parallelism over spawned gloo processes equals the single-process run.
+
+Layouts: W processes = EP x expert-dp; dense modules are sharded over all W (dp = W),
+experts over expert-dp = W / EP. Global batch 8 in every run, so each run sees the same
+samples; a checkpoint holds whole tensors under global names whatever the layout.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_moe_hybrid.testing import spawn
+
+TOL = 1e-5
+
+
+def _load_training_conftest():
+    """The training tests' fixtures (corpus, cache_dir, raw_config) live in their own conftest."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training", "conftest.py")
+    spec = importlib.util.spec_from_file_location("_training_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_conftest = _load_training_conftest()
+corpus, cache_dir, raw_config = _conftest.corpus, _conftest.cache_dir, _conftest.raw_config
+
+
+def _train(rank, world_size, raw, overrides, mode="pretrain"):
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.training.trainer import run
+
+    result = run(config_from_dict(raw, overrides), mode)
+    return {"losses": result.losses, "checkpoint": result.checkpoint, "adapter": result.adapter_dir}
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def _grad_norms(checkpoint):
+    """The logged global gradient norms of a run (its output_dir holds metrics.jsonl)."""
+    output_dir = os.path.dirname(os.path.dirname(checkpoint))
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["grad_norm"] for line in f if line.strip()]
+
+
+def _assert_grad_norms_close(ref_checkpoint, got_checkpoint):
+    """Catches a wrong gradient scale that Adam would mostly hide from the losses."""
+    ref, got = _grad_norms(ref_checkpoint), _grad_norms(got_checkpoint)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=0, rtol=1e-5)
+
+
+def _assert_losses_close(ref, got):
+    assert len(ref) == len(got), (ref, got)
+    for a, b in zip(ref, got):
+        assert abs(a - b) <= TOL, (ref, got)
+
+
+def _assert_tensors_close(ref, got):
+    assert ref.keys() == got.keys(), sorted(ref.keys() ^ got.keys())[:5]
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=TOL, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _layout(world, ep):
+    return {"parallel.world_size": world, "parallel.expert_model_parallel_size": ep, "parallel.fsdp": world > 1}
+
+
+@pytest.fixture(scope="module")
+def base_dir(corpus, cache_dir, tmp_path_factory, raw_config):
+    """A small pretrained base (3 single-process steps) for the LoRA runs."""
+    path = str(tmp_path_factory.mktemp("base"))
+    raw, ov = raw_config(corpus, cache_dir, path, **{"training.train_steps": 3, "training.global_batch_size": 8})
+    spawn(_train, 1, raw, ov)
+    return path
+
+
+FULL = {"training.train_steps": 3, "training.warmup_steps": 0, "training.global_batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def single_full(corpus, cache_dir, tmp_path_factory, raw_config):
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path_factory.mktemp("single_full")), **FULL)
+    (single,) = spawn(_train, 1, raw, ov)
+    assert single["losses"][0] != single["losses"][-1]  # the comparison covers optimizer updates
+    return single
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2)], ids=["W2-DP2-EP1", "W2-DP2-EP2"])
+def test_full_training_with_resume_equals_single_process(world, ep, single_full, corpus, cache_dir, tmp_path, raw_config):
+    """Stops after 2 steps and resumes: the sharded optimizer state must round-trip."""
+    out = str(tmp_path / "fsdp")
+    raw, ov = raw_config(corpus, cache_dir, out, **FULL, **_layout(world, ep), **{"training.exit_after_steps": 2})
+    first = spawn(_train, world, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, out, **FULL, **_layout(world, ep))
+    second = spawn(_train, world, raw, ov)
+    assert len(first[0]["losses"]) == 2 and len(second[0]["losses"]) == 1
+    assert all(r["losses"] == second[0]["losses"] for r in second)  # the logged loss is the global mean
+    _assert_losses_close(single_full["losses"], first[0]["losses"] + second[0]["losses"])
+    _assert_grad_norms_close(single_full["checkpoint"], second[0]["checkpoint"])
+    # The last update used the resumed Adam moments; a lost state would move the weights.
+    _assert_tensors_close(_tensors(single_full["checkpoint"]), _tensors(second[0]["checkpoint"]))
+
+
+def _lora_overrides(base_dir, **extra):
+    return {
+        "training.train_steps": 5, "training.warmup_steps": 0, "training.global_batch_size": 8,
+        # Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order noise
+        # moves such elements by ~lr x noise: a small lr keeps that below the tolerance.
+        "training.init_from": base_dir, "training.lr": 1e-3,
+        "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model"),
+        "lora.enabled": True, "lora.targets": ["linear_attention", "sparse_attention", "experts"],
+        **extra,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_ep2_dp2_equals_single_process(base_dir, corpus, cache_dir, tmp_path, raw_config):
+    from megatron_moe_hybrid.training.checkpoint import latest_checkpoint
+
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "single"), **_lora_overrides(base_dir))
+    (single,) = spawn(_train, 1, raw, ov, "finetune")
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **_lora_overrides(base_dir), **_layout(4, 2))
+    runs = spawn(_train, 4, raw, ov, "finetune")
+    _assert_losses_close(single["losses"], runs[0]["losses"])
+    _assert_grad_norms_close(single["checkpoint"], runs[0]["checkpoint"])
+    assert single["losses"][0] != single["losses"][-1]
+
+    ref_adapter = load_file(os.path.join(single["adapter"], "adapter_model.safetensors"))
+    got_adapter = load_file(os.path.join(runs[0]["adapter"], "adapter_model.safetensors"))
+    _assert_tensors_close(ref_adapter, got_adapter)
+    assert any(k.endswith("lora_B1.expert7") for k in got_adapter), sorted(got_adapter)[:5]
+    assert all(v.abs().sum() > 0 for k, v in got_adapter.items() if "lora_B" in k)  # every adapter trained
+
+    # Only adapters changed: every other tensor of the fine-tuned checkpoint is the base's.
+    base = _tensors(latest_checkpoint(base_dir))
+    tuned = _tensors(runs[0]["checkpoint"])
+    frozen = {k: v for k, v in tuned.items() if "lora_" not in k}
+    assert len(frozen) == len(base)
+    for name, value in frozen.items():
+        base_name = name.replace(".base.", ".")
+        assert torch.equal(value, base[base_name]), name
+
+
+@pytest.mark.slow
+def test_adapters_only_checkpoint_bf16_base_resumes_exactly(base_dir, corpus, cache_dir, tmp_path, raw_config):
+    """bf16 frozen base under FSDP (gathered as fp32 for compute); checkpoints hold adapters only."""
+    opts = _lora_overrides(base_dir, **{
+        "training.train_steps": 3, "lora.base_dtype": "bfloat16", "lora.adapters_only_checkpoint": True,
+        "parallel.fsdp": True,
+    })
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "straight"), **opts)
+    (straight,) = spawn(_train, 1, raw, ov, "finetune")
+    out = str(tmp_path / "interrupted")
+    raw, ov = raw_config(corpus, cache_dir, out, **opts, **{"training.exit_after_steps": 2})
+    (first,) = spawn(_train, 1, raw, ov, "finetune")
+    raw, ov = raw_config(corpus, cache_dir, out, **opts)
+    (second,) = spawn(_train, 1, raw, ov, "finetune")
+
+    assert first["losses"] + second["losses"] == straight["losses"]  # bitwise
+    saved = _tensors(second["checkpoint"])
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
+    _assert_tensors_close(_tensors(straight["checkpoint"]), saved)
