@@ -1,4 +1,5 @@
-"""MoELayer against a dense einsum oracle, and expert parallelism (EP=2 over gloo) against EP=1.
+"""MoELayer against a dense einsum oracle (dropless and with a capacity), routing edge cases,
+and expert parallelism (EP=2 and EP=4 over gloo, one 4-process spawn) against EP=1.
 
 Shape legend: s sequence, b micro-batch, T = s * b tokens, h hidden size, E experts,
 E_local experts per EP rank, K experts per token, F expert FFN size.
@@ -13,8 +14,14 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_moe_hybrid.layers.moe import AllToAllDispatcher, GroupedExperts, MoELayer
+from megatron_moe_hybrid.layers.moe import AllToAllDispatcher, GroupedExperts, MoELayer, TopKRouter
 from megatron_moe_hybrid.ops.moe import load_balancing_loss, router_topk
+from megatron_moe_hybrid.ops.moe.reference import (
+    capacity_keep_mask,
+    expert_capacity,
+    router_z_loss,
+    sequence_load_balancing_loss,
+)
 from megatron_moe_hybrid.testing import init_megatron, spawn
 
 F64 = torch.float64
@@ -51,22 +58,84 @@ def _swiglu(x, w_in, w_out):
     return (torch.nn.functional.silu(gate) * up) @ w_out
 
 
-def dense_oracle(layer, x, padding_mask=None):
-    """out [T, h] computing every expert on every token, and coeff * load-balancing loss."""
+def dense_oracle(layer, x, padding_mask=None, batch_size=None):
+    """(out [T, h] computing every expert on every token, unscaled aux loss, topk_idx [T, K]
+    with -1 for the copies dropped by the capacity), z-loss kept in layer.oracle_z_loss."""
     moe = layer.config.moe
     logits = x @ layer.router.weight.t()  # [T, E]
-    probs, idx, scores = router_topk(logits, moe.topk, moe.score_func, layer.router.expert_bias)
+    probs, idx, scores = router_topk(
+        logits,
+        moe.topk,
+        moe.score_func,
+        layer.router.expert_bias,
+        getattr(moe, "norm_topk_prob", None),
+        getattr(moe, "num_groups", 1),
+        getattr(moe, "topk_groups", 1),
+        getattr(moe, "routed_scaling_factor", 1.0),
+    )
+    keep = torch.ones_like(idx, dtype=torch.bool)  # [T, K]
+    if moe.capacity_factor is not None:
+        capacity = expert_capacity(x.shape[0], moe.topk, moe.num_experts, moe.capacity_factor)
+        keep = capacity_keep_mask(idx, probs, moe.num_experts, capacity, getattr(moe, "drop_policy", "probs"))
     w1, w2 = layer.experts.weight1, layer.experts.weight2  # [E, h, 2F], [E, F, h]
     gate, up = torch.einsum("th,ehf->tef", x, w1).chunk(2, dim=-1)  # [T, E, F] each
     y_all = torch.einsum("tef,efh->teh", torch.nn.functional.silu(gate) * up, w2)  # [T, E, h]
-    onehot = torch.nn.functional.one_hot(idx, moe.num_experts).to(x.dtype)  # [T, K, E]
+    onehot = torch.nn.functional.one_hot(idx, moe.num_experts).to(x.dtype) * keep[..., None]  # [T, K, E]
     out = torch.einsum("tk,tke,teh->th", probs, onehot, y_all)
     if layer.shared_experts is not None:
         shared = layer.shared_experts
         out = out + _swiglu(x, shared.linear_fc1.weight.t(), shared.linear_fc2.weight.t())
-    keep = slice(None) if padding_mask is None else ~padding_mask
-    aux = load_balancing_loss(scores[keep], idx[keep], moe.num_experts, moe.topk)
-    return out, aux, idx
+    valid = torch.ones(x.shape[0], dtype=torch.bool) if padding_mask is None else ~padding_mask  # [T]
+    if getattr(moe, "aux_loss_type", "micro_batch") == "seq":
+        shape = (x.shape[0] // batch_size, batch_size)
+        aux = sequence_load_balancing_loss(
+            scores.view(*shape, moe.num_experts),  # explicit sizes: s may be 0
+            idx.view(*shape, moe.topk),
+            moe.num_experts,
+            moe.topk,
+            valid.view(shape),
+        )
+    else:
+        aux = load_balancing_loss(scores[valid], idx[valid], moe.num_experts, moe.topk)
+    layer.oracle_z_loss = router_z_loss(logits[valid])
+    return out, aux, idx.masked_fill(~keep, -1)
+
+
+def _objective(layer, want_out, want_aux, g):
+    """What backward differentiates: <out, g> + the scaled router losses."""
+    moe = layer.config.moe
+    z = getattr(moe, "z_loss_coeff", 0.0) * layer.oracle_z_loss
+    return (want_out * g).sum() + moe.aux_loss_coeff * want_aux + z
+
+
+def _kept_counts(idx, num_experts):
+    return torch.bincount(idx[idx >= 0], minlength=num_experts)
+
+
+def _check_layer_against_oracle(layer, hidden, g, padding_mask=None):
+    """Forward, losses, counts and every gradient of layer(hidden) against dense_oracle."""
+    s, b, h = hidden.shape
+    hidden = hidden.clone().requires_grad_(True)
+    layer.reset_stats()
+    out, bias = layer(hidden, padding_mask=padding_mask)
+    token_mask = None if padding_mask is None else padding_mask.t().reshape(-1)  # [T]
+    want_out, want_aux, idx = dense_oracle(layer, hidden.view(s * b, h), token_mask, b)
+
+    assert bias is None
+    torch.testing.assert_close(out.view(s * b, h), want_out)
+    torch.testing.assert_close(layer.last_aux_loss, want_aux.detach().float())
+    torch.testing.assert_close(layer.last_z_loss, layer.oracle_z_loss.detach().float())
+    kept = idx if token_mask is None else idx[~token_mask]
+    assert torch.equal(layer.tokens_per_expert, _kept_counts(kept, layer.config.moe.num_experts))
+    assert int(layer.last_dropped) == int((idx < 0).sum())
+
+    inputs = [hidden] + _params(layer)
+    got = torch.autograd.grad(out, inputs, g, materialize_grads=True)
+    objective = _objective(layer, want_out, want_aux, g.view(s * b, h))
+    want = torch.autograd.grad(objective, inputs, materialize_grads=True)
+    for (name, _), a, w in zip([("hidden", None)] + sorted(layer.named_parameters()), got, want):
+        torch.testing.assert_close(a, w, msg=lambda m: f"grad of {name}: {m}")
+    return idx, dict(zip(["hidden"] + [n for n, _ in sorted(layer.named_parameters())], got))
 
 
 def _params(layer):
@@ -93,24 +162,103 @@ def test_layer_matches_dense_oracle(s, b, moe, dtype):
     layer = MoELayer(make_config(dtype=dtype, **moe))
     if layer.router.expert_bias is not None:
         layer.router.expert_bias.copy_(torch.randn(layer.config.moe.num_experts) * 0.3)
-    hidden = torch.randn(s, b, 32, dtype=dtype, requires_grad=True)
-    g = torch.randn(s, b, 32, dtype=dtype)
+    hidden = torch.randn(s, b, 32, dtype=dtype)
+    idx, _ = _check_layer_against_oracle(layer, hidden, torch.randn(s, b, 32, dtype=dtype))
+    assert not (idx < 0).any()
 
-    out, bias = layer(hidden)
-    want_out, want_aux, idx = dense_oracle(layer, hidden.view(s * b, 32))
 
-    assert bias is None
-    torch.testing.assert_close(out.view(s * b, 32), want_out)
-    torch.testing.assert_close(layer.last_aux_loss, want_aux.detach().float())
-    counts = torch.bincount(idx.flatten(), minlength=layer.config.moe.num_experts)
-    assert torch.equal(layer.tokens_per_expert, counts)
+ROUTING_VARIANTS = {
+    "groups-sigmoid-seqaux-z": dict(
+        score_func="sigmoid", expert_bias=True, num_groups=4, topk_groups=2, topk=3,
+        routed_scaling_factor=2.5, aux_loss_type="seq", z_loss_coeff=0.03,
+    ),
+    "groups-softmax-norm-z": dict(num_groups=2, topk_groups=1, norm_topk_prob=True, z_loss_coeff=0.1),
+    "cap1.0-probs": dict(capacity_factor=1.0, drop_policy="probs", shared_expert_ffn_hidden_size=16),
+    # the reference permute here; "auto" elsewhere runs the compiled one where _C is built
+    "cap0.5-position-sigmoid-torchpermute": dict(
+        capacity_factor=0.5, drop_policy="position", score_func="sigmoid", topk=3, permute_backend="torch"
+    ),
+    "cap1.25-probs-groups-seqaux": dict(
+        capacity_factor=1.25, num_groups=4, topk_groups=2, aux_loss_type="seq", expert_bias=True,
+    ),
+}
 
-    inputs = [hidden] + _params(layer)
-    got = torch.autograd.grad(out, inputs, g, materialize_grads=True)
-    objective = (want_out * g.view(s * b, 32)).sum() + layer.config.moe.aux_loss_coeff * want_aux
-    want = torch.autograd.grad(objective, inputs, materialize_grads=True)
-    for (name, _), a, w in zip([("hidden", None)] + sorted(layer.named_parameters()), got, want):
-        torch.testing.assert_close(a, w, msg=lambda m: f"grad of {name}: {m}")
+
+@pytest.mark.parametrize("name", list(ROUTING_VARIANTS))
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_routing_variants_match_dense_oracle(name, padded):
+    """Group-limited routing, scaling, seq aux loss, z-loss and capacity drops, in the layer."""
+    torch.manual_seed(len(name) + padded)
+    layer = MoELayer(make_config(**ROUTING_VARIANTS[name]))
+    if layer.router.expert_bias is not None:
+        layer.router.expert_bias.copy_(torch.randn(8) * 0.2)
+    s, b = 9, 3
+    padding_mask = None
+    if padded:
+        padding_mask = torch.zeros(b, s, dtype=torch.bool)
+        padding_mask[1, 5:] = True
+    hidden = torch.randn(s, b, 32, dtype=F64)
+    idx, _ = _check_layer_against_oracle(layer, hidden, torch.randn(s, b, 32, dtype=F64), padding_mask)
+    if layer.config.moe.capacity_factor is not None:
+        capacity = expert_capacity(s * b, layer.config.moe.topk, 8, layer.config.moe.capacity_factor)
+        assert int((idx < 0).sum()) > 0, "the skew of random routing should overflow some expert"
+        assert int(_kept_counts(idx, 8).max()) <= capacity
+
+
+EDGE_CASES = {
+    # name: (moe overrides, expert bias forcing the routing or None, (s, b))
+    "all-to-expert3-dropless": (
+        dict(topk=1, score_func="sigmoid", expert_bias=True), [0.0] * 3 + [9.0] + [0.0] * 4, (7, 3)
+    ),
+    "all-to-expert3-cap1.0": (
+        dict(topk=1, score_func="sigmoid", expert_bias=True, capacity_factor=1.0, drop_policy="position"),
+        [0.0] * 3 + [9.0] + [0.0] * 4,
+        (7, 3),
+    ),
+    "topk-eq-E-dropless": (dict(topk=8, num_groups=2, topk_groups=2), None, (5, 3)),
+    "topk-eq-E-cap1.0": (dict(topk=4, num_experts=4, capacity_factor=1.0, score_func="sigmoid"), None, (5, 3)),
+    "no-tokens": (dict(shared_expert_ffn_hidden_size=16, aux_loss_type="seq"), None, (0, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_edge_cases_match_dense_oracle(name):
+    moe, bias, (s, b) = EDGE_CASES[name]
+    torch.manual_seed(7)
+    layer = MoELayer(make_config(**moe))
+    if bias is not None:
+        layer.router.expert_bias.copy_(torch.tensor(bias))
+    hidden = torch.randn(s, b, 32, dtype=F64)
+    idx, grads = _check_layer_against_oracle(layer, hidden, torch.randn(s, b, 32, dtype=F64))
+    counts = layer.tokens_per_expert
+    num_experts, topk = layer.config.moe.num_experts, layer.config.moe.topk
+    if bias is not None:  # one expert takes every kept copy; the others get none and no gradient
+        cf = layer.config.moe.capacity_factor
+        assert counts.tolist() == [0] * 3 + [s * b if cf is None else expert_capacity(s * b, 1, 8, cf)] + [0] * 4
+        idle = torch.arange(num_experts) != 3
+        assert not grads["experts.weight1"][idle].any() and not grads["experts.weight2"][idle].any()
+    if topk == num_experts:  # every token reaches every expert; a capacity of T drops nothing
+        assert counts.tolist() == [s * b] * num_experts and int(layer.last_dropped) == 0
+    if s * b == 0:
+        assert counts.sum() == 0 and not grads["experts.weight1"].any()
+
+
+def test_two_runs_are_bitwise_equal():
+    moe = dict(
+        capacity_factor=0.75, num_groups=4, topk_groups=2, score_func="sigmoid", expert_bias=True,
+        shared_expert_ffn_hidden_size=16, aux_loss_type="seq", z_loss_coeff=0.01,
+    )
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        layer = MoELayer(make_config(dtype=torch.float32, **moe))
+        layer.router.expert_bias.copy_(torch.randn(8) * 0.1)
+        hidden, g = torch.randn(13, 3, 32), torch.randn(13, 3, 32)
+        runs.append(_run_layer(layer, hidden, g) + (layer.tokens_per_expert.clone(),))
+    (out_a, grads_a, counts_a), (out_b, grads_b, counts_b) = runs
+    assert torch.equal(out_a, out_b) and torch.equal(counts_a, counts_b)
+    for key in grads_a:
+        assert torch.equal(grads_a[key], grads_b[key]), key
 
 
 def test_aux_loss_changes_gradients_not_output_and_is_off_in_eval():
@@ -147,7 +295,7 @@ def test_padding_mask_excludes_padding_from_aux_loss_and_counts():
     out_full = layer(hidden)[0]
 
     token_mask = padding_mask.t().reshape(-1)  # [T] in [s, b] token order
-    _, want_aux, idx = dense_oracle(layer, hidden.view(s * b, 32), token_mask)
+    _, want_aux, idx = dense_oracle(layer, hidden.view(s * b, 32), token_mask, b)
     torch.testing.assert_close(aux_masked, want_aux.float())
     assert torch.equal(counts_masked, torch.bincount(idx[~token_mask].flatten(), minlength=8))
     torch.testing.assert_close(out_masked, out_full, rtol=0, atol=0)
@@ -220,10 +368,15 @@ def test_routing_stays_fp32_after_the_model_is_cast_to_bf16():
 
 
 def test_config_errors():
-    with pytest.raises(NotImplementedError, match="moe.capacity_factor"):
-        MoELayer(make_config(capacity_factor=1.25))
+    with pytest.raises(ValueError, match="aux_loss_type"):
+        MoELayer(make_config(aux_loss_type="batch"))
     with pytest.raises(ValueError, match="num_local_experts"):
         GroupedExperts(make_config(), 0)
+    seq_router = MoELayer(make_config(aux_loss_type="seq")).router
+    with pytest.raises(ValueError, match="batch_size"):
+        seq_router(torch.randn(6, 32, dtype=F64))
+    with pytest.raises(ValueError, match="batch_size"):
+        seq_router(torch.randn(6, 32, dtype=F64), batch_size=4)
 
 
 def _run_layer(layer, hidden, g):
@@ -240,65 +393,125 @@ def _inputs(rank, s, b):
 
 
 EP_SCENARIOS = {
-    # name: (moe overrides, [(s, b)] per rank, expert bias that forces the routing or None)
-    "random-shared": (dict(shared_expert_ffn_hidden_size=16), [(5, 3), (7, 2)], None),
-    "all-to-rank0": (dict(score_func="sigmoid", expert_bias=True), [(4, 3), (3, 3)], [10.0] * 4 + [0.0] * 4),
+    # name: (moe overrides, [(s, b)] per rank of the world, expert bias that forces the routing or None)
+    "random-shared": (dict(shared_expert_ffn_hidden_size=16), [(5, 3), (7, 2), (3, 1), (4, 2)], None),
+    # experts 0-3 only: with EP=2 rank 1's experts, with EP=4 ranks 2 and 3's, receive nothing
+    "all-to-experts0-3": (
+        dict(score_func="sigmoid", expert_bias=True), [(4, 3), (3, 3), (2, 2), (5, 1)], [10.0] * 4 + [0.0] * 4
+    ),
+    "capacity-groups": (
+        dict(capacity_factor=0.75, drop_policy="position", num_groups=4, topk_groups=2, topk=3, z_loss_coeff=0.01),
+        [(6, 2), (5, 3), (3, 3), (4, 2)],
+        None,
+    ),
+    "empty-rank": (dict(aux_loss_type="seq", capacity_factor=1.0), [(5, 2), (3, 3), (4, 1), (0, 2)], None),
 }
 
 
+def _ep_case(rank, name, ep_group, members, solo_group):
+    """EP layer on this rank's tokens vs an EP=1 layer on the tokens of every member of the EP group."""
+    moe, shapes, bias = EP_SCENARIOS[name]
+    cfg = make_config(**moe)
+    ep_size, ep_rank = len(members), members.index(rank)
+    torch.manual_seed(0)
+    ep_layer = MoELayer(cfg, ep_group=ep_group)  # None: the EP group of parallel_state
+    torch.manual_seed(0)
+    ref_layer = MoELayer(cfg, ep_group=solo_group)  # a size-1 group: no communication
+    num_local = 8 // ep_size
+    assert ep_layer.dispatcher.ep_size == ep_size and ref_layer.dispatcher.ep_size == 1
+    assert ep_layer.local_expert_indices == list(range(ep_rank * num_local, (ep_rank + 1) * num_local))
+    for layer in (ep_layer, ref_layer):
+        if bias is not None:
+            layer.router.expert_bias.copy_(torch.tensor(bias))
+    local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
+    ref_state = ref_layer.state_dict()
+    for key, value in ep_layer.state_dict().items():
+        want = ref_state[key][local] if key.startswith("experts.") else ref_state[key]
+        torch.testing.assert_close(value, want, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
+
+    hidden, g = _inputs(rank, *shapes[rank])
+    out, grads = _run_layer(ep_layer, hidden, g)
+    ref = {r: _run_layer(ref_layer, *_inputs(r, *shapes[r])) for r in members}
+    torch.testing.assert_close(out, ref[rank][0], rtol=1e-9, atol=1e-10)
+    for key, grad in grads.items():
+        if key.startswith("experts."):
+            want = sum(ref_r[1][key] for ref_r in ref.values())[local]  # the group's tokens reach them
+        else:
+            want = ref[rank][1][key]  # replicated params: this rank's tokens only
+        torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name} grad {key}: {m}")
+    ref_layer.reset_stats()
+    _run_layer(ref_layer, hidden, g)
+    assert torch.equal(ep_layer.tokens_per_expert, ref_layer.tokens_per_expert), name
+    assert torch.equal(ep_layer.last_dropped, ref_layer.last_dropped), name
+    torch.testing.assert_close(ep_layer.last_aux_loss, ref_layer.last_aux_loss)
+    received = int(ep_layer.dispatcher.recv_counts.sum())
+    expert_grads_nonzero = any(bool(grads[k].any()) for k in grads if k.startswith("experts."))
+    assert expert_grads_nonzero == (received > 0), name
+    return received, int(ep_layer.last_dropped)
+
+
+def _global_aux_case(rank, group, members):
+    """The "global" aux loss over `group` against a hand computation from every member's tokens."""
+    cfg = make_config(aux_loss_type="global", aux_loss_coeff=0.3)
+    torch.manual_seed(0)
+    router = TopKRouter(cfg, aux_loss_group=group)
+    xs = {r: torch.randn(3 + 2 * r, 32, dtype=F64, generator=torch.Generator().manual_seed(50 + r)) for r in members}
+    x = xs[rank].clone().requires_grad_(True)
+    probs, _ = router(x)
+    g = torch.randn(probs.shape, dtype=F64, generator=torch.Generator().manual_seed(rank))
+    got = torch.autograd.grad(probs, [x, router.weight], g)
+
+    counts = [0] * 8  # copies per expert over the tokens of every member
+    for r in members:
+        for e in router_topk(xs[r] @ router.weight.detach().t(), 2)[1].flatten().tolist():
+            counts[e] += 1
+    logits = x @ router.weight.t()
+    scores = logits.softmax(-1)
+    hand = 8 * sum(counts[e] / sum(counts) * scores[:, e].mean() for e in range(8))
+    torch.testing.assert_close(router.last_aux_loss, hand.detach().float())
+    objective = (router_topk(logits, 2)[0] * g).sum() + 0.3 * hand
+    for a, w in zip(got, torch.autograd.grad(objective, [x, router.weight])):
+        torch.testing.assert_close(a, w)
+    local = load_balancing_loss(scores, router_topk(logits, 2)[1], 8, 2)
+    return abs(float(hand) - float(local)) > 1e-6  # the other ranks' load made a difference
+
+
 def _ep_worker(rank, world_size):
-    """Runs on each rank: EP=2 layer on this rank's tokens vs EP=1 layers on every rank's tokens."""
+    """EP=4 (parallel_state's group) and EP=2 (groups {0, 1} and {2, 3}) against EP=1; the global
+    aux loss over 2 and 4 ranks against a hand computation."""
     torch.set_num_threads(1)
-    solo_groups = [dist.new_group([r]) for r in range(world_size)]  # collective: every rank creates all
+    # new_group is collective: every rank creates every group, in the same order
+    solo_groups = [dist.new_group([r]) for r in range(world_size)]
+    pairs = [[0, 1], [2, 3]]
+    pair_groups = [dist.new_group(p) for p in pairs]
     init_megatron(rank, world_size, ep=world_size)
     with pytest.raises(ValueError, match="num_experts"):
-        AllToAllDispatcher(3, ps.get_expert_model_parallel_group())
-    received = {}
-    for name, (moe, shapes, bias) in EP_SCENARIOS.items():
-        cfg = make_config(**moe)
-        torch.manual_seed(0)
-        ep_layer = MoELayer(cfg)  # EP group from parallel_state
-        torch.manual_seed(0)
-        ref_layer = MoELayer(cfg, ep_group=solo_groups[rank])  # a size-1 group: no communication
-        assert ep_layer.dispatcher.ep_size == world_size and ref_layer.dispatcher.ep_size == 1
-        assert ep_layer.local_expert_indices == list(range(rank * 4, rank * 4 + 4))
-        for layer in (ep_layer, ref_layer):
-            if bias is not None:
-                layer.router.expert_bias.copy_(torch.tensor(bias))
-        local = slice(rank * 4, rank * 4 + 4)
-        ref_state = ref_layer.state_dict()
-        for key, value in ep_layer.state_dict().items():
-            want = ref_state[key][local] if key.startswith("experts.") else ref_state[key]
-            torch.testing.assert_close(value, want, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
-
-        hidden, g = _inputs(rank, *shapes[rank])
-        out, grads = _run_layer(ep_layer, hidden, g)
-        ref = [_run_layer(ref_layer, *_inputs(r, *shapes[r])) for r in range(world_size)]
-        torch.testing.assert_close(out, ref[rank][0], rtol=1e-9, atol=1e-10)
-        for key, grad in grads.items():
-            if key.startswith("experts."):
-                want = sum(ref_r[1][key] for ref_r in ref)[local]  # every rank's tokens reach them
-            else:
-                want = ref[rank][1][key]  # replicated params: this rank's tokens only
-            torch.testing.assert_close(
-                grad, want, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name} grad {key}: {m}"
-            )
-        ref_layer.reset_stats()
-        _run_layer(ref_layer, hidden, g)
-        assert torch.equal(ep_layer.tokens_per_expert, ref_layer.tokens_per_expert), name
-        torch.testing.assert_close(ep_layer.last_aux_loss, ref_layer.last_aux_loss)
-        received[name] = int(ep_layer.dispatcher.recv_counts.sum())
-        expert_grads_nonzero = any(bool(grads[k].any()) for k in grads if k.startswith("experts."))
-        assert expert_grads_nonzero == (received[name] > 0), name
-    return received
+        AllToAllDispatcher(6, ps.get_expert_model_parallel_group())
+    pair = rank // 2
+    results = {}
+    default_group = MoELayer(make_config(aux_loss_type="global")).router.aux_loss_group
+    assert dist.get_world_size(default_group) == world_size  # parallel_state's data-parallel group
+    results["global-aux-2"] = _global_aux_case(rank, pair_groups[pair], pairs[pair])
+    results["global-aux-4"] = _global_aux_case(rank, default_group, list(range(world_size)))
+    for name in EP_SCENARIOS:
+        results[(4, name)] = _ep_case(rank, name, None, list(range(world_size)), solo_groups[rank])
+        results[(2, name)] = _ep_case(rank, name, pair_groups[pair], pairs[pair], solo_groups[rank])
+    return results
 
 
 @pytest.mark.distributed
 def test_expert_parallel_matches_single_process():
-    received = spawn(_ep_worker, 2)  # [rank] -> {scenario: rows received by the rank's experts}
+    results = spawn(_ep_worker, 4)  # [rank] -> {(ep, scenario): (rows received, copies dropped)}
+    assert all(results[r]["global-aux-2"] and results[r]["global-aux-4"] for r in range(4))
     for name, (moe, shapes, _) in EP_SCENARIOS.items():
-        num_copies = sum(s * b * make_config(**moe).moe.topk for s, b in shapes)
-        assert received[0][name] + received[1][name] == num_copies, name
-    assert received[0]["random-shared"] > 0 and received[1]["random-shared"] > 0
-    # the expert bias sends every copy to rank 0's experts: rank 1's experts get none
-    assert received[1]["all-to-rank0"] == 0
+        topk = make_config(**moe).moe.topk
+        for ep, groups in ((4, [[0, 1, 2, 3]]), (2, [[0, 1], [2, 3]])):
+            for members in groups:
+                sent = sum(shapes[r][0] * shapes[r][1] * topk - results[r][(ep, name)][1] for r in members)
+                assert sum(results[r][(ep, name)][0] for r in members) == sent, (ep, name)
+    for rank in range(4):
+        assert results[rank][(4, "random-shared")][0] > 0
+    # the expert bias sends every copy to experts 0-3: the ranks holding experts 4-7 get none
+    assert [results[r][(4, "all-to-experts0-3")][0] == 0 for r in range(4)] == [False, False, True, True]
+    assert [results[r][(2, "all-to-experts0-3")][0] == 0 for r in range(4)] == [False, True, False, True]
+    assert sum(results[r][(4, "capacity-groups")][1] for r in range(4)) > 0

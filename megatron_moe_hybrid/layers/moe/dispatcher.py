@@ -3,11 +3,13 @@
 Experts are split contiguously over the EP group: rank r holds experts
 [r * E_local, (r + 1) * E_local). Only token_dispatch and token_combine communicate, so a
 caller can overlap them with other work. Everything runs on CPU over gloo as well as on GPU.
+Copies dropped by the router's capacity (topk_idx -1) are permuted behind all real experts'
+rows and never sent; at the combine their rows come back as zeros.
 
 Shape legend:
     T  local tokens         K  experts per token      h  hidden size
     E  experts (global)     E_local = E / ep          ep EP group size
-    N_send = T * K rows sent by this rank; N_recv rows received for the local experts
+    N_send rows sent by this rank (T * K less the dropped copies); N_recv rows received
 """
 
 import torch
@@ -66,11 +68,17 @@ class AllToAllDispatcher:
         )
 
     def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        """x [T, h], topk_idx [T, K] -> rows [N_send, h] ordered by expert, hence by destination."""
-        permuted, self.row_id_map, tokens_per_expert = permute_tokens(x, topk_idx, self.num_experts, self.permute_backend)
-        self.tokens_per_expert = tokens_per_expert  # [E] local copies per global expert
-        self.input_splits = tokens_per_expert.view(self.ep_size, -1).sum(1).tolist()  # [ep]
-        return permuted
+        """x [T, h], topk_idx [T, K] (-1: dropped) -> rows [N_send, h] ordered by expert, hence
+        by destination."""
+        # A virtual expert E after the real ones collects the dropped copies at the tail.
+        routed_idx = topk_idx.masked_fill(topk_idx < 0, self.num_experts)  # [T, K]
+        permuted, self.row_id_map, counts = permute_tokens(
+            x, routed_idx, self.num_experts + 1, self.permute_backend
+        )  # [T*K, h], [T*K], [E + 1]
+        self.tokens_per_expert = counts[: self.num_experts]  # [E] local kept copies per global expert
+        self.input_splits = self.tokens_per_expert.view(self.ep_size, -1).sum(1).tolist()  # [ep]
+        self.num_copies = topk_idx.numel()
+        return permuted[: sum(self.input_splits)]
 
     def token_dispatch(self, permuted: torch.Tensor) -> torch.Tensor:
         """[N_send, h] -> [N_recv, h] laid out as [src_rank][local_expert] blocks."""
@@ -111,5 +119,8 @@ class AllToAllDispatcher:
         return _AllToAll.apply(self.ep_group, y, self.input_splits, self.output_splits)
 
     def combine_postprocess(self, y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """[N_send, h], probs [T, K] -> [T, h]: the probability-weighted sum over each token's experts."""
+        """[N_send, h], probs [T, K] -> [T, h]: the probability-weighted sum over each token's
+        kept experts (a dropped copy reads a zero row, so adds nothing, whatever its weight)."""
+        if y.shape[0] < self.num_copies:
+            y = torch.cat([y, y.new_zeros(self.num_copies - y.shape[0], y.shape[1])])  # [T*K, h]
         return unpermute_tokens(y, self.row_id_map, probs, self.permute_backend)

@@ -1,7 +1,8 @@
 """The MoE MLP block: router -> dispatch -> grouped experts -> combine (+ shared expert).
 
 Model code is single-device; expert parallelism lives only in the dispatcher, whose process
-group is passed in (or taken from Megatron's parallel_state when that is initialised).
+group is passed in (or taken from Megatron's parallel_state when that is initialised), as is
+the data-parallel group over which the "global" aux loss counts the expert load.
 
 Shape legend:
     s sequence, b micro-batch, T = s * b tokens, h hidden size
@@ -40,23 +41,25 @@ class MoELayer(MegatronModule):
     Kept for the trainer:
       last_aux_loss      detached load-balancing loss of the latest micro-batch, before
                          moe.aux_loss_coeff (1.0 = balanced);
-      tokens_per_expert  [E] int64 routed copies per expert (this rank's non-padding tokens)
-                         summed over the grad-enabled forwards since reset_stats(); the
+      last_z_loss        detached router z-loss of the latest micro-batch, before moe.z_loss_coeff;
+      last_dropped       int64 scalar tensor: copies of the latest forward dropped by the
+                         capacity (moe.capacity_factor; always 0 when dropless);
+      tokens_per_expert  [E] int64 kept routed copies per expert (this rank's non-padding
+                         tokens) summed over the grad-enabled forwards since reset_stats(); the
                          trainer all-reduces it for router.update_expert_bias.
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, ep_group=None, **kwargs):
+    def __init__(self, config, submodules=None, layer_number=None, ep_group=None, dp_group=None, **kwargs):
         super().__init__(config)
         moe = config.moe
-        if moe.capacity_factor is not None:
-            raise NotImplementedError(
-                f"moe.capacity_factor={moe.capacity_factor} (token dropping) is not implemented; "
-                "set moe.capacity_factor to None for dropless routing"
-            )
         if ep_group is None and ps.model_parallel_is_initialized():
             ep_group = ps.get_expert_model_parallel_group()
+        global_aux = getattr(moe, "aux_loss_type", "micro_batch") == "global"
+        if dp_group is None and global_aux and ps.model_parallel_is_initialized():
+            # every rank that holds other tokens of the global batch (CP ranks hold other positions)
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.layer_number = layer_number
-        self.router = TopKRouter(config)
+        self.router = TopKRouter(config, aux_loss_group=dp_group)
         # Configs without a dispatcher field get the all-to-all one (the only one so far).
         dispatcher_cls = MOE_DISPATCHERS.get(getattr(moe, "dispatcher", "alltoall"))
         self.dispatcher = dispatcher_cls(moe.num_experts, ep_group, getattr(moe, "permute_backend", "auto"))
@@ -73,6 +76,7 @@ class MoELayer(MegatronModule):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False
         )
+        self.last_dropped = torch.zeros((), dtype=torch.int64)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -80,6 +84,10 @@ class MoELayer(MegatronModule):
     @property
     def last_aux_loss(self) -> torch.Tensor:
         return self.router.last_aux_loss
+
+    @property
+    def last_z_loss(self) -> torch.Tensor:
+        return self.router.last_z_loss
 
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
@@ -95,24 +103,27 @@ class MoELayer(MegatronModule):
                     f"got shape {tuple(padding_mask.shape)}"
                 )
             padding_mask = padding_mask.t().reshape(-1).bool()  # [T] in the token order of x
-        probs, topk_idx = self.router(x, padding_mask)  # [T, K] each
+        probs, topk_idx = self.router(x, padding_mask, batch_size=b)  # [T, K] each; -1 = dropped
 
         d = self.dispatcher
-        permuted = d.dispatch_preprocess(x, topk_idx)  # [T*K, h]
+        permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
         received = d.token_dispatch(permuted)  # [N_recv, h]
         x_sorted, tokens_per_local_expert = d.dispatch_postprocess(received)  # [N_recv, h], [E_local]
         y_sorted = self.experts(x_sorted, tokens_per_local_expert)  # [N_recv, h]
-        y = d.token_combine(d.combine_preprocess(y_sorted))  # [T*K, h]
+        y = d.token_combine(d.combine_preprocess(y_sorted))  # [N_send, h]
         out = d.combine_postprocess(y, probs)  # [T, h]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
+        self.last_dropped = (topk_idx < 0).sum()
         # Counted only with grad enabled so that eval and reentrant-checkpoint recompute
         # forwards do not count twice (Megatron's rule for its expert-bias counts).
         if torch.is_grad_enabled():
             with torch.no_grad():
-                kept_idx = topk_idx if padding_mask is None else topk_idx[~padding_mask]
+                kept_idx = topk_idx if padding_mask is None else topk_idx[~padding_mask]  # [T', K]
+                # a virtual bin E collects the dropped copies and is cut off
+                kept_idx = kept_idx.masked_fill(kept_idx < 0, self.tokens_per_expert.numel())
                 self.tokens_per_expert += torch.bincount(
-                    kept_idx.flatten(), minlength=self.tokens_per_expert.numel()
-                ).to(self.tokens_per_expert.device)
+                    kept_idx.flatten(), minlength=self.tokens_per_expert.numel() + 1
+                )[:-1].to(self.tokens_per_expert.device)
         return out.view(s, b, h), None

@@ -1,13 +1,25 @@
-"""Top-k router: gate projection, scores, expert choice, load-balancing loss, expert bias.
+"""Top-k router: gate projection, scores, expert choice, balance losses, expert bias, capacity.
 
-Shape legend: T tokens, E experts, K experts per token, h hidden size.
+Shape legend: T = s * b tokens in the [s, b] layout, E experts, K experts per token,
+h hidden size.
 """
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_moe_hybrid.ops.moe import load_balancing_loss, router_topk
+from megatron_moe_hybrid.ops.moe.reference import (
+    capacity_keep_mask,
+    expert_capacity,
+    load_balancing_loss,
+    router_topk,
+    router_z_loss,
+    sequence_load_balancing_loss,
+)
+
+DROPPED = -1  # topk_idx of a copy dropped by the capacity: it goes to no expert
+AUX_LOSS_TYPES = ("micro_batch", "seq", "global")
 
 
 class TopKRouter(MegatronModule):
@@ -15,20 +27,34 @@ class TopKRouter(MegatronModule):
 
     The gate weight [E, h] is created in fp32 (or wider) and the routing math runs in fp32
     even if the model is later cast to bf16, so that rounding does not flip expert choices.
-    In training the load-balancing loss, scaled by config.moe.aux_loss_coeff, is attached to
-    the returned probs with Megatron's MoEAuxLossAutoScaler: the forward value is unchanged
-    and backward adds its gradient.
-    `last_aux_loss` keeps the unscaled loss of the latest micro-batch (detached).
+    In training, aux_loss_coeff * aux loss + z_loss_coeff * z-loss is attached to the
+    returned probs with Megatron's MoEAuxLossAutoScaler: the forward value is unchanged and
+    backward adds its gradient.
+    The aux loss (config.moe.aux_loss_type) is the Switch loss of the micro-batch, the mean of
+    per-sequence losses ("seq", DeepSeek-V3), or the micro-batch loss with the load f_e taken
+    from counts summed over aux_loss_group ("global"; None: this rank alone). It is computed
+    on the routing before any capacity drop: it balances what the router asks for.
+    `last_aux_loss` and `last_z_loss` keep the unscaled losses of the latest micro-batch (detached).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, aux_loss_group: dist.ProcessGroup | None = None):
         super().__init__(config)
         moe = config.moe
         self.num_experts = moe.num_experts
         self.topk = moe.topk
         self.score_func = moe.score_func
         self.norm_topk_prob = getattr(moe, "norm_topk_prob", None)
+        self.num_groups = getattr(moe, "num_groups", 1)
+        self.topk_groups = getattr(moe, "topk_groups", 1)
+        self.routed_scaling_factor = getattr(moe, "routed_scaling_factor", 1.0)
         self.aux_loss_coeff = moe.aux_loss_coeff
+        self.aux_loss_type = getattr(moe, "aux_loss_type", "micro_batch")
+        if self.aux_loss_type not in AUX_LOSS_TYPES:
+            raise ValueError(f"moe.aux_loss_type must be one of {AUX_LOSS_TYPES}, got {self.aux_loss_type!r}")
+        self.aux_loss_group = aux_loss_group
+        self.z_loss_coeff = getattr(moe, "z_loss_coeff", 0.0)
+        self.capacity_factor = getattr(moe, "capacity_factor", None)
+        self.drop_policy = getattr(moe, "drop_policy", "probs")
         self.bias_update_rate = moe.bias_update_rate
         dtype = torch.promote_types(config.params_dtype, torch.float32)
         self.weight = torch.nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, dtype=dtype))
@@ -38,30 +64,77 @@ class TopKRouter(MegatronModule):
         else:
             self.expert_bias = None
         self.last_aux_loss = torch.zeros((), dtype=torch.float32)
+        self.last_z_loss = torch.zeros((), dtype=torch.float32)
 
     def forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, batch_size: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, h], padding_mask [T] bool (True = padding) -> probs [T, K] fp32+, topk_idx [T, K].
+        """x [T, h] in [s, b] token order, padding_mask [T] bool (True = padding)
+        -> probs [T, K] fp32+, topk_idx [T, K] int64.
 
-        Padding tokens are still routed (their outputs are discarded by the loss mask) but do
-        not count in the load-balancing loss.
+        batch_size b splits the tokens into sequences for aux_loss_type "seq" (required there).
+        Copies dropped by the capacity have topk_idx DROPPED (-1) and weight 0.
+        Padding tokens are still routed (their outputs are discarded by the loss mask) and take
+        capacity, but count in neither loss.
         """
         dtype = torch.promote_types(self.weight.dtype, torch.float32)
         logits = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         self._keep_expert_bias_fp32()
         probs, topk_idx, scores = router_topk(
-            logits, self.topk, self.score_func, self.expert_bias, self.norm_topk_prob
+            logits,
+            self.topk,
+            self.score_func,
+            self.expert_bias,
+            self.norm_topk_prob,
+            self.num_groups,
+            self.topk_groups,
+            self.routed_scaling_factor,
         )
-        if padding_mask is not None:
-            scores, kept_idx = scores[~padding_mask], topk_idx[~padding_mask]
-        else:
-            kept_idx = topk_idx
-        aux_loss = load_balancing_loss(scores, kept_idx, self.num_experts, self.topk)
+        valid = None if padding_mask is None else ~padding_mask  # [T]
+        aux_loss = self._aux_loss(scores, topk_idx, valid, batch_size)
+        z_loss = router_z_loss(logits if valid is None else logits[valid])
         self.last_aux_loss = aux_loss.detach().float()
-        if self.training and torch.is_grad_enabled() and self.aux_loss_coeff:
-            probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss_coeff * aux_loss)
+        self.last_z_loss = z_loss.detach().float()
+
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(x.shape[0], self.topk, self.num_experts, self.capacity_factor)
+            keep = capacity_keep_mask(topk_idx, probs, self.num_experts, capacity, self.drop_policy)  # [T, K]
+            topk_idx = topk_idx.masked_fill(~keep, DROPPED)
+            probs = probs.masked_fill(~keep, 0.0)
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
+            probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss_coeff * aux_loss + self.z_loss_coeff * z_loss)
         return probs, topk_idx
+
+    def _aux_loss(
+        self,
+        scores: torch.Tensor,
+        topk_idx: torch.Tensor,
+        valid: torch.Tensor | None,
+        batch_size: int | None,
+    ) -> torch.Tensor:
+        """scores [T, E], topk_idx [T, K], valid [T] bool or None -> the unscaled aux loss."""
+        if self.aux_loss_type == "seq":
+            if batch_size is None or batch_size < 1 or scores.shape[0] % batch_size:
+                raise ValueError(
+                    f"batch_size must divide the {scores.shape[0]} tokens for moe.aux_loss_type='seq', "
+                    f"got {batch_size}; pass the micro-batch size b of the [s, b] layout"
+                )
+            seq_shape = (scores.shape[0] // batch_size, batch_size)
+            return sequence_load_balancing_loss(
+                scores.view(*seq_shape, self.num_experts),  # explicit sizes: s may be 0
+                topk_idx.view(*seq_shape, self.topk),
+                self.num_experts,
+                self.topk,
+                None if valid is None else valid.view(seq_shape),
+            )
+        if valid is not None:
+            scores, topk_idx = scores[valid], topk_idx[valid]
+        counts = None
+        if self.aux_loss_type == "global":
+            counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).to(scores.dtype)  # [E]
+            if self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
+                dist.all_reduce(counts, group=self.aux_loss_group)
+        return load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts)
 
     def _keep_expert_bias_fp32(self) -> None:
         """model.to(bf16) casts buffers too; bias steps of ~1e-3 would round away in bf16."""

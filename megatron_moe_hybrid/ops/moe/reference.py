@@ -7,7 +7,11 @@ Shape legend:
     T  tokens (flattened s * b)           E  experts (E_local: experts of this EP rank)
     K  experts per token (topk)           N  routed rows (T * K on the sending side)
     h  hidden size                        F  expert FFN hidden size
+    G  expert groups (group-limited routing), E / G experts per group
+    s, b  sequence length and micro-batch size of the [s, b] token layout (T = s * b)
 """
+
+import math
 
 import torch
 from torch.nn.functional import silu
@@ -20,21 +24,48 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _best_groups_mask(
+    selection: torch.Tensor, num_groups: int, topk_groups: int, score_func: str
+) -> torch.Tensor:
+    """[T, E] selection scores -> [T, E] bool, True for the experts of each token's best groups.
+
+    Group score as in DeepSeek-V3 (sigmoid): the sum of the group's two best scores; as in
+    DeepSeek-V2 (softmax): the group's best score. Ties go to the lower group index.
+    """
+    num_tokens, num_experts = selection.shape
+    grouped = selection.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E/G]
+    if score_func == "sigmoid":
+        top2 = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(top2, dim=-1).values.sum(-1)  # [T, G]
+    else:
+        group_scores = grouped.amax(-1)  # [T, G]
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_groups]  # [T, G_keep]
+    in_best = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    return in_best.repeat_interleave(num_experts // num_groups, dim=1)  # [T, E]
+
+
 def router_topk(
     logits: torch.Tensor,
     topk: int,
     score_func: str = "softmax",
     expert_bias: torch.Tensor | None = None,
     norm_topk_prob: bool | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing, DeepSeek-V3 convention.
 
     logits [T, E] -> probs [T, K], topk_idx [T, K] int64, scores [T, E].
-    expert_bias [E] (aux-loss-free balancing) is added only to choose the experts; the weights
-    come from the unbiased scores. norm_topk_prob None means the usual default per score
-    function: renormalise the top-k weights to sum to 1 for sigmoid (DeepSeek-V3), leave
-    softmax weights as they are (DeepSeek-V2); pass True/False to force it.
-    Ties go to the lower expert index (stable sort), so the choice is deterministic.
+    expert_bias [E] (aux-loss-free balancing) is added only to choose the experts (and their
+    groups); the weights come from the unbiased scores, for softmax and sigmoid alike.
+    Group-limited routing (num_groups > 1): the experts form num_groups contiguous groups,
+    each token keeps its best topk_groups groups and picks its top-k among their experts.
+    norm_topk_prob None means the usual default per score function: renormalise the top-k
+    weights to sum to 1 for sigmoid (DeepSeek-V3), leave softmax weights as they are
+    (DeepSeek-V2); pass True/False to force it. The weights are then multiplied by
+    routed_scaling_factor. Ties go to the lower expert index (stable sort), so the choice is
+    deterministic.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits.shape)}")
@@ -47,44 +78,161 @@ def router_topk(
         raise ValueError(
             f"expert_bias must be [E={num_experts}], got shape {tuple(expert_bias.shape)}"
         )
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"num_groups must divide num_experts={num_experts}, got {num_groups}")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups must be in [1, num_groups={num_groups}], got {topk_groups}")
+    if topk > topk_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"topk={topk} experts cannot come from topk_groups={topk_groups} groups of "
+            f"{num_experts // num_groups}; raise topk_groups or lower topk"
+        )
     if norm_topk_prob is None:
         norm_topk_prob = score_func == "sigmoid"
 
     logits = logits.to(_acc_dtype(logits.dtype))  # [T, E]
     scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()  # [T, E]
-    selection = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    selection = scores.detach()  # [T, E]: the choice carries no gradient
+    if expert_bias is not None:
+        selection = selection + expert_bias.to(scores.dtype)
+    if topk_groups < num_groups:
+        in_best = _best_groups_mask(selection, num_groups, topk_groups, score_func)
+        selection = selection.masked_fill(~in_best, float("-inf"))
     # A stable descending sort keeps equal scores in expert order; torch.topk does not promise it.
-    topk_idx = torch.sort(selection.detach(), dim=-1, descending=True, stable=True)[1][:, :topk]
+    topk_idx = torch.sort(selection, dim=-1, descending=True, stable=True)[1][:, :topk]
     probs = scores.gather(1, topk_idx)  # [T, K]
     if norm_topk_prob:
         probs = probs / probs.sum(-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        probs = probs * routed_scaling_factor
     return probs, topk_idx, scores
 
 
+def _check_scores_idx(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, topk: int) -> None:
+    if scores.dim() < 2 or scores.shape[-1] != num_experts:
+        raise ValueError(
+            f"scores must be [..., E={num_experts}], got shape {tuple(scores.shape)}"
+        )
+    if topk_idx.shape != scores.shape[:-1] + (topk,):
+        raise ValueError(
+            f"topk_idx must be {tuple(scores.shape[:-1]) + (topk,)} ([..., K={topk}] like scores), "
+            f"got shape {tuple(topk_idx.shape)}"
+        )
+
+
 def load_balancing_loss(
-    scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, topk: int
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    topk: int,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
 
-    f_e: fraction of the T*K routed copies that go to expert e (no gradient).
-    P_e: mean over tokens of the score of e, with scores normalised per token so that sigmoid
-    scores count like probabilities; for softmax scores this normalisation is the identity,
-    in value and in the gradient reaching the logits. T = 0 gives 0.
+    f_e: fraction of the routed copies that go to expert e (no gradient): counted from
+    topk_idx [T, K], or taken from expert_counts [E] when given (e.g. counts all-reduced over
+    the data-parallel group for a loss over the global batch).
+    P_e: mean over the T tokens of the score of e, with scores [T, E] normalised per token so
+    that sigmoid scores count like probabilities; for softmax scores this normalisation is the
+    identity, in value and in the gradient reaching the logits. No copies gives 0.
     """
-    if scores.dim() != 2 or scores.shape[1] != num_experts:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [T, E={num_experts}], got shape {tuple(scores.shape)}")
+    _check_scores_idx(scores, topk_idx, num_experts, topk)
+    if expert_counts is not None and expert_counts.shape != (num_experts,):
         raise ValueError(
-            f"scores must be [T, E={num_experts}], got shape {tuple(scores.shape)}"
-        )
-    if topk_idx.shape != (scores.shape[0], topk):
-        raise ValueError(
-            f"topk_idx must be [T={scores.shape[0]}, K={topk}], got shape {tuple(topk_idx.shape)}"
+            f"expert_counts must be [E={num_experts}], got shape {tuple(expert_counts.shape)}"
         )
     num_tokens = scores.shape[0]
     scores = scores.to(_acc_dtype(scores.dtype))
-    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts).to(scores.dtype)  # [E]
-    f = counts / max(num_tokens * topk, 1)  # [E]
+    if expert_counts is None:
+        expert_counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+    counts = expert_counts.detach().to(scores.dtype)  # [E]
+    f = counts / counts.sum().clamp_min(1)  # [E]
     p = (scores / scores.sum(-1, keepdim=True)).sum(0) / max(num_tokens, 1)  # [E]
     return num_experts * (f * p).sum()
+
+
+def sequence_load_balancing_loss(
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    topk: int,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: load_balancing_loss of each sequence alone,
+    averaged over the sequences that hold at least one valid token.
+
+    scores [s, b, E], topk_idx [s, b, K], valid [s, b] bool (False = padding, left out).
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [s, b, E={num_experts}], got shape {tuple(scores.shape)}")
+    _check_scores_idx(scores, topk_idx, num_experts, topk)
+    seq_len, batch = scores.shape[:2]
+    if valid is None:
+        valid = torch.ones(seq_len, batch, dtype=torch.bool, device=scores.device)
+    if valid.shape != (seq_len, batch):
+        raise ValueError(f"valid must be [s={seq_len}, b={batch}] bool, got shape {tuple(valid.shape)}")
+    scores = scores.to(_acc_dtype(scores.dtype))
+    weight = valid.to(scores.dtype)  # [s, b]
+    num_valid = weight.sum(0)  # [b]
+    seq_of_copy = torch.arange(batch, device=topk_idx.device).view(1, batch, 1)  # [1, b, 1]
+    flat = (seq_of_copy * num_experts + topk_idx)[valid]  # [n_valid, K]: (sequence, expert) bins
+    counts = torch.bincount(flat.flatten(), minlength=batch * num_experts).view(batch, num_experts)
+    f = counts.to(scores.dtype) / (num_valid * topk).clamp_min(1)[:, None]  # [b, E]
+    normed = scores / scores.sum(-1, keepdim=True) * weight[..., None]  # [s, b, E]
+    p = normed.sum(0) / num_valid.clamp_min(1)[:, None]  # [b, E]
+    per_seq = num_experts * (f * p).sum(-1)  # [b]; 0 for a sequence of padding only
+    return per_seq.sum() / (num_valid > 0).sum().clamp_min(1)
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss mean_t logsumexp(logits[t])^2 over logits [T, E]; T = 0 gives 0."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got shape {tuple(logits.shape)}")
+    lse = torch.logsumexp(logits.to(_acc_dtype(logits.dtype)), dim=-1)  # [T]
+    return lse.square().sum() / max(logits.shape[0], 1)
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Copies each expert may take: ceil(capacity_factor * T * K / E)."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (None in the config for dropless), got {capacity_factor}")
+    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+
+
+def capacity_keep_mask(
+    topk_idx: torch.Tensor,
+    probs: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    drop_policy: str = "probs",
+) -> torch.Tensor:
+    """[T, K] bool: True for the copies that fit in their expert's capacity.
+
+    Each expert keeps at most `capacity` of its copies: the highest-probability ones
+    (drop_policy "probs", ties to the earlier copy t*K+k) or those of the earliest tokens
+    ("position", copy order t*K+k).
+    """
+    if topk_idx.dim() != 2 or probs.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_idx and probs must both be [T, K], got {tuple(topk_idx.shape)} and {tuple(probs.shape)}"
+        )
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"drop_policy must be 'probs' or 'position', got {drop_policy!r}")
+    flat = topk_idx.flatten()  # [N]
+    num_copies = flat.numel()
+    if drop_policy == "probs":
+        order = torch.sort(probs.detach().flatten(), descending=True, stable=True)[1]  # [N] by priority
+    else:
+        order = torch.arange(num_copies, device=flat.device)
+    order = order[torch.sort(flat[order], stable=True)[1]]  # [N] by expert, then priority
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    starts = counts.cumsum(0) - counts  # [E]
+    rank_in_expert = torch.arange(num_copies, device=flat.device) - starts[flat[order]]  # [N]
+    keep = torch.empty(num_copies, dtype=torch.bool, device=flat.device)
+    keep[order] = rank_in_expert < capacity
+    return keep.view_as(topk_idx)
 
 
 def permute(

@@ -1,0 +1,154 @@
+"""TopKRouter: its losses against hand computations, the expert-bias update against a skewed
+load, and capacity drops. The "global" aux loss over a process group is checked in the
+4-process spawn of test_moe_layer.py (one spawn for all distributed MoE checks).
+
+Shape legend: s sequence, b micro-batch, T = s * b tokens in [s, b] order, h hidden size,
+E experts, K experts per token.
+"""
+
+import types
+
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_moe_hybrid.layers.moe import TopKRouter
+from megatron_moe_hybrid.ops.moe import router_topk
+
+F64 = torch.float64
+H, E = 16, 6
+
+
+@pytest.fixture(autouse=True)
+def unit_aux_loss_scale():
+    """The aux-loss gradient scale is class state that a trainer run in this process may change."""
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+def make_router(**moe):
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True, params_dtype=F64
+    )
+    fields = dict(
+        num_experts=E, topk=2, score_func="softmax", aux_loss_coeff=0.1, expert_bias=False,
+        bias_update_rate=1e-3, capacity_factor=None,
+    )
+    fields.update(moe)
+    cfg.moe = types.SimpleNamespace(**fields)
+    return TopKRouter(cfg)
+
+
+def _hand_losses(router, x, s, b, valid, aux_loss_type):
+    """Aux loss and z-loss written out token by token from the definitions."""
+    logits = x @ router.weight.t()  # [T, E]
+    scores = logits.softmax(-1) if router.score_func == "softmax" else logits.sigmoid()
+    _, idx, _ = router_topk(logits.detach(), router.topk, router.score_func, router.expert_bias)
+    tokens = [t for t in range(s * b) if valid[t]]
+    z = sum(torch.log(torch.exp(logits[t]).sum()) ** 2 for t in tokens) / max(len(tokens), 1)
+    # a sequence is the tokens j, j + b, j + 2b, ... of the [s, b] layout
+    groups = [[t for t in tokens if t % b == j] for j in range(b)] if aux_loss_type == "seq" else [tokens]
+    losses = []
+    for group in groups:
+        if not group:
+            continue
+        loss = 0.0
+        for e in range(E):
+            f_e = sum(int(e in idx[t].tolist()) for t in group) / (router.topk * len(group))
+            p_e = sum(scores[t, e] / scores[t].sum() for t in group) / len(group)
+            loss = loss + E * f_e * p_e
+        losses.append(loss)
+    return sum(losses) / len(losses), z
+
+
+@pytest.mark.parametrize("aux_loss_type", ["micro_batch", "seq"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize(
+    "s,b,padded", [(7, 3, False), (5, 2, True), (1, 1, False)], ids=["S7-B3", "S5-B2-padded", "S1-B1"]
+)
+def test_router_losses_match_hand_computation(aux_loss_type, score_func, s, b, padded):
+    torch.manual_seed(s * 7 + b)
+    router = make_router(score_func=score_func, aux_loss_type=aux_loss_type, aux_loss_coeff=0.2, z_loss_coeff=0.05)
+    x = torch.randn(s * b, H, dtype=F64, requires_grad=True)
+    padding_mask = torch.zeros(s * b, dtype=torch.bool)
+    if padded:
+        padding_mask[-3:] = True  # the last 3 positions of the [s, b] layout: both sequences' tails
+    probs, idx = router(x, padding_mask if padded else None, batch_size=b)
+
+    aux, z = _hand_losses(router, x, s, b, ~padding_mask, aux_loss_type)
+    torch.testing.assert_close(router.last_aux_loss, aux.detach().float())
+    torch.testing.assert_close(router.last_z_loss, z.detach().float())
+    want_probs, want_idx, _ = router_topk(x @ router.weight.t(), 2, score_func)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(probs, want_probs)
+
+    g = torch.randn_like(probs)
+    got = torch.autograd.grad(probs, [x, router.weight], g)
+    objective = (want_probs * g).sum() + 0.2 * aux + 0.05 * z
+    for a, w in zip(got, torch.autograd.grad(objective, [x, router.weight])):
+        torch.testing.assert_close(a, w)
+
+
+def test_global_aux_loss_without_a_group_is_the_micro_batch_loss():
+    torch.manual_seed(3)
+    x = torch.randn(11, H, dtype=F64)
+    local, micro = make_router(aux_loss_type="global"), make_router(aux_loss_type="micro_batch")
+    micro.load_state_dict(local.state_dict())
+    local(x), micro(x)
+    torch.testing.assert_close(local.last_aux_loss, micro.last_aux_loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_expert_bias_moves_a_skewed_load_towards_balance(score_func):
+    """Fixed logits that favour the low experts; aux-loss-free bias updates even the load."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, topk = 240, 2
+    skew = torch.linspace(2.0, 0.0, E, dtype=F64)  # [E]: expert 0 favoured
+    logits = torch.randn(num_tokens, E, dtype=F64, generator=gen) + skew  # [T, E]
+    router = make_router(score_func=score_func, expert_bias=True, bias_update_rate=0.02, topk=topk)
+
+    def load_ratio():
+        _, idx, _ = router_topk(logits, topk, score_func, router.expert_bias)
+        counts = torch.bincount(idx.flatten(), minlength=E).double()
+        return counts, float(counts.max() / counts.mean())
+
+    counts, start = load_ratio()
+    ratios = [start]
+    for _ in range(60):
+        router.update_expert_bias(counts)
+        counts, ratio = load_ratio()
+        ratios.append(ratio)
+    assert start > 1.5, "the logits should start clearly skewed"
+    assert max(ratios[-10:]) < 1 + (start - 1) / 3, ratios
+    assert router.expert_bias[0] < 0 < router.expert_bias[-1]
+
+
+def test_softmax_bias_selects_but_does_not_weight():
+    torch.manual_seed(4)
+    router = make_router(expert_bias=True)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, 5.0]))  # forces experts 4 and 5
+    x = torch.randn(9, H, dtype=F64)
+    probs, idx = router(x)
+    assert (idx.sort(-1).values == torch.tensor([4, 5])).all()
+    torch.testing.assert_close(probs, (x @ router.weight.t()).softmax(-1).gather(1, idx))
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_copies_and_their_gradient(policy):
+    torch.manual_seed(5)
+    router = make_router(capacity_factor=0.5, drop_policy=policy, aux_loss_coeff=0.0)
+    x = torch.randn(13, H, dtype=F64, requires_grad=True)
+    probs, idx = router(x)
+    free_probs, free_idx, _ = router_topk(x @ router.weight.t(), 2)
+    dropped = idx < 0
+    capacity = -(-13 * 2 // (2 * E))  # ceil(0.5 * T * K / E)
+    assert dropped.any()
+    assert torch.equal(idx[~dropped], free_idx[~dropped])
+    assert int(torch.bincount(idx[~dropped], minlength=E).max()) <= capacity
+    assert not probs[dropped].any()
+    torch.testing.assert_close(probs[~dropped], free_probs[~dropped])
+    g = torch.randn_like(probs)
+    got = torch.autograd.grad(probs, [x, router.weight], g)
+    want = torch.autograd.grad(free_probs, [x, router.weight], g.masked_fill(dropped, 0.0))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w)
