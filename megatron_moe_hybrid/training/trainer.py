@@ -166,9 +166,10 @@ class Trainer:
             from megatron_moe_hybrid.layers.lora import apply_lora
 
             lo = config.lora
-            self.lora_paths = apply_lora(self.model, lo.targets, lo.rank, lo.alpha, lo.dropout)
-            if not self.lora_paths:
-                raise ValueError(f"lora.targets: {lo.targets} matched no module of this model")
+            self.lora_paths = apply_lora(
+                self.model, lo.targets, lo.rank, lo.alpha, lo.dropout, rslora=lo.rslora,
+                expert_adapter=lo.expert_adapter, target_modules=lo.target_modules,
+            )
             if lo.base_dtype != "float32":
                 from megatron_moe_hybrid.parallel.fsdp import _dtype
 
@@ -408,7 +409,10 @@ class Trainer:
             lo = self.config.lora
             with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
                 json.dump({"r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
-                           "targets": lo.targets, "modules": self.lora_paths,
+                           "rslora": lo.rslora, "expert_adapter": lo.expert_adapter,
+                           "num_experts": self.config.moe.num_experts,
+                           "targets": lo.targets, "target_modules": lo.target_modules,
+                           "modules": self.lora_paths,
                            "base_checkpoint": self.config.training.init_from}, f, indent=1)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

@@ -125,3 +125,35 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     tuned_name = "decoder.layers.0.self_attention.in_proj.base.weight"
     assert name in base and tuned_name in tuned, (sorted(base)[:8], sorted(tuned)[:8])
     assert torch.equal(base[name], tuned[tuned_name])
+
+
+@pytest.mark.slow
+def test_lora_options_reach_the_adapter_and_export(corpus, cache_dir, tmp_path, raw_config):
+    import importlib.util
+
+    base_dir = str(tmp_path / "base")
+    raw, ov = raw_config(corpus, cache_dir, base_dir, **{"training.train_steps": 2})
+    spawn(_train, 1, raw, ov)
+    ft_dir = str(tmp_path / "ft")
+    raw, ov = raw_config(corpus, cache_dir, ft_dir, **{
+        "training.train_steps": 2, "training.init_from": base_dir, "lora.enabled": True,
+        "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model"),
+        "lora.rslora": True, "lora.expert_adapter": "shared", "lora.rank": 4,
+        "lora.targets": ["linear_attention", "experts"],
+        "lora.target_modules": [r"decoder\.layers\.[01]\..*"],
+    })
+    (ft,) = spawn(_train, 1, raw, ov, "finetune")
+    with open(os.path.join(ft["adapter"], "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["rslora"] is True and cfg["expert_adapter"] == "shared"
+    assert cfg["modules"] and all(m.startswith(("decoder.layers.0.", "decoder.layers.1.")) for m in cfg["modules"])
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("export_lora", os.path.join(root, "tools", "export_lora.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = str(tmp_path / "peft")
+    assert tool.main([ft_dir, out]) == 0
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        peft_cfg = json.load(f)
+    assert peft_cfg["peft_type"] == "LORA" and peft_cfg["use_rslora"] is True and peft_cfg["r"] == 4
