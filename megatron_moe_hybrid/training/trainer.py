@@ -209,13 +209,21 @@ class Trainer:
         if t.on_corrupt_checkpoint == "error":
             candidates = candidates[:1]
         for i, path in enumerate(candidates):
+            error = None
             try:
                 self._load(path)
             except ckpt.CheckpointError as e:
+                error = str(e)
+            # Every rank must resume from the same checkpoint: agree on the first failure.
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+            if failed is not None:
+                message = failed[1] if failed[0] == self.rank else f"rank {failed[0]}: {failed[1]}"
                 if i + 1 < len(candidates):
-                    _print0(f"warning: {e}; falling back to {candidates[i + 1]} (training.on_corrupt_checkpoint: previous)")
+                    _print0(f"warning: {message}; falling back to {candidates[i + 1]} (training.on_corrupt_checkpoint: previous)")
                     continue
-                raise
+                raise ckpt.CheckpointError(message)
             _print0(f"resumed from {path} at step {self.step}")
             self.last_checkpoint = path
             if self.rank == 0:  # drop metrics of steps after the checkpoint
