@@ -40,7 +40,7 @@ class RunResult:
 
 
 def init_distributed(config: HybridMoEConfig) -> None:
-    """gloo on CPU (nccl where CUDA exists); a 1-process group when not under torchrun."""
+    """A gloo group (a 1-process one when not under torchrun) and Megatron's parallel_state."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -49,8 +49,9 @@ def init_distributed(config: HybridMoEConfig) -> None:
 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.parallel.collective_timeout_s))
+        # The trainer keeps the model on the CPU for now (the GPU path is issue 12), so its
+        # collectives run over gloo even where CUDA exists.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.parallel.collective_timeout_s))
     _check_launch(config)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
