@@ -53,7 +53,7 @@ def apply_fsdp(model: nn.Module, config) -> nn.Module:
         param_dtype=_dtype(p.fsdp_param_dtype, "parallel.fsdp_param_dtype"),
         reduce_dtype=_dtype(p.fsdp_reduce_dtype, "parallel.fsdp_reduce_dtype"),
     )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = next(model.parameters()).device.type  # the trainer keeps the model on the CPU today
     dp_mesh = DeviceMesh.from_group(ps.get_data_parallel_group(), device)
     expert_mesh = DeviceMesh.from_group(ps.get_expert_data_parallel_group(), device)
     dp_size = ps.get_data_parallel_world_size()
