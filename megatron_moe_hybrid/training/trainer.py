@@ -259,13 +259,13 @@ class Trainer:
         return os.path.join(self.output_dir, "metrics.jsonl")
 
     def _truncate_metrics(self, last_step: int) -> None:
-        path = self._metrics_path()
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-        with open(path, "w") as f:
-            f.writelines(keep)
+        for path in (self._metrics_path(), os.path.join(self.output_dir, "expert_load.jsonl")):
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                keep = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+            with open(path, "w") as f:
+                f.writelines(keep)
 
     def _batch(self, step: int, micro: int):
         from megatron_moe_hybrid.training.data import batch
@@ -287,6 +287,9 @@ class Trainer:
             if self.config.moe.expert_bias:
                 layer.router.update_expert_bias(c)
             layer.reset_stats()
+        if self.rank == 0:  # the full per-layer, per-expert counts of this step
+            with open(os.path.join(self.output_dir, "expert_load.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "tokens_per_expert": counts.long().tolist()}) + "\n")
         per_layer_max, per_layer_mean = counts.max(dim=1).values, counts.mean(dim=1)
         return {
             "expert_load_max": float(per_layer_max.mean()),

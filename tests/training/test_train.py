@@ -32,6 +32,13 @@ def test_loss_falls(corpus, cache_dir, tmp_path, raw_config):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "expert_load_max", "expert_load_mean"):
         assert key in metrics[-1], key
     assert [m["step"] for m in metrics] == list(range(1, 41))
+    # every step logs the per-layer, per-expert counts: all routed copies of the global batch
+    with open(os.path.join(str(tmp_path / "run"), "expert_load.jsonl")) as f:
+        loads = [json.loads(line) for line in f]
+    assert [x["step"] for x in loads] == list(range(1, 41))
+    counts = loads[-1]["tokens_per_expert"]  # [L, E]
+    assert len(counts) == 4 and all(len(row) == 8 for row in counts)
+    assert all(sum(row) == 4 * 32 * 2 for row in counts)  # global batch x seq x top-k
 
 
 def test_resume_is_bitwise_exact(corpus, cache_dir, tmp_path, raw_config):
