@@ -9,7 +9,7 @@ Importing this module imports torch and _C, never CUDA.
 import warnings
 from types import ModuleType
 
-import torch  # loads libtorch first: _C links against it
+import torch  # noqa: F401  (loads libtorch first: _C links against it)
 
 try:
     from megatron_moe_hybrid import _C

@@ -112,7 +112,7 @@ class LoRAConfig:
 @dataclass
 class MemoryConfig:
     ce_chunk_size: int = 1024  # tokens per chunk of the linear + cross-entropy
-    activation_offload: bool = False
+    activation_offload: bool = False  # host-memory activation offload: not implemented yet (issue 7)
 
 
 @dataclass
@@ -464,6 +464,11 @@ def _validate(c: HybridMoEConfig) -> None:
 
     # memory
     _positive(c.memory.ce_chunk_size, "memory.ce_chunk_size")
+    _require(
+        not c.memory.activation_offload,
+        "memory.activation_offload",
+        "host-memory activation offload is not implemented yet; leave it false",
+    )
 
     # parallel
     p = c.parallel

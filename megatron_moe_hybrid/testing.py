@@ -6,7 +6,6 @@ mocking torch.distributed, so that distributed code is exercised as it runs.
 
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -14,11 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_moe_hybrid.parallel.launch import free_port  # noqa: F401  (re-exported for tests)
 
 
 def init_megatron(

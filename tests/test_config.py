@@ -67,6 +67,7 @@ INVALID = [
     ("zero-seq-length", {"training.seq_length": 0}, 1, "training.seq_length"),
     ("negative-grad-clip", {"training.grad_clip": -1.0}, 1, "training.grad_clip"),
     ("bad-resume", {"training.resume": "sometimes"}, 1, "training.resume"),
+    ("offload-unimplemented", {"memory.activation_offload": True}, 1, "memory.activation_offload"),
     ("zero-ce-chunk", {"memory.ce_chunk_size": 0}, 1, "memory.ce_chunk_size"),
     ("unknown-group", {"mooe.num_experts": 8}, 1, "mooe"),
     ("unknown-field-typo", {"moe.num_expert": 8}, 1, "moe.num_expert"),

@@ -485,10 +485,6 @@ def lora_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if "lora_" in n}
-
-
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """This process's adapters under the trainer's file names: per-expert adapters split as
     `<param>.expert<g>` with g the global expert index (TP is taken as 1)."""

@@ -12,6 +12,7 @@
 import json
 import threading
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -62,7 +63,7 @@ class Heartbeat:
         stale_s = 4 * self.interval_s
         time.sleep(stale_s if wait_s is None else wait_s)
         try:
-            self.store.set_timeout(__import__("datetime").timedelta(seconds=5))
+            self.store.set_timeout(timedelta(seconds=5))
             now = time.time()
             ages = {}
             for r in range(self.world):
@@ -107,36 +108,39 @@ def _first_difference(a, b, prefix: str = ""):
 
 
 class NonFiniteTracker:
-    """Remembers which parameter's gradient first went non-finite during backward."""
+    """Names the parameter whose gradient went non-finite first in backward order.
+
+    The hooks only record the order in which gradients are accumulated (a Python list, no
+    kernels); the gradients themselves are checked only after a step turned out bad. A NaN
+    or inf survives accumulation, so the earliest non-finite gradient in that order is the
+    first one that went bad. Under FSDP2 the hooks do not fire and nothing is named.
+    """
 
     def __init__(self, model: torch.nn.Module):
-        self.names: list[str] = []
-        self.order: list[int] = []  # parameter indices in the order their grads were accumulated
-        self.flags: list[torch.Tensor] = []  # matching "non-finite" flags, on the grads' device
-        self.handles = []
-        for i, (name, p) in enumerate(model.named_parameters()):
-            self.names.append(name)
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.order: list[int] = []  # indices into self.params, in accumulation order
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(self.params)
+        ]
 
     def _hook(self, index: int):
         def hook(p: torch.Tensor) -> None:
-            self.order.append(index)
-            self.flags.append(~torch.isfinite(p.grad).all())
+            if len(self.order) < len(self.params):  # the first micro-batch gives the order
+                self.order.append(index)
 
         return hook
 
     def reset(self) -> None:
         self.order.clear()
-        self.flags.clear()
 
     def first_bad(self) -> Optional[str]:
-        """The first parameter (backward order) whose gradient was non-finite; syncs once."""
-        if not self.flags:
+        """The first parameter (backward order) whose gradient is non-finite; syncs once."""
+        with_grad = [i for i in self.order if self.params[i][1].grad is not None]
+        if not with_grad:
             return None
-        bad = torch.stack(self.flags).cpu()
+        bad = torch.stack([~torch.isfinite(self.params[i][1].grad).all() for i in with_grad]).cpu()
         hits = bad.nonzero()
-        return self.names[self.order[int(hits[0])]] if len(hits) else None
+        return self.params[with_grad[int(hits[0])]][0] if len(hits) else None
 
     def remove(self) -> None:
         for h in self.handles:

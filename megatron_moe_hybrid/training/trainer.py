@@ -45,7 +45,7 @@ def init_distributed(config: HybridMoEConfig) -> None:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            from megatron_moe_hybrid.testing import free_port
+            from megatron_moe_hybrid.parallel.launch import free_port
 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -71,17 +71,16 @@ def _check_launch(config: HybridMoEConfig) -> None:
 
     world = dist.get_world_size()
     p = config.parallel
-    if p.world_size is not None and p.world_size != world:
+    if p.world_size is None:
+        # validate() ran with WORLD_SIZE from the environment (1 without torchrun): run it
+        # again with the group that exists, so every size check sees the real launch.
+        p.world_size = world
+        config.validate()
+    elif p.world_size != world:
         raise ConfigError(
             "parallel.world_size",
             f"is {p.world_size} but {world} processes were launched; launch {p.world_size} "
             "(torchrun --nproc-per-node) or leave parallel.world_size unset",
-        )
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if world % (mp * p.expert_model_parallel_size):
-        raise ConfigError(
-            "parallel.expert_model_parallel_size",
-            f"{world} processes are not divisible by TP x EP x PP x CP = {mp * p.expert_model_parallel_size}",
         )
     mismatch = check_same_config(config.to_dict())
     if mismatch is not None:
@@ -191,7 +190,7 @@ class Trainer:
         self.step = 0
         self.consecutive_bad = 0
         self.skipped = 0
-        self.bad_steps: list[tuple[int, Optional[str]]] = []
+        self.first_bad: Optional[tuple[int, Optional[str]]] = None  # of the current run of bad steps
         from megatron_moe_hybrid.parallel.health import NonFiniteTracker
 
         self.tracker = NonFiniteTracker(self.model)
@@ -324,6 +323,10 @@ class Trainer:
             loss = loss_bs.mean()
             (loss / self.num_micro).backward()
             loss_sum += loss.detach()
+        if self.config.lora.enabled:  # replicated LoRA factors hold per-TP-rank partial grads
+            from megatron_moe_hybrid.layers.lora import allreduce_lora_partial_grads
+
+            allreduce_lora_partial_grads(self.model)
         sync_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
         loss_value = float(all_reduce_mean(loss_sum / self.num_micro, self.groups.dp))
@@ -356,14 +359,15 @@ class Trainer:
         names: list = [None] * dist.get_world_size()
         dist.all_gather_object(names, first)
         where = next((f"{n} (on rank {r})" for r, n in enumerate(names) if n is not None), None)
-        self.bad_steps.append((self.step + 1, where))
+        if self.consecutive_bad == 1:
+            self.first_bad = (self.step + 1, where)
         _print0(
             f"warning: step {self.step + 1} skipped: loss {loss_value}, gradient norm {grad_norm}"
             + (f"; first non-finite gradient in {where}" if where else "")
         )
         limit = self.config.training.max_consecutive_bad_steps
         if self.consecutive_bad >= limit:
-            first_step, first_where = self.bad_steps[-self.consecutive_bad]
+            first_step, first_where = self.first_bad
             raise TrainingStopped(
                 f"training stopped: {self.consecutive_bad} steps in a row ({first_step}-{self.step + 1}) "
                 f"had a non-finite loss or gradient (training.max_consecutive_bad_steps={limit}); "

@@ -5,8 +5,6 @@ Shape legend:
 """
 
 import ast
-import json
-import os
 import sys
 import sysconfig
 from pathlib import Path

@@ -9,7 +9,6 @@ import json
 import multiprocessing
 import os
 import signal
-import sys
 import time
 
 import pytest

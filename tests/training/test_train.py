@@ -15,6 +15,20 @@ def _train(rank, world_size, raw, overrides, mode="pretrain"):
     return {"losses": result.losses, "checkpoint": result.checkpoint, "adapter": result.adapter_dir}
 
 
+def _load_weights(rank, world_size, raw, overrides, path):
+    """Builds an EP=1 model and loads a checkpoint into it; returns its state dict."""
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.testing import init_megatron
+    from megatron_moe_hybrid.training.checkpoint import load_model_weights
+
+    overrides = dict(overrides, **{"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1})
+    init_megatron(rank, world_size)
+    model = build_model(config_from_dict(raw, overrides))
+    load_model_weights(path, model)
+    return {k: v.clone() for k, v in model.state_dict().items() if hasattr(v, "clone")}
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -92,6 +106,12 @@ def test_ep2_equals_ep1(corpus, cache_dir, tmp_path, raw_config):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    # ... and loads into an EP=1 model, each expert landing in its slot
+    (loaded,) = spawn(_load_weights, 1, raw, ov, ep2[0]["checkpoint"])
+    w1 = loaded["decoder.layers.0.mlp.experts.weight1"]  # [E, h, 2F]
+    for e in range(w1.shape[0]):
+        torch.testing.assert_close(w1[e], b[f"decoder.layers.0.mlp.experts.weight1.expert{e}"], rtol=0, atol=0)
 
 
 @pytest.mark.slow
