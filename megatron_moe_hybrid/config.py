@@ -91,7 +91,9 @@ class MoEConfig:
     z_loss_coeff: float = 0.0  # router z-loss (mean logsumexp^2 of the router logits)
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU MLP
     dense_ffn_hidden_size: int = 256
-    dispatcher: str = "alltoall"  # registry.MOE_DISPATCHERS
+    dispatcher: str = "static"  # "static": no host sync, fixed receive capacity | "alltoall": exact, one host sync per layer
+    dispatch_capacity_factor: Optional[float] = 2.0  # static: rows per rank pair = factor x balanced share (None: T*K, never overflows)
+    dispatch_chunks: int = 1  # static: chunks whose all-to-alls overlap the other chunks' experts
     permute_backend: str = "auto"  # "auto" (compiled _C op where built) | "torch" | "fused"
 
 
@@ -428,7 +430,13 @@ def _validate(c: HybridMoEConfig) -> None:
         "moe.dispatcher",
         f"unknown dispatcher {m.dispatcher!r}; registered: {', '.join(MOE_DISPATCHERS.names())}",
     )
-
+    if m.dispatch_capacity_factor is not None:
+        _positive(m.dispatch_capacity_factor, "moe.dispatch_capacity_factor")
+    _require(
+        isinstance(m.dispatch_chunks, int) and m.dispatch_chunks >= 1,
+        "moe.dispatch_chunks",
+        f"must be an integer >= 1, got {m.dispatch_chunks!r}",
+    )
     _require(
         m.permute_backend in ("auto", "torch", "fused"),
         "moe.permute_backend",

@@ -61,7 +61,10 @@ LINEAR_ATTENTION_VARIANTS: Registry[Any] = Registry(
 
 MOE_DISPATCHERS: Registry[Any] = Registry(
     "moe.dispatcher",
-    {"alltoall": "megatron_moe_hybrid.layers.moe.dispatcher:AllToAllDispatcher"},
+    {
+        "alltoall": "megatron_moe_hybrid.layers.moe.dispatcher:AllToAllDispatcher",
+        "static": "megatron_moe_hybrid.layers.moe.dispatcher:StaticAllToAllDispatcher",
+    },
 )
 
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")

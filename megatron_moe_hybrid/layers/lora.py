@@ -34,6 +34,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
+from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, uses_grouped_mm
+
 _LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 EXPERT_ADAPTERS = ("per_expert", "shared")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -217,20 +219,6 @@ class LoRALinear(nn.Module):
             self.merged = False
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-    """x [N, K] grouped by expert, w [E, K, M] (any strides), tokens_per_expert [E] -> [N, M].
-
-    One grouped GEMM (torch._grouped_mm) for bf16 on CUDA; a loop over experts elsewhere.
-    """
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == x.dtype and hasattr(torch, "_grouped_mm"):
-        counts = torch.as_tensor(tokens_per_expert, device=x.device)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
-        return torch._grouped_mm(x, w, offs=offs)
-    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
-    parts = [x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts))]  # [N_e, M] each
-    return torch.cat(parts)
-
-
 class LoRAGroupedExperts(nn.Module):
     """Adapters on both SwiGLU expert matmuls, computed as grouped low-rank matmuls.
 
@@ -310,13 +298,8 @@ class LoRAGroupedExperts(nn.Module):
         """x_sorted [N, h] grouped by local expert, tokens_per_expert [E] -> [N, h]."""
         w1, w2 = self.base.weight1, self.base.weight2
         counts = tokens_per_expert
-        if not x_sorted.is_cuda:  # the loop over experts needs host ints; checking them is free here
+        if not uses_grouped_mm(x_sorted, w1):  # the loop over experts reads host ints once, not per matmul
             counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
-            if len(counts) != w1.shape[0] or sum(counts) != x_sorted.shape[0] or min(counts) < 0:
-                raise ValueError(
-                    f"tokens_per_expert: expected {w1.shape[0]} non-negative counts summing to "
-                    f"N={x_sorted.shape[0]}, got {counts}"
-                )
         h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
         if not self.merged:
             h1 = h1 + self._adapter(x_sorted, self.lora_A1, self.lora_B1, counts).to(h1.dtype)

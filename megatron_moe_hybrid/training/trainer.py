@@ -280,7 +280,19 @@ class Trainer:
         if not layers:
             return {}
         counts = torch.stack([layer.tokens_per_expert.float() for layer in layers])  # [L, E]
+        overflow = torch.stack([layer.dispatch_overflow.float() for layer in layers])  # [L]
+        counts = torch.cat([counts, overflow[:, None]], dim=1)  # one all-reduce for both
         dist.all_reduce(counts)  # every rank routed its own tokens
+        counts, overflow = counts[:, :-1], counts[:, -1]
+        if overflow.any():
+            layer_idx = int(overflow.nonzero()[0, 0])
+            raise TrainingStopped(
+                f"moe.dispatch_capacity_factor={self.config.moe.dispatch_capacity_factor}: the static "
+                f"dispatcher's receive capacity overflowed at step {self.step + 1} ({int(overflow.sum())} routed "
+                f"copies not sent, first in MoE layer {layer_idx}). Raise moe.dispatch_capacity_factor (up to "
+                f"the expert-parallel size, which can never overflow), or set moe.dispatcher=alltoall (exact, "
+                "one host sync per layer)"
+            )
         aux = torch.stack([layer.last_aux_loss.float().reshape(()) for layer in layers]).mean()
         for layer, c in zip(layers, counts):
             if self.config.moe.expert_bias:

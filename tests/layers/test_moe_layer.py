@@ -27,6 +27,25 @@ from megatron_moe_hybrid.testing import init_megatron, spawn
 F64 = torch.float64
 
 
+DISPATCHERS = {
+    # name: the moe fields that pick it; every test of this file runs once per entry
+    "exact": dict(dispatcher="alltoall"),
+    # a receive capacity of ep x the balanced share cannot overflow at EP <= 4 (nor can None)
+    "static": dict(dispatcher="static", dispatch_capacity_factor=4.0),
+    "static-chunks3": dict(dispatcher="static", dispatch_chunks=3, dispatch_capacity_factor=None),
+}
+_dispatcher = dict(DISPATCHERS["exact"])
+
+
+@pytest.fixture(autouse=True, params=list(DISPATCHERS))
+def dispatcher(request):
+    _dispatcher.clear()
+    _dispatcher.update(DISPATCHERS[request.param])
+    yield request.param
+    _dispatcher.clear()
+    _dispatcher.update(DISPATCHERS["exact"])
+
+
 @pytest.fixture(autouse=True)
 def unit_aux_loss_scale():
     """The aux-loss gradient scale is class state that a trainer run in this process may change."""
@@ -47,6 +66,7 @@ def make_config(dtype=F64, **moe):
         expert_bias=False,
         bias_update_rate=1e-3,
         capacity_factor=None,
+        **_dispatcher,
     )
     fields.update(moe)
     cfg.moe = types.SimpleNamespace(**fields)
@@ -408,9 +428,18 @@ EP_SCENARIOS = {
 }
 
 
+def _shapes(name, dispatcher=None):
+    """[(s, b)] per rank. The static dispatcher sizes its buffers from the local token count,
+    so every EP rank passes the same [s, b] (as a trainer does): rank 0's shape for all."""
+    shapes = EP_SCENARIOS[name][1]
+    static = (_dispatcher if dispatcher is None else DISPATCHERS[dispatcher])["dispatcher"] == "static"
+    return [shapes[0]] * len(shapes) if static else shapes
+
+
 def _ep_case(rank, name, ep_group, members, solo_group):
     """EP layer on this rank's tokens vs an EP=1 layer on the tokens of every member of the EP group."""
-    moe, shapes, bias = EP_SCENARIOS[name]
+    moe, bias = EP_SCENARIOS[name][0], EP_SCENARIOS[name][2]
+    shapes = _shapes(name)
     cfg = make_config(**moe)
     ep_size, ep_rank = len(members), members.index(rank)
     torch.manual_seed(0)
@@ -444,7 +473,9 @@ def _ep_case(rank, name, ep_group, members, solo_group):
     assert torch.equal(ep_layer.tokens_per_expert, ref_layer.tokens_per_expert), name
     assert torch.equal(ep_layer.last_dropped, ref_layer.last_dropped), name
     torch.testing.assert_close(ep_layer.last_aux_loss, ref_layer.last_aux_loss)
-    received = int(ep_layer.dispatcher.recv_counts.sum())
+    d = ep_layer.dispatcher
+    received = int(d.last_received if hasattr(d, "last_received") else d.recv_counts.sum())
+    assert int(ep_layer.last_dispatch_overflow) == 0, name  # the default capacity never overflows here
     expert_grads_nonzero = any(bool(grads[k].any()) for k in grads if k.startswith("experts."))
     assert expert_grads_nonzero == (received > 0), name
     return received, int(ep_layer.last_dropped)
@@ -476,10 +507,48 @@ def _global_aux_case(rank, group, members):
     return abs(float(hand) - float(local)) > 1e-6  # the other ranks' load made a difference
 
 
-def _ep_worker(rank, world_size):
+def _static_overflow_case(rank, world_size, solo_group):
+    """A receive capacity too small for the routing: the copies past it are counted and not
+    sent; tokens with every copy sent still equal EP=1. Returns this rank's overflow."""
+    cfg = make_config(
+        score_func="sigmoid", expert_bias=True, dispatcher="static", dispatch_capacity_factor=1.0, dispatch_chunks=1
+    )
+    layers = []
+    for group in (None, solo_group):
+        torch.manual_seed(0)
+        layers.append(MoELayer(cfg, ep_group=group))
+        layers[-1].router.expert_bias.copy_(torch.tensor([10.0] * 4 + [0.0] * 4))  # every copy to experts 0-3
+    ep_layer, ref_layer = layers
+    num_local = 8 // world_size
+    local = slice(rank * num_local, (rank + 1) * num_local)
+    for p_ep, p_ref in zip(ep_layer.experts.parameters(), ref_layer.experts.parameters()):
+        assert torch.equal(p_ep, p_ref[local])
+    hidden = _inputs(0, 4, 3)[0] + rank  # the same shape on every rank, different tokens
+    out = ep_layer(hidden)[0].view(12, 32)
+    ref = ref_layer(hidden)[0].view(12, 32)
+    _, topk_idx = ep_layer.router(hidden.view(12, 32))  # [T, K]
+    # brute force: this rank's copies per destination in (expert, copy) order; C = 1 x T*K/ep
+    capacity = -(-topk_idx.numel() // world_size)
+    dest = topk_idx.flatten() // num_local  # [TK]
+    order = sorted(range(dest.numel()), key=lambda i: (int(topk_idx.flatten()[i]), i))
+    sent = torch.zeros(dest.numel(), dtype=torch.bool)
+    for r in range(world_size):
+        mine = [i for i in order if int(dest[i]) == r]
+        sent[mine[:capacity]] = True
+    want_overflow = int((~sent).sum())
+    assert int(ep_layer.last_dispatch_overflow) == want_overflow
+    whole = sent.view(12, 2).all(1)  # tokens with every copy sent
+    torch.testing.assert_close(out[whole], ref[whole], rtol=1e-9, atol=1e-10)
+    assert not torch.allclose(out[~whole], ref[~whole])
+    return want_overflow
+
+
+def _ep_worker(rank, world_size, dispatcher):
     """EP=4 (parallel_state's group) and EP=2 (groups {0, 1} and {2, 3}) against EP=1; the global
     aux loss over 2 and 4 ranks against a hand computation."""
     torch.set_num_threads(1)
+    _dispatcher.clear()
+    _dispatcher.update(DISPATCHERS[dispatcher])
     # new_group is collective: every rank creates every group, in the same order
     solo_groups = [dist.new_group([r]) for r in range(world_size)]
     pairs = [[0, 1], [2, 3]]
@@ -493,6 +562,8 @@ def _ep_worker(rank, world_size):
     assert dist.get_world_size(default_group) == world_size  # parallel_state's data-parallel group
     results["global-aux-2"] = _global_aux_case(rank, pair_groups[pair], pairs[pair])
     results["global-aux-4"] = _global_aux_case(rank, default_group, list(range(world_size)))
+    if _dispatcher["dispatcher"] == "static":
+        results["overflow"] = _static_overflow_case(rank, world_size, solo_groups[rank])
     for name in EP_SCENARIOS:
         results[(4, name)] = _ep_case(rank, name, None, list(range(world_size)), solo_groups[rank])
         results[(2, name)] = _ep_case(rank, name, pair_groups[pair], pairs[pair], solo_groups[rank])
@@ -500,15 +571,18 @@ def _ep_worker(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_expert_parallel_matches_single_process():
-    results = spawn(_ep_worker, 4)  # [rank] -> {(ep, scenario): (rows received, copies dropped)}
+def test_expert_parallel_matches_single_process(dispatcher):
+    results = spawn(_ep_worker, 4, dispatcher)  # [rank] -> {(ep, scenario): (rows received, copies dropped)}
     assert all(results[r]["global-aux-2"] and results[r]["global-aux-4"] for r in range(4))
-    for name, (moe, shapes, _) in EP_SCENARIOS.items():
+    for name, (moe, _, _) in EP_SCENARIOS.items():
+        shapes = _shapes(name, dispatcher)
         topk = make_config(**moe).moe.topk
         for ep, groups in ((4, [[0, 1, 2, 3]]), (2, [[0, 1], [2, 3]])):
             for members in groups:
                 sent = sum(shapes[r][0] * shapes[r][1] * topk - results[r][(ep, name)][1] for r in members)
                 assert sum(results[r][(ep, name)][0] for r in members) == sent, (ep, name)
+    if DISPATCHERS[dispatcher]["dispatcher"] == "static":
+        assert all(results[r]["overflow"] > 0 for r in range(4))
     for rank in range(4):
         assert results[rank][(4, "random-shared")][0] > 0
     # the expert bias sends every copy to experts 0-3: the ranks holding experts 4-7 get none

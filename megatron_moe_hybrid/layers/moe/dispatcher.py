@@ -15,7 +15,8 @@ Shape legend:
 import torch
 import torch.distributed as dist
 
-from megatron_moe_hybrid.ops.moe import permute_tokens, unpermute_tokens
+from megatron_moe_hybrid.ops.moe import layout, permute_tokens, unpermute_tokens
+from megatron_moe_hybrid.ops.moe.gather import row_gather, weighted_combine
 
 
 class _AllToAll(torch.autograd.Function):
@@ -124,3 +125,221 @@ class AllToAllDispatcher:
         if y.shape[0] < self.num_copies:
             y = torch.cat([y, y.new_zeros(self.num_copies - y.shape[0], y.shape[1])])  # [T*K, h]
         return unpermute_tokens(y, self.row_id_map, probs, self.permute_backend)
+
+
+class _A2AHandle:
+    """Shares an in-flight all_to_all between the start and wait halves of one exchange."""
+
+    work = None
+    grad_work = None
+    grad = None
+
+
+class _A2AStart(torch.autograd.Function):
+    """Launches all_to_all_single with equal splits; the output is valid after _A2AWait.
+
+    Backward waits for the reverse exchange that _A2AWait's backward launched, so other
+    backward work runs while the gradient is in flight.
+    """
+
+    @staticmethod
+    def forward(ctx, group, x, handle):
+        ctx.handle = handle
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        handle.work = dist.all_to_all_single(out, x, group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_placeholder):
+        ctx.handle.grad_work.wait()
+        grad, ctx.handle.grad = ctx.handle.grad, None
+        return None, grad, None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, out, handle):
+        ctx.group, ctx.handle = group, handle
+        handle.work.wait()
+        handle.work = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_out = grad_out.contiguous()
+        grad_in = torch.empty_like(grad_out)
+        ctx.handle.grad_work = dist.all_to_all_single(grad_in, grad_out, group=ctx.group, async_op=True)
+        ctx.handle.grad = grad_in
+        return None, grad_in, None
+
+
+class _ChunkState:
+    """The layout of one dispatched chunk, from dispatch_preprocess to combine_postprocess."""
+
+    send = None  # ops.moe.layout.SendLayout
+    recv = None  # ops.moe.layout.RecvLayout
+    capacity = 0
+    recv_counts = None  # [ep, E_local] int64 (device)
+    counts_work = None
+    handle = None  # _A2AHandle of the tokens in flight
+
+
+class StaticAllToAllDispatcher:
+    """Expert-parallel dispatch with no host sync: every size is fixed before any data moves.
+
+    Each (source, destination) rank pair exchanges exactly C rows (ops.moe.layout.capacity_rows:
+    moe.dispatch_capacity_factor times the balanced share, at most T*K), so all_to_all_single
+    runs with split sizes known on the host; token counts stay on the device, through the
+    regrouping by local expert into the grouped GEMM's offsets. A copy that does not fit in C
+    rows is not sent; its count is in last_overflow (a device scalar; the trainer checks it once
+    per step) and it adds nothing to the output, like a capacity drop. EP=1, or a factor of
+    ep or more, can never overflow.
+
+    The six steps match AllToAllDispatcher's; forward_experts() runs them in moe.dispatch_chunks
+    chunks whose all-to-alls (forward and backward) proceed while other chunks' experts compute,
+    with the shared expert computed while the first chunk is in flight. Permute, regroup and
+    combine are gathers with precomputed inverse maps: deterministic, atomic-free.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: dist.ProcessGroup | None = None,
+        permute_backend: str = "auto",
+        capacity_factor: float | None = 2.0,
+        num_chunks: int = 1,
+    ):
+        self.ep_group = ep_group
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by the EP group size {self.ep_size}: "
+                "change moe.num_experts or the expert-parallel size"
+            )
+        if num_chunks < 1:
+            raise ValueError(f"moe.dispatch_chunks must be >= 1, got {num_chunks}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"moe.dispatch_capacity_factor must be > 0 (or None: T*K rows), got {capacity_factor}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        # "fused" asks for the compiled gathers: Triton (on CUDA; its interpreter elsewhere)
+        self.backend = {"auto": "auto", "torch": "torch", "fused": "triton"}[permute_backend]
+        self.capacity_factor = capacity_factor
+        self.num_chunks = num_chunks
+        self.state = _ChunkState()
+        self.last_overflow = torch.zeros((), dtype=torch.int64)  # copies not sent (see the class docstring)
+        self.last_received = torch.zeros((), dtype=torch.int64)  # rows received for the local experts
+
+    # -- the six steps, on self.state ---------------------------------------------------------
+
+    def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """x [T, h], topk_idx [T, K] (-1 = dropped) -> send buffer [ep * C, h]."""
+        st = self.state = _ChunkState()
+        num_copies = topk_idx.numel()
+        st.capacity = layout.capacity_rows(num_copies, self.ep_size, self.capacity_factor)
+        st.send = layout.send_layout(topk_idx, self.num_experts, self.ep_size, st.capacity)
+        self.last_overflow = st.send.overflow
+        topk = topk_idx.shape[1]
+        send_token = torch.where(st.send.send_copy >= 0, st.send.send_copy // topk, -1)  # [ep * C]
+        st.send_token = send_token
+        return row_gather(x, send_token[:, None], st.send.slot_map, self.backend)
+
+    def token_dispatch(self, send: torch.Tensor, async_op: bool = False) -> torch.Tensor:
+        """[ep * C, h] -> [ep * C, h] as [source][slot] blocks (with async_op, valid after
+        dispatch_postprocess)."""
+        st = self.state
+        if self.ep_size == 1:
+            st.recv_counts = st.send.send_counts
+            return send
+        st.recv_counts = torch.empty_like(st.send.send_counts)
+        st.counts_work = dist.all_to_all_single(
+            st.recv_counts, st.send.send_counts.contiguous(), group=self.ep_group, async_op=True
+        )
+        st.handle = _A2AHandle()
+        out = _A2AStart.apply(self.ep_group, send, st.handle)
+        if not async_op:
+            out = self._wait(out)
+        return out
+
+    def _wait(self, out: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        if st.counts_work is not None:
+            st.counts_work.wait()
+            st.counts_work = None
+        if st.handle is not None and st.handle.work is not None:
+            out = _A2AWait.apply(self.ep_group, out, st.handle)
+        return out
+
+    def dispatch_postprocess(self, recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[ep * C, h] -> (rows grouped by local expert then a padding tail [ep * C, h],
+        tokens_per_local_expert [E_local] int64 on the device)."""
+        st = self.state
+        recv = self._wait(recv)
+        st.recv = layout.recv_layout(st.recv_counts.view(self.ep_size, self.num_local_experts), st.capacity)
+        if self.ep_size == 1:  # the send buffer is already grouped by expert, padding last
+            return recv, st.recv.tokens_per_expert
+        x_sorted = row_gather(recv, st.recv.sorted_src[:, None], st.recv.recv_dst[:, None], self.backend)
+        return x_sorted, st.recv.tokens_per_expert
+
+    def combine_preprocess(self, y_sorted: torch.Tensor) -> torch.Tensor:
+        """[ep * C, h] grouped by local expert -> [source][slot] order; padding rows become zeros."""
+        st = self.state
+        if self.ep_size == 1:
+            return y_sorted
+        return row_gather(y_sorted, st.recv.recv_dst[:, None], st.recv.sorted_src[:, None], self.backend)
+
+    def token_combine(self, y: torch.Tensor, async_op: bool = False) -> torch.Tensor:
+        """[ep * C, h] -> [ep * C, h], back on the rank that owns the tokens."""
+        st = self.state
+        if self.ep_size == 1:
+            return y
+        st.handle = _A2AHandle()
+        out = _A2AStart.apply(self.ep_group, y, st.handle)
+        return out if async_op else self._wait(out)
+
+    def combine_postprocess(self, y: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """[ep * C, h], probs [T, K] -> [T, h]: the probability-weighted sum, in k order, over
+        each token's sent copies (probs None: the plain sum, for experts that applied them)."""
+        st = self.state
+        y = self._wait(y)
+        if probs is None:
+            return row_gather(y, st.send.slot_map, st.send_token[:, None], self.backend)
+        return weighted_combine(y, st.send.slot_map, probs, st.send.send_copy, self.backend)
+
+    # -- the pipelined whole --------------------------------------------------------------------
+
+    def forward_experts(self, x, topk_idx, probs, experts, shared_expert=None):
+        """out [T, h] = combine(experts(dispatch(x))) (+ shared_expert(x)), in num_chunks chunks
+        of tokens. Chunk i+1's dispatch and chunk i-1's combine are in flight (on NCCL's stream)
+        while chunk i's experts compute; with one chunk, the shared expert hides the dispatch."""
+        num_tokens = x.shape[0]
+        n = max(1, min(self.num_chunks, num_tokens))
+        bounds = [num_tokens * i // n for i in range(n + 1)]
+        states, sends = [], []
+        overflow = None
+        for i in range(n):
+            send = self.dispatch_preprocess(x[bounds[i] : bounds[i + 1]], topk_idx[bounds[i] : bounds[i + 1]])
+            overflow = self.state.send.overflow if overflow is None else overflow + self.state.send.overflow
+            states.append(self.state)
+            sends.append(send)
+        in_flight = [None] * n
+        self.state = states[0]
+        in_flight[0] = self.token_dispatch(sends[0], async_op=True)
+        shared = shared_expert(x) if shared_expert is not None else None
+        outs = [None] * n
+        for i in range(n):
+            if i + 1 < n:
+                self.state = states[i + 1]
+                in_flight[i + 1] = self.token_dispatch(sends[i + 1], async_op=True)
+            self.state = states[i]
+            x_sorted, counts = self.dispatch_postprocess(in_flight[i])
+            outs[i] = self.token_combine(self.combine_preprocess(experts(x_sorted, counts)), async_op=True)
+        for i in range(n):
+            self.state = states[i]
+            outs[i] = self.combine_postprocess(outs[i], None if probs is None else probs[bounds[i] : bounds[i + 1]])
+        self.last_overflow = overflow
+        self.last_received = sum(st.recv.tokens_per_expert.sum() for st in states)
+        out = outs[0] if n == 1 else torch.cat(outs)
+        return out if shared is None else out + shared

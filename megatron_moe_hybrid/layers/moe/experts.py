@@ -7,7 +7,7 @@ F expert FFN hidden size (config.moe.ffn_hidden_size).
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_hybrid.ops.moe import grouped_mlp
+from megatron_moe_hybrid.ops.moe.grouped import swiglu_experts
 
 
 class GroupedExperts(MegatronModule):
@@ -46,5 +46,8 @@ class GroupedExperts(MegatronModule):
     def forward(
         self, x_sorted: torch.Tensor, tokens_per_local_expert: torch.Tensor | list[int]
     ) -> torch.Tensor:
-        """x_sorted [N, h] grouped by local expert, tokens_per_local_expert [E_local] -> [N, h]."""
-        return grouped_mlp(x_sorted, tokens_per_local_expert, self.weight1, self.weight2)
+        """x_sorted [N, h] grouped by local expert, tokens_per_local_expert [E_local] (host ints,
+        or a device tensor: the grouped GEMM takes it without a host sync) -> [N, h].
+
+        Rows past sum(tokens_per_local_expert) are padding; their outputs are unspecified."""
+        return swiglu_experts(x_sorted, tokens_per_local_expert, self.weight1, self.weight2)

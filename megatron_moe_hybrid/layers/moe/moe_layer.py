@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_moe_hybrid.ops.moe.reference import count_experts
 from megatron_moe_hybrid.registry import MOE_DISPATCHERS
 
 from .experts import GroupedExperts
@@ -47,6 +48,8 @@ class MoELayer(MegatronModule):
       tokens_per_expert  [E] int64 kept routed copies per expert (this rank's non-padding
                          tokens) summed over the grad-enabled forwards since reset_stats(); the
                          trainer all-reduces it for router.update_expert_bias.
+      dispatch_overflow  int64 scalar: copies the static dispatcher could not send, summed
+                         like tokens_per_expert; the trainer stops if it is ever non-zero.
     """
 
     def __init__(self, config, submodules=None, layer_number=None, ep_group=None, dp_group=None, **kwargs):
@@ -61,8 +64,15 @@ class MoELayer(MegatronModule):
         self.layer_number = layer_number
         self.router = TopKRouter(config, aux_loss_group=dp_group)
         # Configs without a dispatcher field get the all-to-all one (the only one so far).
-        dispatcher_cls = MOE_DISPATCHERS.get(getattr(moe, "dispatcher", "alltoall"))
-        self.dispatcher = dispatcher_cls(moe.num_experts, ep_group, getattr(moe, "permute_backend", "auto"))
+        name = getattr(moe, "dispatcher", "alltoall")
+        dispatcher_cls = MOE_DISPATCHERS.get(name)
+        extra = {}
+        if name == "static":
+            extra = dict(
+                capacity_factor=getattr(moe, "dispatch_capacity_factor", 2.0),
+                num_chunks=getattr(moe, "dispatch_chunks", 1),
+            )
+        self.dispatcher = dispatcher_cls(moe.num_experts, ep_group, getattr(moe, "permute_backend", "auto"), **extra)
         num_local = self.dispatcher.num_local_experts
         self.local_expert_indices = list(
             range(self.dispatcher.ep_rank * num_local, (self.dispatcher.ep_rank + 1) * num_local)
@@ -76,6 +86,7 @@ class MoELayer(MegatronModule):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False
         )
+        self.register_buffer("dispatch_overflow", torch.zeros((), dtype=torch.int64), persistent=False)
         self.last_dropped = torch.zeros((), dtype=torch.int64)
 
     def set_layer_number(self, layer_number: int) -> None:
@@ -86,11 +97,18 @@ class MoELayer(MegatronModule):
         return self.router.last_aux_loss
 
     @property
+    def last_dispatch_overflow(self) -> torch.Tensor:
+        """int64 device scalar: routed copies of the latest forward that the static dispatcher's
+        receive capacity could not take (always 0 for the exact all-to-all and at EP=1)."""
+        return getattr(self.dispatcher, "last_overflow", self.last_dropped.new_zeros(()))
+
+    @property
     def last_z_loss(self) -> torch.Tensor:
         return self.router.last_z_loss
 
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
+        self.dispatch_overflow.zero_()
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs):
         """hidden_states [s, b, h], padding_mask [b, s] bool (True = padding) -> ([s, b, h], None)."""
@@ -106,24 +124,29 @@ class MoELayer(MegatronModule):
         probs, topk_idx = self.router(x, padding_mask, batch_size=b)  # [T, K] each; -1 = dropped
 
         d = self.dispatcher
-        permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
-        received = d.token_dispatch(permuted)  # [N_recv, h]
-        x_sorted, tokens_per_local_expert = d.dispatch_postprocess(received)  # [N_recv, h], [E_local]
-        y_sorted = self.experts(x_sorted, tokens_per_local_expert)  # [N_recv, h]
-        y = d.token_combine(d.combine_preprocess(y_sorted))  # [N_send, h]
-        out = d.combine_postprocess(y, probs)  # [T, h]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if hasattr(d, "forward_experts"):  # pipelined: all-to-alls overlap experts and the shared expert
+            out = d.forward_experts(x, topk_idx, probs, self.experts, self.shared_experts)  # [T, h]
+        else:
+            permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
+            received = d.token_dispatch(permuted)  # [N_recv, h]
+            x_sorted, tokens_per_local_expert = d.dispatch_postprocess(received)  # [N_recv, h], [E_local]
+            y_sorted = self.experts(x_sorted, tokens_per_local_expert)  # [N_recv, h]
+            y = d.token_combine(d.combine_preprocess(y_sorted))  # [N_send, h]
+            out = d.combine_postprocess(y, probs)  # [T, h]
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
 
         self.last_dropped = (topk_idx < 0).sum()
         # Counted only with grad enabled so that eval and reentrant-checkpoint recompute
         # forwards do not count twice (Megatron's rule for its expert-bias counts).
         if torch.is_grad_enabled():
             with torch.no_grad():
-                kept_idx = topk_idx if padding_mask is None else topk_idx[~padding_mask]  # [T', K]
-                # a virtual bin E collects the dropped copies and is cut off
-                kept_idx = kept_idx.masked_fill(kept_idx < 0, self.tokens_per_expert.numel())
-                self.tokens_per_expert += torch.bincount(
-                    kept_idx.flatten(), minlength=self.tokens_per_expert.numel() + 1
-                )[:-1].to(self.tokens_per_expert.device)
+                # a discard bin E collects dropped copies and padding tokens (no boolean
+                # indexing: that would read a size back from the device)
+                num_experts = self.tokens_per_expert.numel()
+                kept_idx = topk_idx.masked_fill(topk_idx < 0, num_experts)  # [T, K]
+                if padding_mask is not None:
+                    kept_idx = kept_idx.masked_fill(padding_mask[:, None], num_experts)
+                self.tokens_per_expert += count_experts(kept_idx, num_experts).to(self.tokens_per_expert.device)
+                self.dispatch_overflow += self.last_dispatch_overflow.to(self.dispatch_overflow.device)
         return out.view(s, b, h), None

@@ -11,6 +11,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_moe_hybrid.ops.moe.reference import (
     capacity_keep_mask,
+    count_experts,
     expert_capacity,
     load_balancing_loss,
     router_topk,
@@ -131,7 +132,7 @@ class TopKRouter(MegatronModule):
             scores, topk_idx = scores[valid], topk_idx[valid]
         counts = None
         if self.aux_loss_type == "global":
-            counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).to(scores.dtype)  # [E]
+            counts = count_experts(topk_idx, self.num_experts).to(scores.dtype)  # [E]
             if self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
                 dist.all_reduce(counts, group=self.aux_loss_group)
         return load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts)

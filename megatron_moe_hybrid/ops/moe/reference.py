@@ -24,6 +24,15 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def count_experts(idx: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] int64 histogram of idx (any shape, values in [0, num_bins]; num_bins itself
+    is a discard bin). Unlike torch.bincount on CUDA, it never reads a device value back."""
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_bins + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts[:num_bins]
+
+
 def _best_groups_mask(
     selection: torch.Tensor, num_groups: int, topk_groups: int, score_func: str
 ) -> torch.Tensor:
@@ -146,7 +155,7 @@ def load_balancing_loss(
     num_tokens = scores.shape[0]
     scores = scores.to(_acc_dtype(scores.dtype))
     if expert_counts is None:
-        expert_counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+        expert_counts = count_experts(topk_idx, num_experts)
     counts = expert_counts.detach().to(scores.dtype)  # [E]
     f = counts / counts.sum().clamp_min(1)  # [E]
     p = (scores / scores.sum(-1, keepdim=True)).sum(0) / max(num_tokens, 1)  # [E]
@@ -177,8 +186,9 @@ def sequence_load_balancing_loss(
     weight = valid.to(scores.dtype)  # [s, b]
     num_valid = weight.sum(0)  # [b]
     seq_of_copy = torch.arange(batch, device=topk_idx.device).view(1, batch, 1)  # [1, b, 1]
-    flat = (seq_of_copy * num_experts + topk_idx)[valid]  # [n_valid, K]: (sequence, expert) bins
-    counts = torch.bincount(flat.flatten(), minlength=batch * num_experts).view(batch, num_experts)
+    bins = seq_of_copy * num_experts + topk_idx  # [s, b, K]: (sequence, expert) bins
+    bins = bins.masked_fill(~valid[..., None], batch * num_experts)  # padding to the discard bin
+    counts = count_experts(bins, batch * num_experts).view(batch, num_experts)
     f = counts.to(scores.dtype) / (num_valid * topk).clamp_min(1)[:, None]  # [b, E]
     normed = scores / scores.sum(-1, keepdim=True) * weight[..., None]  # [s, b, E]
     p = normed.sum(0) / num_valid.clamp_min(1)[:, None]  # [b, E]
@@ -227,7 +237,7 @@ def capacity_keep_mask(
     else:
         order = torch.arange(num_copies, device=flat.device)
     order = order[torch.sort(flat[order], stable=True)[1]]  # [N] by expert, then priority
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    counts = count_experts(flat, num_experts)  # [E]
     starts = counts.cumsum(0) - counts  # [E]
     rank_in_expert = torch.arange(num_copies, device=flat.device) - starts[flat[order]]  # [N]
     keep = torch.empty(num_copies, dtype=torch.bool, device=flat.device)

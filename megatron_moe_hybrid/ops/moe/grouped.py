@@ -1,0 +1,52 @@
+"""Grouped matmul over rows grouped by expert, and the SwiGLU expert MLP built from it.
+
+Shape legend: N rows grouped by expert (possibly followed by a tail of padding rows that
+belong to no expert), E experts, K input width, M output width.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm runs bf16 on CUDA; it takes the counts as device offsets (no host sync)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == x.dtype and hasattr(torch, "_grouped_mm")
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    """x [N, K] grouped by expert, w [E, K, M] (any strides), tokens_per_expert [E] -> [N, M].
+
+    Rows past sum(tokens_per_expert) (the static dispatcher's padding tail) belong to no
+    expert: their outputs and gradients are unspecified (zeros in the loop, left unwritten by
+    the grouped GEMM) and callers never read them.
+    One grouped GEMM (torch._grouped_mm) for bf16 on CUDA; a loop over experts elsewhere,
+    which reads the counts on the host.
+    """
+    if uses_grouped_mm(x, w):
+        counts = torch.as_tensor(tokens_per_expert, device=x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
+        return torch._grouped_mm(x, w, offs=offs)
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+    if len(counts) != w.shape[0] or min(counts, default=0) < 0 or sum(counts) > x.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert: expected {w.shape[0]} non-negative counts summing to at most "
+            f"N={x.shape[0]}, got {counts}"
+        )
+    tail = x.shape[0] - sum(counts)
+    parts = [x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts + [tail])[: len(counts)])]  # [N_e, M]
+    if tail:
+        parts.append(x.new_zeros(tail, w.shape[2]))
+    return torch.cat(parts)
+
+
+def swiglu_experts(x_sorted: torch.Tensor, tokens_per_expert, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert over its rows: x_sorted [N, h], w1 [E, h, 2F] (gate | up),
+    w2 [E, F, h] -> [N, h]."""
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0] or w1.shape[2] != 2 * w2.shape[1]:
+        raise ValueError(
+            f"w1 must be [E_local, h, 2F] and w2 [E_local, F, h], got {tuple(w1.shape)} and {tuple(w2.shape)}"
+        )
+    if x_sorted.dim() != 2 or x_sorted.shape[1] != w1.shape[1] or w2.shape[2] != w1.shape[1]:
+        raise ValueError(f"x_sorted must be [N, h={w1.shape[1]}] matching w1/w2, got {tuple(x_sorted.shape)}")
+    gate, up = grouped_matmul(x_sorted, w1, tokens_per_expert).chunk(2, dim=-1)  # [N, F] each
+    return grouped_matmul(F.silu(gate) * up, w2, tokens_per_expert)  # [N, h]
