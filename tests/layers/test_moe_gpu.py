@@ -34,26 +34,34 @@ def _layer(dtype, **moe):
     return MoELayer(cfg).cuda().to(dtype)
 
 
+def _run(layer, hidden, g, dtype):
+    x = hidden.to(dtype).requires_grad_(True)
+    out = layer(x)[0]
+    params = [p for _, p in sorted(layer.named_parameters())]
+    return [out] + list(torch.autograd.grad(out, [x] + params, g.to(dtype)))
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
 @pytest.mark.parametrize("chunks", [1, 3], ids=["chunks1", "chunks3"])
 @pytest.mark.parametrize("shared", [0, 16], ids=["no-shared", "shared"])
 def test_bf16_static_layer_matches_fp32(chunks, shared):
+    """Output and every gradient of the bf16 static path are as close to the fp32 reference
+    layer as the bf16 reference path (exact dispatcher, torch permute) is: bf16 rounding only."""
     fast = _layer(torch.bfloat16, dispatcher="static", dispatch_chunks=chunks, shared_expert_ffn_hidden_size=shared)
+    ref_bf16 = _layer(torch.bfloat16, dispatcher="alltoall", permute_backend="torch", shared_expert_ffn_hidden_size=shared)
     ref = _layer(torch.float32, dispatcher="alltoall", permute_backend="torch", shared_expert_ffn_hidden_size=shared)
+    ref_bf16.load_state_dict(fast.state_dict())
     ref.load_state_dict({k: v.float() for k, v in fast.state_dict().items()})
-    hidden = torch.randn(37, 3, 32, device="cuda")
-    g = torch.randn(37, 3, 32, device="cuda")
-    outs, grads = [], []
-    for layer, dtype in ((fast, torch.bfloat16), (ref, torch.float32)):
-        x = hidden.to(dtype).requires_grad_(True)
-        out = layer(x)[0]
-        params = [p for _, p in sorted(layer.named_parameters())]
-        grads.append(torch.autograd.grad(out, [x] + params, g.to(dtype)))
-        outs.append(out.float())
-    # the same expert choices (routing runs in fp32 on identical weights): bf16 rounding only
-    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
-    for a, b in zip(*grads):
-        rel = (a.float() - b).norm() / b.norm().clamp_min(1e-12)
-        assert rel < 2e-2, float(rel)
+    hidden, g = torch.randn(37, 3, 32, device="cuda"), torch.randn(37, 3, 32, device="cuda")
+    got = _run(fast, hidden, g, torch.bfloat16)
+    base = _run(ref_bf16, hidden, g, torch.bfloat16)
+    want = _run(ref, hidden, g, torch.float32)
+    names = ["out", "hidden"] + [n for n, _ in sorted(fast.named_parameters())]
+    for name, a, b, w in zip(names, got, base, want):
+        assert _rel(a, w) <= 1.5 * _rel(b, w) + 2e-3, (name, _rel(a, w), _rel(b, w))
 
 
 def test_forward_backward_never_syncs_with_the_host():

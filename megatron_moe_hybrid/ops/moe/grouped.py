@@ -5,7 +5,8 @@ belong to no expert), E experts, K input width, M output width.
 """
 
 import torch
-import torch.nn.functional as F
+
+from .swiglu import swiglu
 
 
 def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -48,5 +49,5 @@ def swiglu_experts(x_sorted: torch.Tensor, tokens_per_expert, w1: torch.Tensor, 
         )
     if x_sorted.dim() != 2 or x_sorted.shape[1] != w1.shape[1] or w2.shape[2] != w1.shape[1]:
         raise ValueError(f"x_sorted must be [N, h={w1.shape[1]}] matching w1/w2, got {tuple(x_sorted.shape)}")
-    gate, up = grouped_matmul(x_sorted, w1, tokens_per_expert).chunk(2, dim=-1)  # [N, F] each
-    return grouped_matmul(F.silu(gate) * up, w2, tokens_per_expert)  # [N, h]
+    act = swiglu(grouped_matmul(x_sorted, w1, tokens_per_expert))  # [N, F]
+    return grouped_matmul(act, w2, tokens_per_expert)  # [N, h]
