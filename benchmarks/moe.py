@@ -339,11 +339,17 @@ def dispatch_only(layer, x, warmup, reps):
     """Ours' six dispatcher steps with identity experts, forward only, on x's routing."""
     with torch.no_grad():
         probs, topk_idx = layer.router(x)  # [T, K] each
+    from megatron_moe_hybrid.layers.moe import StaticAllToAllDispatcher
+
     d = layer.dispatcher
+    static = isinstance(d, StaticAllToAllDispatcher)
 
     @torch.no_grad()
     def step():
-        permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
+        if static:  # the weights travel with the tokens and apply on the expert side
+            permuted = d.dispatch_preprocess(x, topk_idx, probs)  # [ep * C, h]
+        else:
+            permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
         received = d.token_dispatch(permuted)  # [N_recv, h]
         x_sorted, _ = d.dispatch_postprocess(received)  # [N_recv, h] grouped by local expert
         y = d.token_combine(d.combine_preprocess(x_sorted))  # [N_send, h]

@@ -2,12 +2,16 @@
 where the forward+backward and the dispatch+combine alone spend their time.
 
     python benchmarks/device/profile_moe.py [--tokens 16384 --hidden 2048 --experts 64 --topk 8 --ffn 1408]
+    torchrun --nproc_per_node 2 benchmarks/device/profile_moe.py    (EP=2; rank 0 prints)
 """
+
+import os
 
 import argparse
 import types
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 from torch.profiler import ProfilerActivity, profile
 
@@ -18,15 +22,24 @@ def main():
     p = argparse.ArgumentParser()
     for name, default in (("tokens", 16384), ("hidden", 2048), ("experts", 64), ("topk", 8), ("ffn", 1408)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--chunks", type=int, default=1)
     a = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = None
+    if world > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        group = dist.group.WORLD
+    rank = 0 if group is None else dist.get_rank()
+    torch.manual_seed(rank)
     cfg = TransformerConfig(num_layers=1, hidden_size=a.hidden, num_attention_heads=16, params_dtype=torch.bfloat16)
     cfg.moe = types.SimpleNamespace(
         num_experts=a.experts, topk=a.topk, ffn_hidden_size=a.ffn, shared_expert_ffn_hidden_size=0,
         score_func="softmax", aux_loss_coeff=0.0, expert_bias=False, bias_update_rate=1e-3,
-        capacity_factor=None, dispatcher="static",
+        capacity_factor=None, dispatcher="static", dispatch_chunks=a.chunks,
     )
     with torch.device("cuda"):
-        layer = MoELayer(cfg)
+        layer = MoELayer(cfg, ep_group=group)
     x = torch.randn(a.tokens, 1, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     probs, topk_idx = layer.router(x.view(-1, a.hidden).detach())
@@ -34,7 +47,7 @@ def main():
 
     def dispatch_only():
         with torch.no_grad():
-            send = d.dispatch_preprocess(x.view(-1, a.hidden), topk_idx)
+            send = d.dispatch_preprocess(x.view(-1, a.hidden), topk_idx, probs)
             xs, counts = d.dispatch_postprocess(d.token_dispatch(send))
             return d.combine_postprocess(d.token_combine(d.combine_preprocess(xs)), probs)
 
@@ -45,12 +58,21 @@ def main():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
-        print(f"\n== {name}: kernel times summed over 5 calls")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        if rank == 0:
+            print(f"\n== {name} (EP={world}): {start.elapsed_time(end) / 5:.3f} ms per call; kernel times over 5 calls")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    if group is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

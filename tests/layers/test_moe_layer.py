@@ -508,39 +508,35 @@ def _global_aux_case(rank, group, members):
 
 
 def _static_overflow_case(rank, world_size, solo_group):
-    """A receive capacity too small for the routing: the copies past it are counted and not
-    sent; tokens with every copy sent still equal EP=1. Returns this rank's overflow."""
-    cfg = make_config(
-        score_func="sigmoid", expert_bias=True, dispatcher="static", dispatch_capacity_factor=1.0, dispatch_chunks=1
-    )
-    layers = []
-    for group in (None, solo_group):
-        torch.manual_seed(0)
-        layers.append(MoELayer(cfg, ep_group=group))
-        layers[-1].router.expert_bias.copy_(torch.tensor([10.0] * 4 + [0.0] * 4))  # every copy to experts 0-3
-    ep_layer, ref_layer = layers
-    num_local = 8 // world_size
-    local = slice(rank * num_local, (rank + 1) * num_local)
-    for p_ep, p_ref in zip(ep_layer.experts.parameters(), ref_layer.experts.parameters()):
-        assert torch.equal(p_ep, p_ref[local])
-    hidden = _inputs(0, 4, 3)[0] + rank  # the same shape on every rank, different tokens
-    out = ep_layer(hidden)[0].view(12, 32)
-    ref = ref_layer(hidden)[0].view(12, 32)
-    _, topk_idx = ep_layer.router(hidden.view(12, 32))  # [T, K]
-    # brute force: this rank's copies per destination in (expert, copy) order; C = 1 x T*K/ep
-    capacity = -(-topk_idx.numel() // world_size)
-    dest = topk_idx.flatten() // num_local  # [TK]
-    order = sorted(range(dest.numel()), key=lambda i: (int(topk_idx.flatten()[i]), i))
-    sent = torch.zeros(dest.numel(), dtype=torch.bool)
-    for r in range(world_size):
-        mine = [i for i in order if int(dest[i]) == r]
-        sent[mine[:capacity]] = True
-    want_overflow = int((~sent).sum())
-    assert int(ep_layer.last_dispatch_overflow) == want_overflow
-    whole = sent.view(12, 2).all(1)  # tokens with every copy sent
-    torch.testing.assert_close(out[whole], ref[whole], rtol=1e-9, atol=1e-10)
-    assert not torch.allclose(out[~whole], ref[~whole])
-    return want_overflow
+    """Receive capacities too small for the routing: every routed copy is either computed by an
+    expert or counted as overflow, over the group; with no limit (factor None) the same routing
+    computes every copy and equals EP=1. Returns this rank's overflow."""
+    results = {}
+    for factor in (1.0, None):
+        cfg = make_config(
+            score_func="sigmoid", expert_bias=True, dispatcher="static", dispatch_capacity_factor=factor,
+            dispatch_chunks=1,
+        )
+        layers = []
+        for group in (None, solo_group):
+            torch.manual_seed(0)
+            layers.append(MoELayer(cfg, ep_group=group))
+            layers[-1].router.expert_bias.copy_(torch.tensor([10.0] * 4 + [0.0] * 4))  # every copy to experts 0-3
+        ep_layer, ref_layer = layers
+        hidden = _inputs(0, 4, 3)[0] + rank  # the same shape on every rank, different tokens
+        out = ep_layer(hidden)[0]
+        routed = torch.tensor([12 * 2, int(ep_layer.dispatcher.last_received), int(ep_layer.last_dispatch_overflow)])
+        dist.all_reduce(routed)
+        assert int(routed[0]) == int(routed[1]) + int(routed[2]), (factor, routed.tolist())
+        results[factor] = int(ep_layer.last_dispatch_overflow)
+        if factor is None:
+            assert int(routed[2]) == 0
+            torch.testing.assert_close(out, ref_layer(hidden)[0], rtol=1e-9, atol=1e-10)
+        else:
+            total = torch.tensor(results[factor])
+            dist.all_reduce(total)
+            assert int(total) > 0
+    return results[1.0] + 1  # > 0 on every rank: the check ran
 
 
 def _ep_worker(rank, world_size, dispatcher):

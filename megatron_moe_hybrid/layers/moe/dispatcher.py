@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_hybrid.ops.moe import layout, permute_tokens, unpermute_tokens
-from megatron_moe_hybrid.ops.moe.gather import row_gather, weighted_combine
+from megatron_moe_hybrid.ops.moe.gather import gather_entries, row_gather, weighted_combine
 
 
 class _AllToAll(torch.autograd.Function):
@@ -177,29 +177,36 @@ class _A2AWait(torch.autograd.Function):
 class _ChunkState:
     """The layout of one dispatched chunk, from dispatch_preprocess to combine_postprocess."""
 
-    send = None  # ops.moe.layout.SendLayout
-    recv = None  # ops.moe.layout.RecvLayout
-    capacity = 0
-    recv_counts = None  # [ep, E_local] int64 (device)
-    counts_work = None
-    handle = None  # _A2AHandle of the tokens in flight
+    send = None  # ops.moe.layout.TokenSendLayout
+    expand = None  # ops.moe.layout.ExpandLayout
+    capacity = 0  # C: rows per (source, destination) pair
+    num_rows = 0  # R: expert-grouped rows kept on this rank
+    send_probs = None  # [ep * C, K] routing weight of each sent entry (0 = none); None: unweighted
+    recv_probs = None
+    recv_expert = None  # [ep * C, K] int64 local expert of each received entry
+    works = ()  # in-flight all_to_alls without autograd (the expert ids)
+    handles = ()  # _A2AHandle of each in-flight autograd all_to_all
 
 
 class StaticAllToAllDispatcher:
-    """Expert-parallel dispatch with no host sync: every size is fixed before any data moves.
+    """Expert-parallel dispatch with no host sync, each token sent once per destination rank.
 
-    Each (source, destination) rank pair exchanges exactly C rows (ops.moe.layout.capacity_rows:
-    moe.dispatch_capacity_factor times the balanced share, at most T*K), so all_to_all_single
-    runs with split sizes known on the host; token counts stay on the device, through the
-    regrouping by local expert into the grouped GEMM's offsets. A copy that does not fit in C
-    rows is not sent; its count is in last_overflow (a device scalar; the trainer checks it once
-    per step) and it adds nothing to the output, like a capacity drop. EP=1, or a factor of
-    ep or more, can never overflow.
+    A token whose K experts live on r distinct ranks travels r times (not K): the receiving
+    rank expands it into one row per local expert, and sends back one row per token, the
+    probability-weighted sum over its local experts (DeepEP's layout). Every size is fixed
+    before any data moves: each (source, destination) pair exchanges exactly C rows
+    (ops.moe.layout.token_capacity: moe.dispatch_capacity_factor x the balanced share, at most
+    T), so all_to_all_single runs with split sizes known on the host; a rank keeps R
+    expert-grouped rows (ops.moe.layout.expert_rows: the factor x T*K). Token counts stay on
+    the device, into the grouped GEMM's offsets. A copy past either limit is not computed: its
+    count is in last_overflow (a device scalar; the trainer checks it once per step) and it
+    adds nothing to the output. EP=1, or a factor of None, can never overflow. Every EP rank
+    must pass the same number of tokens (the buffer sizes derive from it), as a trainer does.
 
-    The six steps match AllToAllDispatcher's; forward_experts() runs them in moe.dispatch_chunks
-    chunks whose all-to-alls (forward and backward) proceed while other chunks' experts compute,
-    with the shared expert computed while the first chunk is in flight. Permute, regroup and
-    combine are gathers with precomputed inverse maps: deterministic, atomic-free.
+    The six steps follow Megatron's split; forward_experts() runs them in moe.dispatch_chunks
+    chunks whose all-to-alls (forward and backward) proceed while other chunks' experts
+    compute, and the shared expert computes while the first chunk is in flight. Every data
+    movement is a gather with a precomputed inverse map: deterministic, free of atomics.
     """
 
     def __init__(
@@ -221,7 +228,7 @@ class StaticAllToAllDispatcher:
         if num_chunks < 1:
             raise ValueError(f"moe.dispatch_chunks must be >= 1, got {num_chunks}")
         if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"moe.dispatch_capacity_factor must be > 0 (or None: T*K rows), got {capacity_factor}")
+            raise ValueError(f"moe.dispatch_capacity_factor must be > 0 (or None: never overflow), got {capacity_factor}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         # "fused" asks for the compiled gathers: Triton (on CUDA; its interpreter elsewhere)
@@ -229,106 +236,119 @@ class StaticAllToAllDispatcher:
         self.capacity_factor = capacity_factor
         self.num_chunks = num_chunks
         self.state = _ChunkState()
-        self.last_overflow = torch.zeros((), dtype=torch.int64)  # copies not sent (see the class docstring)
-        self.last_received = torch.zeros((), dtype=torch.int64)  # rows received for the local experts
+        self.last_overflow = torch.zeros((), dtype=torch.int64)  # copies not computed (see above)
+        self.last_received = torch.zeros((), dtype=torch.int64)  # expert-grouped rows computed here
 
     # -- the six steps, on self.state ---------------------------------------------------------
 
-    def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        """x [T, h], topk_idx [T, K] (-1 = dropped) -> send buffer [ep * C, h]."""
+    def dispatch_preprocess(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, h], topk_idx [T, K] (-1 = dropped), probs [T, K] (None: the experts' outputs
+        are summed unweighted) -> send buffer [ep * C, h]."""
         st = self.state = _ChunkState()
-        num_copies = topk_idx.numel()
-        st.capacity = layout.capacity_rows(num_copies, self.ep_size, self.capacity_factor)
-        st.send = layout.send_layout(topk_idx, self.num_experts, self.ep_size, st.capacity)
-        self.last_overflow = st.send.overflow
-        topk = topk_idx.shape[1]
-        send_token = torch.where(st.send.send_copy >= 0, st.send.send_copy // topk, -1)  # [ep * C]
-        st.send_token = send_token
-        return row_gather(x, send_token[:, None], st.send.slot_map, self.backend)
+        num_tokens, topk = topk_idx.shape
+        st.capacity = layout.token_capacity(num_tokens, topk, self.ep_size, self.capacity_factor)
+        st.num_rows = layout.expert_rows(
+            self.ep_size * st.capacity, num_tokens, topk, self.num_local_experts, self.capacity_factor
+        )
+        st.send = layout.token_send_layout(topk_idx, self.num_experts, self.ep_size, st.capacity)
+        if probs is not None:  # [ep * C, K], 0 where no entry
+            st.send_probs = gather_entries(probs, st.send.send_copy, st.send.copy_entry)
+        if self.ep_size == 1 and st.capacity == num_tokens:  # the identity layout: no copy
+            return x
+        return row_gather(x, st.send.send_token[:, None], st.send.pair_slot, self.backend)
 
     def token_dispatch(self, send: torch.Tensor, async_op: bool = False) -> torch.Tensor:
-        """[ep * C, h] -> [ep * C, h] as [source][slot] blocks (with async_op, valid after
-        dispatch_postprocess)."""
+        """[ep * C, h] -> [ep * C, h] as [source][slot] blocks, with the expert ids and weights
+        (with async_op, valid after dispatch_postprocess)."""
         st = self.state
         if self.ep_size == 1:
-            st.recv_counts = st.send.send_counts
+            st.recv_expert, st.recv_probs = st.send.send_expert, st.send_probs
             return send
-        st.recv_counts = torch.empty_like(st.send.send_counts)
-        st.counts_work = dist.all_to_all_single(
-            st.recv_counts, st.send.send_counts.contiguous(), group=self.ep_group, async_op=True
-        )
-        st.handle = _A2AHandle()
-        out = _A2AStart.apply(self.ep_group, send, st.handle)
-        if not async_op:
-            out = self._wait(out)
-        return out
+        st.recv_expert = torch.empty_like(st.send.send_expert)
+        st.works = (dist.all_to_all_single(st.recv_expert, st.send.send_expert, group=self.ep_group, async_op=True),)
+        handles = [_A2AHandle()]
+        out = _A2AStart.apply(self.ep_group, send, handles[0])
+        if st.send_probs is not None:
+            handles.append(_A2AHandle())
+            st.recv_probs = _A2AStart.apply(self.ep_group, st.send_probs, handles[1])
+        st.handles = tuple(handles)
+        return out if async_op else self._wait(out)
 
     def _wait(self, out: torch.Tensor) -> torch.Tensor:
         st = self.state
-        if st.counts_work is not None:
-            st.counts_work.wait()
-            st.counts_work = None
-        if st.handle is not None and st.handle.work is not None:
-            out = _A2AWait.apply(self.ep_group, out, st.handle)
+        for work in st.works:
+            work.wait()
+        st.works = ()
+        if st.handles:
+            out = _A2AWait.apply(self.ep_group, out, st.handles[0])
+            if len(st.handles) > 1:
+                st.recv_probs = _A2AWait.apply(self.ep_group, st.recv_probs, st.handles[1])
+        st.handles = ()
         return out
 
     def dispatch_postprocess(self, recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[ep * C, h] -> (rows grouped by local expert then a padding tail [ep * C, h],
+        """[ep * C, h] -> (R rows grouped by local expert then a padding tail [R, h],
         tokens_per_local_expert [E_local] int64 on the device)."""
         st = self.state
         recv = self._wait(recv)
-        st.recv = layout.recv_layout(st.recv_counts.view(self.ep_size, self.num_local_experts), st.capacity)
-        if self.ep_size == 1:  # the send buffer is already grouped by expert, padding last
-            return recv, st.recv.tokens_per_expert
-        x_sorted = row_gather(recv, st.recv.sorted_src[:, None], st.recv.recv_dst[:, None], self.backend)
-        return x_sorted, st.recv.tokens_per_expert
+        st.expand = layout.expand_layout(st.recv_expert, self.num_local_experts, st.num_rows)
+        x_sorted = row_gather(recv, st.expand.sorted_row[:, None], st.expand.copy_pos, self.backend)
+        return x_sorted, st.expand.tokens_per_expert
 
-    def combine_preprocess(self, y_sorted: torch.Tensor) -> torch.Tensor:
-        """[ep * C, h] grouped by local expert -> [source][slot] order; padding rows become zeros."""
+    def permuted_probs(self) -> torch.Tensor:
+        """[R] the routing weight of each expert-grouped row (0 on the tail), differentiable:
+        for experts that apply the weights themselves (Megatron's)."""
         st = self.state
-        if self.ep_size == 1:
-            return y_sorted
-        return row_gather(y_sorted, st.recv.recv_dst[:, None], st.recv.sorted_src[:, None], self.backend)
+        return gather_entries(st.recv_probs, st.expand.sorted_copy, st.expand.copy_pos)
+
+    def combine_preprocess(self, y_sorted: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+        """[R, h] expert outputs -> [ep * C, h]: per received row, the sum over its local experts,
+        weighted by the routing probs (weighted=False, or no probs: unweighted)."""
+        st = self.state
+        if weighted and st.recv_probs is not None:
+            return weighted_combine(y_sorted, st.expand.copy_pos, st.recv_probs, st.expand.sorted_copy, self.backend)
+        row_of = torch.where(st.expand.sorted_copy >= 0, st.expand.sorted_copy // st.expand.copy_pos.shape[1], -1)
+        return row_gather(y_sorted, st.expand.copy_pos, row_of[:, None], self.backend)
 
     def token_combine(self, y: torch.Tensor, async_op: bool = False) -> torch.Tensor:
         """[ep * C, h] -> [ep * C, h], back on the rank that owns the tokens."""
         st = self.state
         if self.ep_size == 1:
             return y
-        st.handle = _A2AHandle()
-        out = _A2AStart.apply(self.ep_group, y, st.handle)
+        st.handles = (_A2AHandle(),)
+        out = _A2AStart.apply(self.ep_group, y, st.handles[0])
         return out if async_op else self._wait(out)
 
-    def combine_postprocess(self, y: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        """[ep * C, h], probs [T, K] -> [T, h]: the probability-weighted sum, in k order, over
-        each token's sent copies (probs None: the plain sum, for experts that applied them)."""
+    def combine_postprocess(self, y: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """[ep * C, h] -> [T, h]: each token's rows from its destination ranks, summed in rank
+        order (the weights were applied on the expert side; probs is not used here)."""
         st = self.state
         y = self._wait(y)
-        if probs is None:
-            return row_gather(y, st.send.slot_map, st.send_token[:, None], self.backend)
-        return weighted_combine(y, st.send.slot_map, probs, st.send.send_copy, self.backend)
+        if self.ep_size == 1 and y.shape[0] == st.send.pair_slot.shape[0]:  # the identity layout
+            return y
+        return row_gather(y, st.send.pair_slot, st.send.send_token[:, None], self.backend)
 
     # -- the pipelined whole --------------------------------------------------------------------
 
     def forward_experts(self, x, topk_idx, probs, experts, shared_expert=None):
         """out [T, h] = combine(experts(dispatch(x))) (+ shared_expert(x)), in num_chunks chunks
-        of tokens. Chunk i+1's dispatch and chunk i-1's combine are in flight (on NCCL's stream)
-        while chunk i's experts compute; with one chunk, the shared expert hides the dispatch."""
+        of tokens. Chunk i+1's dispatch and chunk i's combine are in flight (on the
+        communication stream) while chunk i's experts compute; the shared expert hides the
+        first dispatch."""
         num_tokens = x.shape[0]
         n = max(1, min(self.num_chunks, num_tokens))
         bounds = [num_tokens * i // n for i in range(n + 1)]
         states, sends = [], []
-        overflow = None
         for i in range(n):
-            send = self.dispatch_preprocess(x[bounds[i] : bounds[i + 1]], topk_idx[bounds[i] : bounds[i + 1]])
-            overflow = self.state.send.overflow if overflow is None else overflow + self.state.send.overflow
+            part = slice(bounds[i], bounds[i + 1])
+            sends.append(self.dispatch_preprocess(x[part], topk_idx[part], None if probs is None else probs[part]))
             states.append(self.state)
-            sends.append(send)
-        in_flight = [None] * n
+        in_flight, outs = [None] * n, [None] * n
         self.state = states[0]
         in_flight[0] = self.token_dispatch(sends[0], async_op=True)
         shared = shared_expert(x) if shared_expert is not None else None
-        outs = [None] * n
         for i in range(n):
             if i + 1 < n:
                 self.state = states[i + 1]
@@ -338,8 +358,8 @@ class StaticAllToAllDispatcher:
             outs[i] = self.token_combine(self.combine_preprocess(experts(x_sorted, counts)), async_op=True)
         for i in range(n):
             self.state = states[i]
-            outs[i] = self.combine_postprocess(outs[i], None if probs is None else probs[bounds[i] : bounds[i + 1]])
-        self.last_overflow = overflow
-        self.last_received = sum(st.recv.tokens_per_expert.sum() for st in states)
+            outs[i] = self.combine_postprocess(outs[i])
+        self.last_overflow = sum(st.send.overflow + st.expand.overflow for st in states)
+        self.last_received = sum(st.expand.tokens_per_expert.sum() for st in states)
         out = outs[0] if n == 1 else torch.cat(outs)
         return out if shared is None else out + shared

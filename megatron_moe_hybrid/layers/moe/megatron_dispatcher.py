@@ -37,11 +37,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
-from torch.distributed.nn.functional import all_to_all_single
 
 from megatron_moe_hybrid.layers.moe.dispatcher import StaticAllToAllDispatcher
 from megatron_moe_hybrid.layers.moe.experts import GroupedExperts
-from megatron_moe_hybrid.ops.moe.gather import row_gather
 
 
 def _allow_router_gemm_without_te() -> None:
@@ -76,7 +74,7 @@ class MegatronStaticDispatcher(MoETokenDispatcher):
     """Megatron's six dispatcher steps over a StaticAllToAllDispatcher (see the module docstring).
 
     trim_padding True: dispatch_postprocess returns exactly N rows and host counts (one host
-    sync), for experts that split rows with tokens_per_expert.tolist(); False: ep * C rows, the
+    sync), for experts that split rows with tokens_per_expert.tolist(); False: R rows, the
     padding tail last, and device counts, for experts that accept padded rows.
     """
 
@@ -113,12 +111,12 @@ class MegatronStaticDispatcher(MoETokenDispatcher):
 
     @property
     def last_overflow(self) -> torch.Tensor:
-        """[] int64 (device): routed copies of the last forward that did not fit in C rows."""
+        """[] int64 (device): routed copies of the last forward that the receive capacities left uncomputed."""
         return self.static.last_overflow
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """tokens [s, b, h], routing_map [T, E] bool, probs [T, E] -> (send [ep * C, h],
-        send_probs [ep * C, 1]: each sent row's routing prob, 0 on padding)."""
+        send_probs [ep * C, K]: the routing weight of each sent entry, 0 where none)."""
         self.hidden_shape = tokens.shape
         x = tokens.reshape(-1, tokens.shape[-1])  # [T, h]
         want = (x.shape[0], self.config.num_moe_experts)
@@ -133,31 +131,19 @@ class MegatronStaticDispatcher(MoETokenDispatcher):
         kept, topk_idx = torch.topk(routing_map.to(torch.int8), k=self.topk, dim=1)  # [T, K] each
         topk_idx = torch.where(kept > 0, topk_idx, -1)  # [T, K]
         probs_tk = probs.gather(1, topk_idx.clamp(min=0))  # [T, K]; dropped copies are never sent
-        send = self.static.dispatch_preprocess(x, topk_idx)  # [ep * C, h]
-        layout = self.static.state.send
-        send_probs = row_gather(
-            probs_tk.reshape(-1, 1), layout.send_copy[:, None], layout.slot_map.reshape(-1, 1), self.static.backend
-        )  # [ep * C, 1]
-        return send, send_probs
+        send = self.static.dispatch_preprocess(x, topk_idx, probs_tk)  # [ep * C, h]
+        return send, self.static.state.send_probs  # the weights travel inside token_dispatch
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """[ep * C, h], [ep * C, 1] -> the same shapes, as [source][slot] blocks of C rows."""
-        recv = self.static.token_dispatch(hidden_states)
-        if self.static.ep_size == 1:
-            return recv, probs
-        # A second, autograd-aware exchange: probs stay fp32 while the tokens may be bf16.
-        recv_probs = all_to_all_single(torch.empty_like(probs), probs.contiguous(), group=self.ep_group)
-        return recv, recv_probs
+        """[ep * C, h] -> the same shape as [source][slot] blocks of C rows; the routing weights
+        and expert ids travel in the same step (probs is passed through for Megatron's loop)."""
+        return self.static.token_dispatch(hidden_states), probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """-> (dispatched_input [N or ep * C, h] grouped by local expert, tokens_per_expert
-        [E_local] int64, permuted_probs [N or ep * C]: the routing prob of each row)."""
-        x_sorted, counts = self.static.dispatch_postprocess(hidden_states)  # [ep * C, h], [E_local]
-        probs_sorted = probs
-        if self.static.ep_size > 1:  # the same regrouping as the rows (identity at EP=1)
-            recv = self.static.state.recv
-            probs_sorted = row_gather(probs, recv.sorted_src[:, None], recv.recv_dst[:, None], self.static.backend)
-        probs_sorted = probs_sorted.view(-1)  # [ep * C]
+        """-> (dispatched_input [N or R, h] grouped by local expert, tokens_per_expert
+        [E_local] int64, permuted_probs [N or R]: the routing weight of each row)."""
+        x_sorted, counts = self.static.dispatch_postprocess(hidden_states)  # [R, h], [E_local]
+        probs_sorted = self.static.permuted_probs()  # [R]
         self.padded_rows = x_sorted.shape[0]
         if not self.trim_padding:
             return x_sorted, counts, probs_sorted
@@ -166,20 +152,20 @@ class MegatronStaticDispatcher(MoETokenDispatcher):
         return x_sorted[:num_rows], counts, probs_sorted[:num_rows]
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N or ep * C, h] expert outputs -> [ep * C, h] in [source][slot] order."""
+        """[N or R, h] expert outputs (weights applied) -> [ep * C, h]: per received token, the
+        sum over its local experts."""
         tail = self.padded_rows - hidden_states.shape[0]
         if tail:  # the trimmed padding rows: never read by the combine, any value will do
             hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(tail, hidden_states.shape[1])])
-        return self.static.combine_preprocess(hidden_states)
+        return self.static.combine_preprocess(hidden_states, weighted=False)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[ep * C, h] -> [ep * C, h], back on the rank that owns the tokens."""
         return self.static.token_combine(hidden_states)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[ep * C, h] -> [s, b, h]: each token's expert outputs summed, unweighted (the experts
-        applied the probs)."""
-        return self.static.combine_postprocess(hidden_states, None).view(self.hidden_shape)
+        """[ep * C, h] -> [s, b, h]: each token's rows from its destination ranks, summed."""
+        return self.static.combine_postprocess(hidden_states).view(self.hidden_shape)
 
 
 class MegatronGroupedExperts(GroupedExperts):

@@ -36,6 +36,11 @@ def _check(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None) -
         raise ValueError(f"weights must be [M, K] = {tuple(idx.shape)} on {src.device}, got {tuple(weights.shape)}")
 
 
+def _check_a(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> None:
+    if a.shape != (idx.shape[0], src.shape[1]) or a.device != src.device:
+        raise ValueError(f"a must be [M, h] = {(idx.shape[0], src.shape[1])} on {src.device}, got {tuple(a.shape)}")
+
+
 def gather_sum_reference(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """[R, h], [M, K], [M, K] or None -> [M, h] in src's dtype."""
     _check(src, idx, weights)
@@ -45,16 +50,18 @@ def gather_sum_reference(src: torch.Tensor, idx: torch.Tensor, weights: torch.Te
         return out.to(src.dtype)
     safe = idx.clamp(min=0)  # -1 rows read row 0 and are zeroed below
     for k in range(idx.shape[1]):  # k order fixes the rounding, as in the kernel
-        w = (idx[:, k] >= 0).to(acc)  # [M]
+        rows = src.index_select(0, safe[:, k]).to(acc)  # [M, h]
         if weights is not None:
-            w = w * weights[:, k].to(acc)
-        out = out + w[:, None] * src.index_select(0, safe[:, k]).to(acc)
+            rows = weights[:, k].to(acc)[:, None] * rows
+        # where, not a 0 weight: a skipped entry must not bring a NaN of row 0 along
+        out = out + torch.where((idx[:, k] >= 0)[:, None], rows, 0.0)
     return out.to(src.dtype)
 
 
 def row_dot_reference(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """a [M, h], src [R, h], idx [M, K] -> [M, K] fp32 (fp64): dot(a[m], src[idx[m, k]]), 0 for -1."""
     _check(src, idx, None)
+    _check_a(a, src, idx)
     acc = _acc(src.dtype)
     if src.shape[0] == 0:
         return torch.zeros(idx.shape, dtype=acc, device=src.device)
@@ -75,7 +82,8 @@ if triton is not None:
             w = (row >= 0).to(tl.float32)
             if HAS_W:
                 w = w * tl.load(weights + m * K + k).to(tl.float32)
-            vals = tl.load(src + tl.maximum(row, 0) * h + cols, mask=mask & (row >= 0), other=0.0)
+            # (cols * 0 + row): a full block, so the mask stays boolean in Triton's interpreter too
+            vals = tl.load(src + tl.maximum(row, 0) * h + cols, mask=mask & ((cols * 0 + row) >= 0), other=0.0)
             acc += w * vals.to(tl.float32)
         tl.store(out + m * h + cols, acc.to(out.dtype.element_ty), mask=mask)
 
@@ -87,7 +95,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for start in range(0, h, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                mask = (cols < h) & (row >= 0)
+                mask = (cols < h) & ((cols * 0 + row) >= 0)
                 x = tl.load(a + m * h + cols, mask=mask, other=0.0).to(tl.float32)
                 y = tl.load(src + tl.maximum(row, 0) * h + cols, mask=mask, other=0.0).to(tl.float32)
                 acc += x * y
@@ -127,6 +135,7 @@ def row_dot(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, backend: str 
     if not _triton_ok(src, backend):
         return row_dot_reference(a, src, idx)
     _check(src, idx, None)
+    _check_a(a, src, idx)
     out = torch.empty(idx.shape, dtype=torch.float32, device=src.device)
     if out.numel():
         block = min(1024, triton.next_power_of_2(max(src.shape[1], 16)))
@@ -172,7 +181,7 @@ class _WeightedCombine(torch.autograd.Function):
         w_pad = torch.cat([w.reshape(-1), w.new_zeros(1)])  # a zero weight for rows read by none
         w_row = w_pad[torch.where(inv >= 0, inv, w.numel())]  # [R]
         token = torch.where(inv >= 0, inv // topk, -1)  # [R]
-        grad_y = gather_sum(grad_out, token[:, None], w_row[:, None].to(torch.float32), ctx.backend)
+        grad_y = gather_sum(grad_out, token[:, None], w_row[:, None].to(_acc(y.dtype)), ctx.backend)
         grad_w = None
         if ctx.needs_input_grad[2]:
             grad_w = row_dot(grad_out, y, idx, ctx.backend).to(w.dtype)
@@ -187,3 +196,33 @@ def row_gather(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, backend: s
 def weighted_combine(y: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Differentiable out[t] = sum_k w[t, k] * y[idx[t, k]] (in y's dtype), gradients to y and w."""
     return _WeightedCombine.apply(y, idx, w, inv, backend)
+
+
+class _GatherEntries(torch.autograd.Function):
+    """out = src.flatten()[idx] (0 where idx is -1) in idx's shape; grad_src = the same gather
+    of grad_out through inv (src's shape; -1 = read by none). idx reads each entry at most once,
+    so the backward is a gather too: no index_put, no atomics (an index backward of a -1
+    padded gather piles every pad onto one entry)."""
+
+    @staticmethod
+    def forward(ctx, src, idx, inv):
+        ctx.save_for_backward(inv)
+        return _take(src, idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inv,) = ctx.saved_tensors
+        return _take(grad_out, inv), None, None
+
+
+def _take(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    flat = src.reshape(-1)
+    return torch.where(idx >= 0, flat[idx.clamp(min=0)], 0) if flat.numel() else src.new_zeros(idx.shape)
+
+
+def gather_entries(src: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Differentiable src.flatten()[idx] with -1 -> 0; inv (src's shape) maps each entry of src
+    to the flat position of idx that reads it (-1: none)."""
+    if inv.shape != src.shape:
+        raise ValueError(f"inv must have src's shape {tuple(src.shape)}, got {tuple(inv.shape)}")
+    return _GatherEntries.apply(src, idx, inv)

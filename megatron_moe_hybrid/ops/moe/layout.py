@@ -1,116 +1,142 @@
 """Device-side routing layouts for the static (sync-free) expert-parallel dispatch.
 
-Everything here is a handful of integer kernels over T*K or ep*C entries, with every size
+Everything here is a handful of integer kernels over T*K or ep*C*K entries, with every size
 known on the host in advance: nothing reads a device value back, so a forward+backward
 passes `torch.cuda.set_sync_debug_mode("error")`.
+
+A token travels once to each rank that holds one of its experts (not once per expert): the
+send buffer has ep * C rows, rows [r * C, (r + 1) * C) going to rank r in token order, each
+with the local expert ids of the token's copies there. The receiver expands its rows into
+R rows grouped by local expert. Rows past C, or copies past R, are counted as overflow.
 
 Shape legend:
     T  local tokens          K  experts per token       E  experts (global)
     ep EP group size         E_local = E / ep           C  rows per (source, destination) rank pair
+    M  = ep * C received rows                           R  expert-grouped rows kept by a rank
     i  = t * K + k           the flat index of a routed copy
-
-Send layout: the send buffer has ep * C rows; rows [r * C, (r + 1) * C) go to rank r, ordered
-by local expert and, within an expert, by i. Copies past C (overflow) and copies dropped by
-the router (topk_idx -1) get no row.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
-class SendLayout:
-    slot_map: torch.Tensor  # [T, K] int64: send row of copy (t, k); -1 = dropped or overflowed
-    send_copy: torch.Tensor  # [ep * C] int64: flat copy index i in each send row; -1 = padding
-    send_counts: torch.Tensor  # [ep, E_local] int64: rows sent to each destination's local experts
-    overflow: torch.Tensor  # [] int64: routed copies that did not fit in C
+class TokenSendLayout:
+    pair_slot: torch.Tensor  # [T, ep] int64: send row of (token, destination); -1 = none or overflowed
+    send_token: torch.Tensor  # [ep * C] int64: token of each send row; -1 = padding
+    send_expert: torch.Tensor  # [ep * C, K] int64: local expert of copy k of the row's token there; -1 = none
+    send_copy: torch.Tensor  # [ep * C, K] int64: flat copy index t * K + k of that entry; -1 = none
+    copy_entry: torch.Tensor  # [T, K] int64: flat send entry row * K + k of copy (t, k); -1 = not sent
+    overflow: torch.Tensor  # [] int64: routed copies whose (token, destination) row did not fit in C
 
 
 @dataclass
-class RecvLayout:
-    sorted_src: torch.Tensor  # [ep * C] int64: receive row feeding each expert-grouped row; -1 = tail
-    recv_dst: torch.Tensor  # [ep * C] int64: expert-grouped row of each receive row; -1 = padding
-    tokens_per_expert: torch.Tensor  # [E_local] int64 (device)
-    offsets: torch.Tensor  # [E_local] int32: inclusive cumsum, the grouped GEMM's offs
+class ExpandLayout:
+    sorted_row: torch.Tensor  # [R] int64: receive row feeding each expert-grouped row; -1 = tail
+    sorted_copy: torch.Tensor  # [R] int64: flat (row, k) entry of each expert-grouped row; -1 = tail
+    copy_pos: torch.Tensor  # [M, K] int64: expert-grouped row of entry (row, k); -1 = none or overflowed
+    tokens_per_expert: torch.Tensor  # [E_local] int64 (device): rows kept per local expert
+    overflow: torch.Tensor  # [] int64: received copies past the R rows
 
 
-def capacity_rows(num_copies: int, ep_size: int, capacity_factor: float | None) -> int:
-    """Rows per (source, destination) pair: factor x the balanced share T*K/ep, at most T*K.
-
-    None, or ep_size 1, gives T*K: no copy can ever overflow. At least 1, so that a rank
-    with no tokens still takes part in the exchange with a well-formed (padding) buffer.
-    """
-    if ep_size == 1 or capacity_factor is None:
-        return max(1, num_copies)
-    if capacity_factor <= 0:
+def token_capacity(num_tokens: int, topk: int, ep_size: int, capacity_factor: float | None) -> int:
+    """Rows per (source, destination) pair: factor x the share T * min(K, ep) / ep of a rank
+    (a token reaches at most min(K, ep) ranks), at most T; None or ep_size 1 gives T."""
+    if capacity_factor is not None and capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    balanced = -(-num_copies // ep_size)
-    return max(1, min(num_copies, int(-(-balanced * capacity_factor // 1))))
+    if ep_size == 1 or capacity_factor is None:
+        return max(1, num_tokens)
+    share = num_tokens * min(topk, ep_size) / ep_size
+    return max(1, min(num_tokens, math.ceil(capacity_factor * share)))
 
 
-def send_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int, capacity: int) -> SendLayout:
-    """topk_idx [T, K] int64 (-1 = dropped) -> the send layout (see the module docstring)."""
+def expert_rows(num_recv_rows: int, num_tokens: int, topk: int, num_local: int, capacity_factor: float | None) -> int:
+    """Expert-grouped rows a rank keeps: every received (row, local expert) entry, at most
+    factor x the balanced T * K (None: no limit)."""
+    most = num_recv_rows * min(topk, num_local)
+    if capacity_factor is None:
+        return max(1, most)
+    return max(1, min(most, math.ceil(capacity_factor * num_tokens * topk)))
+
+
+def token_send_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int, capacity: int) -> TokenSendLayout:
+    """topk_idx [T, K] int64 (-1 = dropped) -> rows [r * C, (r + 1) * C) carry, in token order,
+    the tokens with an expert on rank r, each once, with the local experts of its copies."""
     if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
         raise ValueError(f"topk_idx must be a [T, K] int64 tensor, got {topk_idx.dtype} {tuple(topk_idx.shape)}")
-    if num_experts % ep_size:
-        raise ValueError(f"num_experts={num_experts} must be divisible by ep_size={ep_size}")
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if num_experts % ep_size or capacity < 1:
+        raise ValueError(f"need num_experts % ep_size == 0 and capacity >= 1, got {num_experts}, {ep_size}, {capacity}")
     dev = topk_idx.device
+    num_tokens, topk = topk_idx.shape
     num_local = num_experts // ep_size
-    flat = topk_idx.reshape(-1)  # [TK]
-    key = torch.where(flat < 0, num_experts, flat)  # [TK]; dropped copies sort last
-    sorted_key, order = torch.sort(key, stable=True)  # [TK] each
-    # starts[e]: first sorted row of expert e (e = E: the dropped copies)
-    starts = torch.searchsorted(sorted_key, torch.arange(num_experts + 1, device=dev))  # [E + 1]
-    bounds = torch.cat([starts, starts.new_full((1,), flat.numel())])  # [E + 2]
-    counts = (bounds[1:] - bounds[:-1])[:num_experts]  # [E] routed copies per expert
-    rank_start = starts[:num_experts:num_local]  # [ep] first sorted row per destination rank
+    valid = topk_idx >= 0  # [T, K]
+    if ep_size == 1 and capacity >= num_tokens:  # every token keeps its own row: an identity layout
+        token = torch.arange(num_tokens, device=dev)
+        flat = torch.arange(num_tokens * topk, device=dev).view(num_tokens, topk)
+        padding = torch.full((capacity - num_tokens,), -1, dtype=torch.int64, device=dev)
+        pad_rows = torch.full((capacity - num_tokens, topk), -1, dtype=torch.int64, device=dev)
+        return TokenSendLayout(
+            token[:, None],
+            torch.cat([token, padding]),
+            torch.cat([topk_idx, pad_rows]),
+            torch.cat([torch.where(valid, flat, -1), pad_rows]),
+            torch.where(valid, flat, -1),
+            torch.zeros((), dtype=torch.int64, device=dev),
+        )
+    dest = torch.where(valid, topk_idx // num_local, ep_size)  # [T, K]; ep_size = no destination
+    present = torch.zeros(num_tokens, ep_size + 1, dtype=torch.bool, device=dev)
+    present.scatter_(1, dest, True)
+    present = present[:, :ep_size]  # [T, ep]
+    # [T, ep] row within the destination's block; scanned along a contiguous last dim (a scan
+    # over the outer dim of a [T, 2] tensor runs on a handful of threads)
+    pos = (present.t().long().contiguous().cumsum(1) - 1).t()
+    ok = present & (pos < capacity)
+    pair_slot = torch.where(ok, torch.arange(ep_size, device=dev) * capacity + pos, -1)  # [T, ep]
 
-    dest = torch.clamp(sorted_key // num_local, max=ep_size - 1)  # [TK]
-    pos = torch.arange(flat.numel(), device=dev) - rank_start[dest]  # [TK] row within the destination
-    ok = (sorted_key < num_experts) & (pos < capacity)  # [TK]
-    slot_sorted = torch.where(ok, dest * capacity + pos, -1)  # [TK]
-    slot_map = torch.empty_like(slot_sorted)
-    slot_map[order] = slot_sorted  # order is a permutation: a plain, deterministic scatter
-
-    dump = ep_size * capacity  # overflowed copies land on an extra row that is cut off
-    send_copy = torch.full((dump + 1,), -1, dtype=torch.int64, device=dev)
-    send_copy[torch.where(ok, slot_sorted, dump)] = torch.where(ok, order, -1)
-    send_copy = send_copy[:dump]
-
-    # rows each expert keeps: its copies, cut where its destination's C rows run out
-    expert_off = starts[:num_experts] - rank_start.repeat_interleave(num_local)  # [E]
-    kept = torch.minimum(counts, torch.clamp(capacity - expert_off, min=0))  # [E]
-    overflow = (counts - kept).sum()
-    return SendLayout(slot_map.view_as(topk_idx), send_copy, kept.view(ep_size, num_local), overflow)
+    dump = ep_size * capacity  # rows that do not exist land on an extra row that is cut off
+    send_token = torch.full((dump + 1,), -1, dtype=torch.int64, device=dev)
+    token = torch.arange(num_tokens, device=dev)[:, None].expand(num_tokens, ep_size)
+    send_token[torch.where(ok, pair_slot, dump)] = torch.where(ok, token, -1)
+    copy_slot = torch.where(valid, pair_slot.gather(1, dest.clamp(max=ep_size - 1)), -1)  # [T, K]
+    rows = torch.where(copy_slot >= 0, copy_slot, dump)  # [T, K]
+    cols = torch.arange(topk, device=dev).expand(num_tokens, topk)
+    send_expert = torch.full((dump + 1, topk), -1, dtype=torch.int64, device=dev)
+    send_expert[rows, cols] = torch.where(copy_slot >= 0, topk_idx - dest * num_local, -1)
+    send_copy = torch.full((dump + 1, topk), -1, dtype=torch.int64, device=dev)
+    flat = torch.arange(num_tokens * topk, device=dev).view(num_tokens, topk)
+    send_copy[rows, cols] = torch.where(copy_slot >= 0, flat, -1)
+    overflow = (valid & (copy_slot < 0)).sum()
+    copy_entry = torch.where(copy_slot >= 0, copy_slot * topk + cols, -1)  # [T, K]
+    return TokenSendLayout(pair_slot, send_token[:dump], send_expert[:dump], send_copy[:dump], copy_entry, overflow)
 
 
-def recv_layout(recv_counts: torch.Tensor, capacity: int) -> RecvLayout:
-    """recv_counts [ep, E_local]: rows each source sent to each local expert -> the regrouping
-    from the [source][slot] receive buffer (ep * C rows) to rows grouped by local expert
-    (ep * C rows: the grouped rows first, then a tail of padding)."""
-    if recv_counts.dim() != 2:
-        raise ValueError(f"recv_counts must be [ep, E_local], got {tuple(recv_counts.shape)}")
-    ep_size, num_local = recv_counts.shape
-    dev = recv_counts.device
-    recv_counts = recv_counts.to(torch.int64)
-    cum = recv_counts.cumsum(1)  # [ep, E_local] inclusive, within each source's block
-    q = torch.arange(capacity, device=dev).expand(ep_size, capacity).contiguous()  # [ep, C]
-    expert = torch.searchsorted(cum, q, right=True)  # [ep, C] local expert of each receive row
-    valid = expert < num_local  # [ep, C]
-    e = expert.clamp(max=num_local - 1)
-    # expert-major destination of block (e, src): all earlier experts, then earlier sources
-    block_start = (recv_counts.t().reshape(-1).cumsum(0) - recv_counts.t().reshape(-1)).view(num_local, ep_size)
-    src = torch.arange(ep_size, device=dev)[:, None].expand(ep_size, capacity)  # [ep, C]
-    within = q - (torch.gather(cum, 1, e) - torch.gather(recv_counts, 1, e))  # [ep, C]
-    recv_dst = torch.where(valid, block_start[e, src] + within, -1).reshape(-1)  # [ep * C]
-
-    rows = ep_size * capacity
-    sorted_src = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
-    sorted_src[torch.where(recv_dst >= 0, recv_dst, rows)] = torch.where(
-        recv_dst >= 0, torch.arange(rows, device=dev), -1
+def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> ExpandLayout:
+    """recv_expert [M, K] (local expert of each received row's entries, -1 = none) -> the
+    expansion of received rows into num_rows rows grouped by local expert (entries in
+    (row, k) order within an expert; a tail of padding; entries past num_rows overflow)."""
+    if recv_expert.dim() != 2:
+        raise ValueError(f"recv_expert must be [M, K], got {tuple(recv_expert.shape)}")
+    dev = recv_expert.device
+    num_recv, topk = recv_expert.shape
+    flat = recv_expert.reshape(-1)  # [M*K]
+    key = torch.where(flat < 0, num_local, flat)
+    sorted_key, order = torch.sort(key, stable=True)  # [M*K]
+    starts = torch.searchsorted(sorted_key, torch.arange(num_local + 1, device=dev))  # [E_local + 1]
+    counts = starts[1:] - starts[:-1]  # [E_local] entries per local expert
+    if order.numel() < num_rows:  # fewer entries than rows: the rest is tail
+        pad = num_rows - order.numel()
+        order = torch.cat([order, order.new_full((pad,), -1)])
+        sorted_key = torch.cat([sorted_key, sorted_key.new_full((pad,), num_local)])
+    keep = sorted_key[:num_rows] < num_local  # [R]
+    sorted_copy = torch.where(keep, order[:num_rows], -1)  # [R]
+    sorted_row = torch.where(keep, sorted_copy // topk, -1)  # [R]
+    copy_pos = torch.full((num_recv * topk + 1,), -1, dtype=torch.int64, device=dev)
+    copy_pos[torch.where(keep, sorted_copy, num_recv * topk)] = torch.where(
+        keep, torch.arange(num_rows, device=dev), -1
     )
-    tokens_per_expert = recv_counts.sum(0)  # [E_local]
-    return RecvLayout(sorted_src[:rows], recv_dst, tokens_per_expert, tokens_per_expert.cumsum(0).to(torch.int32))
+    kept = torch.minimum(counts, torch.clamp(num_rows - starts[:-1], min=0))  # [E_local]
+    return ExpandLayout(
+        sorted_row, sorted_copy, copy_pos[:-1].view(num_recv, topk), kept, (counts - kept).sum()
+    )
