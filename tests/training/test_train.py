@@ -184,3 +184,25 @@ def test_lora_options_reach_the_adapter_and_export(corpus, cache_dir, tmp_path, 
     with open(os.path.join(out, "adapter_config.json")) as f:
         peft_cfg = json.load(f)
     assert peft_cfg["peft_type"] == "LORA" and peft_cfg["use_rslora"] is True and peft_cfg["r"] == 4
+
+
+def _train_expect_stop(rank, world_size, raw, overrides):
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.training.trainer import TrainingStopped, run
+
+    try:
+        run(config_from_dict(raw, overrides), "pretrain")
+    except TrainingStopped as e:
+        return str(e)
+    return None
+
+
+def test_static_dispatch_overflow_stops_with_the_fix(corpus, cache_dir, tmp_path, raw_config):
+    """A receive capacity far too small: the first step stops on every rank, naming the field."""
+    raw, ov = raw_config(
+        corpus, cache_dir, str(tmp_path / "overflow"),
+        **{"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, "moe.dispatch_capacity_factor": 0.05},
+    )
+    messages = spawn(_train_expect_stop, 2, raw, ov)
+    for message in messages:
+        assert message is not None and "moe.dispatch_capacity_factor=0.05" in message and "overflowed" in message
