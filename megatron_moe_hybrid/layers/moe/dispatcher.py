@@ -250,7 +250,8 @@ class StaticAllToAllDispatcher:
         num_tokens, topk = topk_idx.shape
         st.capacity = layout.token_capacity(num_tokens, topk, self.ep_size, self.capacity_factor)
         st.num_rows = layout.expert_rows(
-            self.ep_size * st.capacity, num_tokens, topk, self.num_local_experts, self.capacity_factor
+            self.ep_size * st.capacity, num_tokens, topk, self.num_local_experts, self.capacity_factor,
+            ep_size=self.ep_size,
         )
         st.send = layout.token_send_layout(topk_idx, self.num_experts, self.ep_size, st.capacity)
         if probs is not None:  # [ep * C, K], 0 where no entry

@@ -18,6 +18,7 @@ Shape legend:
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -41,6 +42,11 @@ class ExpandLayout:
     overflow: torch.Tensor  # [] int64: received copies past the R rows
 
 
+def _ceil_times(factor: float, value: int) -> int:
+    """ceil(factor * value) in exact arithmetic (a float product can land one row high)."""
+    return math.ceil(Fraction(str(factor)) * value)
+
+
 def token_capacity(num_tokens: int, topk: int, ep_size: int, capacity_factor: float | None) -> int:
     """Rows per (source, destination) pair: factor x the share T * min(K, ep) / ep of a rank
     (a token reaches at most min(K, ep) ranks), at most T; None or ep_size 1 gives T."""
@@ -48,17 +54,23 @@ def token_capacity(num_tokens: int, topk: int, ep_size: int, capacity_factor: fl
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     if ep_size == 1 or capacity_factor is None:
         return max(1, num_tokens)
-    share = num_tokens * min(topk, ep_size) / ep_size
-    return max(1, min(num_tokens, math.ceil(capacity_factor * share)))
+    share = Fraction(num_tokens * min(topk, ep_size), ep_size)
+    return max(1, min(num_tokens, math.ceil(Fraction(str(capacity_factor)) * share)))
 
 
-def expert_rows(num_recv_rows: int, num_tokens: int, topk: int, num_local: int, capacity_factor: float | None) -> int:
+def expert_rows(
+    num_recv_rows: int, num_tokens: int, topk: int, num_local: int, capacity_factor: float | None,
+    ep_size: int | None = None,
+) -> int:
     """Expert-grouped rows a rank keeps: every received (row, local expert) entry, at most
-    factor x the balanced T * K (None: no limit)."""
+    factor x the balanced T * K (None, or ep_size 1 where a rank only computes its own
+    copies: no limit)."""
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     most = num_recv_rows * min(topk, num_local)
-    if capacity_factor is None:
+    if capacity_factor is None or ep_size == 1:
         return max(1, most)
-    return max(1, min(most, math.ceil(capacity_factor * num_tokens * topk)))
+    return max(1, min(most, _ceil_times(capacity_factor, num_tokens * topk)))
 
 
 def token_send_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int, capacity: int) -> TokenSendLayout:
