@@ -5,6 +5,7 @@ A YAML file has one mapping per group:
     model:             TransformerConfig fields + pattern, vocab_size
     linear_attention:  LinearAttentionConfig
     sparse_attention:  SparseAttentionConfig
+    full_attention:    FullAttentionConfig
     moe:               MoEConfig
     lora:              LoRAConfig
     memory:            MemoryConfig
@@ -72,11 +73,21 @@ class SparseAttentionConfig:
 
 
 @dataclass
+class FullAttentionConfig:
+    """Qwen3-Next gated full attention (pattern letter A). Its heads, kv groups and head dim are
+    model.num_attention_heads, model.num_query_groups and model.kv_channels."""
+
+    partial_rotary_factor: float = 0.25  # RoPE on the first int(kv_channels * factor) channels
+    rope_theta: float = 10000.0
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = 8
     topk: int = 2
     ffn_hidden_size: int = 128
     shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # scale the shared expert by sigmoid(x @ w), w [1, h] (Qwen3-Next)
     score_func: str = "softmax"  # "softmax" | "sigmoid"
     aux_loss_coeff: float = 1e-2
     expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
@@ -167,6 +178,7 @@ class TrainingConfig:
 GROUPS: dict[str, type] = {
     "linear_attention": LinearAttentionConfig,
     "sparse_attention": SparseAttentionConfig,
+    "full_attention": FullAttentionConfig,
     "moe": MoEConfig,
     "lora": LoRAConfig,
     "memory": MemoryConfig,
@@ -196,6 +208,7 @@ class HybridMoEConfig(TransformerConfig):
     vocab_size: int = 1024
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
     sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+    full_attention: FullAttentionConfig = field(default_factory=FullAttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -278,7 +291,7 @@ def _validate(c: HybridMoEConfig) -> None:
             letter in LAYER_KINDS,
             "model.pattern",
             f"unknown layer letter {letter!r} in {c.pattern!r}; valid letters: "
-            f"{', '.join(LAYER_KINDS.names())} (L linear attention, S sparse attention)",
+            f"{', '.join(LAYER_KINDS.names())} (L linear attention, S sparse attention, A gated full attention)",
         )
     _require(
         c.num_layers % len(c.pattern) == 0,
@@ -360,6 +373,24 @@ def _validate(c: HybridMoEConfig) -> None:
     )
     _positive(sa.rope_base, "sparse_attention.rope_base")
 
+    # gated full attention
+    fa = c.full_attention
+    _require(
+        isinstance(fa.partial_rotary_factor, (int, float)) and 0 < fa.partial_rotary_factor <= 1,
+        "full_attention.partial_rotary_factor",
+        f"must be within (0, 1], got {fa.partial_rotary_factor!r}; Qwen3-Next uses 0.25",
+    )
+    _positive(fa.rope_theta, "full_attention.rope_theta")
+    if "A" in c.pattern:
+        head_dim = c.kv_channels or c.hidden_size // c.num_attention_heads
+        num_rotary = int(head_dim * fa.partial_rotary_factor)
+        _require(
+            num_rotary % 2 == 0,
+            "full_attention.partial_rotary_factor",
+            f"head dim {head_dim} x {fa.partial_rotary_factor} gives {num_rotary} rotary channels, "
+            "which must be even; change the factor or model.kv_channels",
+        )
+
     # MoE
     m = c.moe
     ep = c.parallel.expert_model_parallel_size
@@ -425,6 +456,12 @@ def _validate(c: HybridMoEConfig) -> None:
     )
     if m.first_k_dense > 0:
         _positive(m.dense_ffn_hidden_size, "moe.dense_ffn_hidden_size")
+    _require(
+        not m.shared_expert_gate or m.shared_expert_ffn_hidden_size > 0,
+        "moe.shared_expert_gate",
+        "gates the shared expert, but moe.shared_expert_ffn_hidden_size is 0 (none); "
+        "set that size or leave the gate false",
+    )
     _require(
         m.dispatcher in MOE_DISPATCHERS,
         "moe.dispatcher",

@@ -48,6 +48,7 @@ LAYER_KINDS: Registry[Any] = Registry(
     {
         "L": "megatron_moe_hybrid.layers.linear_attention:LinearAttention",
         "S": "megatron_moe_hybrid.layers.sparse_attention:SparseAttention",
+        "A": "megatron_moe_hybrid.layers.gated_attention:GatedAttention",  # Qwen3-Next full attention
     },
 )
 
@@ -72,6 +73,7 @@ SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 LORA_TARGETS = (
     "linear_attention",  # in_proj / out_proj of the linear-attention layers
     "sparse_attention",  # qkv / output projections of the sparse-attention layers
+    "full_attention",  # q (+ gate) / k / v / output projections of the gated full-attention layers (A)
     "indexer",  # the lightning indexer's projections
     "experts",  # the grouped routed experts (per-expert adapters)
     "shared_expert",

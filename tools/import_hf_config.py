@@ -2,7 +2,7 @@
 
     python tools/import_hf_config.py path/to/config.json out.yaml
 
-Known families: Qwen3-Next (`qwen3_next`: Gated DeltaNet + gated full attention + MoE) and
+Known families: Qwen3-Next (`qwen3_next`: Gated DeltaNet + gated full attention (letter A) + MoE) and
 DeepSeek-V3.2 (`deepseek_v32`: MLA + DSA sparse attention + MoE). The output loads with
 `megatron_moe_hybrid.config.load_config`; the fields it could not represent exactly are
 listed on stderr and as comments at the top of the YAML, so nothing is dropped silently.
@@ -29,7 +29,7 @@ class Importer:
         self.hf = hf
         self.used: set[str] = set()
         self.notes: list[str] = []
-        self.out: dict[str, dict] = {"model": {}, "linear_attention": {}, "sparse_attention": {}, "moe": {}}
+        self.out: dict[str, dict] = {"model": {}, "linear_attention": {}, "sparse_attention": {}, "full_attention": {}, "moe": {}}
 
     def take(self, key: str, group: str, field: str, convert: Callable[[Any], Any] = lambda x: x) -> None:
         if key in self.hf and self.hf[key] is not None:
@@ -81,16 +81,19 @@ def import_qwen3_next(hf: dict) -> Importer:
     _common_model(imp)
     layer_types = hf.get("layer_types") or []
     imp.used.add("layer_types")
-    letters = ["L" if t == "linear_attention" else "S" for t in layer_types]
+    letters = ["L" if t == "linear_attention" else "A" for t in layer_types]  # A: gated full attention
     if letters:
         imp.out["model"]["pattern"] = _pattern(letters)
-    if "full_attention" in layer_types:
-        imp.notes.append(
-            "layer_types: full_attention layers became S (top-k sparse attention with top-k = "
-            "max_position_embeddings, i.e. dense); Qwen3-Next's output gate, q/k RMSNorm and partial "
-            "RoPE are not represented (no gated full-attention layer yet)"
-        )
-        imp.out["sparse_attention"]["topk"] = hf.get("max_position_embeddings", 262144)
+    rope = hf.get("rope_parameters") or {}
+    imp.notes = [n for n in imp.notes if not n.startswith("rope_parameters=")]
+    if "rope_theta" in rope:
+        imp.out["full_attention"]["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" in rope or hf.get("partial_rotary_factor") is not None:
+        imp.out["full_attention"]["partial_rotary_factor"] = rope.get(
+            "partial_rotary_factor", hf.get("partial_rotary_factor"))
+    imp.used.add("partial_rotary_factor")
+    if rope.get("rope_type", "default") != "default":
+        imp.notes.append(f"rope_parameters={rope!r}: RoPE scaling ({rope['rope_type']}) is not supported; plain RoPE")
     imp.take("num_key_value_heads", "model", "num_query_groups")
     imp.take("head_dim", "model", "kv_channels")
     imp.out["linear_attention"]["variant"] = "gated_delta_rule"
@@ -106,8 +109,7 @@ def import_qwen3_next(hf: dict) -> Importer:
     imp.take("router_aux_loss_coef", "moe", "aux_loss_coeff")
     imp.take("intermediate_size", "moe", "dense_ffn_hidden_size")
     imp.out["moe"]["score_func"] = "softmax"
-    imp.note("norm_topk_prob", "softmax top-k weights are used as they are (not renormalised)",
-             when=bool(hf.get("norm_topk_prob")))
+    imp.take("norm_topk_prob", "moe", "norm_topk_prob", bool)
     mlp_only = hf.get("mlp_only_layers") or []
     imp.used.add("mlp_only_layers")
     if mlp_only:
@@ -117,7 +119,8 @@ def import_qwen3_next(hf: dict) -> Importer:
             imp.notes.append(f"mlp_only_layers={mlp_only!r}: only a prefix of dense layers is supported")
     imp.note("decoder_sparse_step", "only MoE in every layer after the first dense ones is supported",
              when=hf.get("decoder_sparse_step", 1) != 1)
-    imp.note("shared_expert_gate", "the shared expert has no sigmoid gate here")
+    if hf.get("shared_expert_intermediate_size"):
+        imp.out["moe"]["shared_expert_gate"] = True  # Qwen3-Next scales its shared expert by sigmoid(x w)
     return imp
 
 

@@ -141,12 +141,21 @@ def moe_params(c: HybridMoEConfig) -> tuple[int, int]:
     rest = m.num_experts * h  # router
     if m.shared_expert_ffn_hidden_size:
         rest += 3 * h * m.shared_expert_ffn_hidden_size
+        rest += h if getattr(m, "shared_expert_gate", False) else 0  # its [1, h] sigmoid gate
     return experts, rest
+
+
+def gated_attention_params(c: HybridMoEConfig) -> int:
+    """Qwen3-Next gated full attention (letter A): q (+ gate), k, v, output projections and the
+    per-head q/k norms."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    groups, d = c.num_query_groups or heads, c.kv_channels or h // heads
+    return h * 2 * heads * d + 2 * h * groups * d + heads * d * h + 2 * d
 
 
 def count_parameters(c: HybridMoEConfig) -> dict[str, Any]:
     h, V = c.hidden_size, c.vocab_size
-    attention = {"L": linear_attention_params(c), "S": sparse_attention_params(c)}
+    attention = {"L": linear_attention_params(c), "S": sparse_attention_params(c), "A": gated_attention_params(c)}
     expert_per_layer, moe_rest = moe_params(c)
     dense_mlp = 3 * h * c.moe.dense_ffn_hidden_size
     counts = {"embedding": V * h, "output_layer": V * h, "final_norm": _norm(c, h)}
@@ -179,8 +188,9 @@ def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
     F = c.moe.ffn_hidden_size
     experts = c.moe.num_experts * rank * ((h + 2 * F) + (F + h))
     n = 0
+    # gated full attention (A) is not a default LoRA target: lora.targets "full_attention" adds it
     for i in range(c.num_layers):
-        n += lin if c.layer_kind(i) == "L" else sparse
+        n += {"L": lin, "S": sparse}.get(c.layer_kind(i), 0)
         if c.is_moe_layer(i):
             n += experts
     return n
@@ -189,7 +199,9 @@ def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
 # Memory ---------------------------------------------------------------------------------------
 
 
-def _activation_bytes_per_token(c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2) -> float:
+def _activation_bytes_per_token(
+    c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2, seq_length: int = 0
+) -> float:
     """Bytes a layer saves for its backward, per token (bf16 activations, fp32 where kept so)."""
     h = c.hidden_size
     la, sa, m = c.linear_attention, c.sparse_attention, c.moe
@@ -199,6 +211,10 @@ def _activation_bytes_per_token(c: HybridMoEConfig, kind: str, moe: bool, act_by
         n += (2 * qk + 2 * v + 2 * la.num_v_heads) * act_bytes  # in_proj output
         n += (2 * qk + v) * act_bytes * 2  # conv output and its activation
         n += 3 * v * 4  # chunk output and gated-norm input (fp32)
+    elif kind == "A":  # plain PyTorch softmax attention: it keeps the [heads, s, s] probabilities
+        heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
+        n += (2 * heads + 2 * groups) * d * act_bytes + 2 * heads * d * act_bytes  # q+gate, k, v; out, gated
+        n += heads * seq_length * 4  # the softmax probabilities of this token's row
     else:
         heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
         n += (heads + 2 * groups) * d * act_bytes + heads * d * act_bytes  # qkv, attention output
@@ -245,7 +261,8 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
     tokens = cl.micro_batch_size * cl.seq_length / cl.context_parallel_size
     layers_local = c.num_layers / pp
     per_layer = [
-        _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i)) for i in range(c.num_layers)
+        _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
+        for i in range(c.num_layers)
     ]
     if cl.recompute == "full":
         activations = tokens * (layers_local * c.hidden_size * 2 + max(per_layer))
@@ -253,7 +270,8 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         kept = list(per_layer)
         if cl.activation_offload:  # MoE activations go to the host; keep one layer's worth in flight
             moe_part = [
-                _activation_bytes_per_token(c, c.layer_kind(i), True) - _activation_bytes_per_token(c, c.layer_kind(i), False)
+                _activation_bytes_per_token(c, c.layer_kind(i), True, seq_length=cl.seq_length)
+                - _activation_bytes_per_token(c, c.layer_kind(i), False, seq_length=cl.seq_length)
                 if c.is_moe_layer(i) else 0.0 for i in range(c.num_layers)
             ]
             kept = [b - m for b, m in zip(per_layer, moe_part)]

@@ -246,3 +246,71 @@ def _cu_seqlens(packed_seq_params, hidden_states: Tensor) -> Optional[Tensor]:
             f"got hidden_states of shape {list(hidden_states.shape)}"
         )
     return cu.long()
+
+
+def load_hf_qwen3_next_gdn(module: LinearAttention, hf_state_dict, prefix: str = "") -> None:
+    """Copies a transformers Qwen3NextGatedDeltaNet state dict (keys `prefix + "in_proj_qkvz.weight"`,
+    ...) into a gated_delta_rule LinearAttention, taking this tensor-parallel rank's heads.
+
+    HF groups its fused projections by q/k head: in_proj_qkvz rows are, per q/k head, [q (K) |
+    k (K) | v (R * V) | z (R * V)] and in_proj_ba rows [b (R) | a (R)], R = Hv / Hk. Our in_proj
+    is [q | k | v | z | b | a] with each piece over all heads, so the rows are regrouped; the
+    conv channels ([q | k | v]), A_log, dt_bias, the norm and out_proj keep HF's order.
+    """
+    if module.variant != "gated_delta_rule" or module.conv1d is None:
+        raise ValueError(
+            "module: Qwen3-Next's Gated DeltaNet needs linear_attention.variant='gated_delta_rule' "
+            f"and conv_kernel_size > 0, got variant={module.variant!r} with "
+            f"{'no' if module.conv1d is None else 'a'} conv"
+        )
+    from megatron.core import parallel_state
+
+    tp = module.config.tensor_model_parallel_size
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    Hk, Hv, K, V = module.num_qk_heads * tp, module.num_v_heads * tp, module.head_k_dim, module.head_v_dim
+    R = Hv // Hk
+    names = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias",
+             "norm.weight", "out_proj.weight")  # fmt: skip
+    extra = sorted(k for k in hf_state_dict if k.startswith(prefix) and k[len(prefix):] not in names)
+    missing = [prefix + n for n in names if prefix + n not in hf_state_dict]
+    if extra or missing:
+        raise ValueError(f"hf_state_dict: unexpected keys {extra}, missing keys {missing}")
+    sd = {n: hf_state_dict[prefix + n] for n in names}
+    hidden = module.config.hidden_size
+    expected = {
+        "in_proj_qkvz.weight": (Hk * (2 * K + 2 * R * V), hidden),
+        "in_proj_ba.weight": (Hk * 2 * R, hidden),
+        "conv1d.weight": (2 * Hk * K + Hv * V, 1, module.conv1d.weight.shape[-1]),
+        "A_log": (Hv,),
+        "dt_bias": (Hv,),
+        "norm.weight": (V,),
+        "out_proj.weight": (module.out_proj.weight.shape[0], Hv * V),
+    }
+    for n, shape in expected.items():
+        if tuple(sd[n].shape) != shape:
+            raise ValueError(
+                f"hf_state_dict[{prefix + n!r}]: shape {tuple(sd[n].shape)}, expected {shape}; check "
+                "linear_num_key_heads / linear_num_value_heads / linear_key_head_dim / "
+                "linear_value_head_dim / linear_conv_kernel_dim against linear_attention.*"
+            )
+
+    def mine(w, dim=0):  # this rank's share of a tensor split evenly by heads
+        return w.chunk(tp, dim=dim)[rank]
+
+    qkvz = mine(sd["in_proj_qkvz.weight"].unflatten(0, (Hk, -1)))  # [Hk_local, 2K + 2RV, h]
+    ba = mine(sd["in_proj_ba.weight"].unflatten(0, (Hk, -1)))  # [Hk_local, 2R, h]
+    q, k, v, z = qkvz.split([K, K, R * V, R * V], dim=1)
+    b, a = ba.split([R, R], dim=1)
+    in_proj = torch.cat([t.flatten(0, 1) for t in (q, k, v, z, b, a)])  # [D, h]
+    conv_q, conv_k, conv_v = sd["conv1d.weight"].split([Hk * K, Hk * K, Hv * V])
+    conv = torch.cat([mine(conv_q), mine(conv_k), mine(conv_v)])  # [C_local, 1, W]
+    with torch.no_grad():
+        for param, w in (
+            (module.in_proj.weight, in_proj),
+            (module.conv1d.weight, conv),
+            (module.A_log, mine(sd["A_log"])),
+            (module.dt_bias, mine(sd["dt_bias"])),
+            (module.out_norm.weight, sd["norm.weight"]),
+            (module.out_proj.weight, mine(sd["out_proj.weight"], dim=1)),
+        ):
+            param.copy_(w.to(param.dtype))

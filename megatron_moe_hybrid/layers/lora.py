@@ -337,6 +337,7 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
     """The lora.targets group a module belongs to, or None."""
     from megatron.core.transformer.mlp import MLP
 
+    from megatron_moe_hybrid.layers.gated_attention import GatedAttention
     from megatron_moe_hybrid.layers.linear_attention import LinearAttention
     from megatron_moe_hybrid.layers.moe.experts import GroupedExperts
     from megatron_moe_hybrid.layers.moe.moe_layer import MoELayer
@@ -349,6 +350,8 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
     for parent in reversed(parents):
         if isinstance(parent, LinearAttention):
             return "linear_attention"
+        if isinstance(parent, GatedAttention):
+            return "full_attention"
         if isinstance(parent, SparseAttention):
             return "indexer" if "index" in path.rsplit(".", 1)[-1].lower() else "sparse_attention"
         if isinstance(parent, MoELayer):

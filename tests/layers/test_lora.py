@@ -408,3 +408,21 @@ def test_bf16_base_model_trains_fp32_adapters(tiny_model_factory):
     assert names and all("lora_" in n for n in names)
     for n, gr in zip(names, grads):
         assert gr.dtype == torch.float32 and torch.isfinite(gr).all() and gr.abs().sum() > 0, n
+
+
+def test_full_attention_target_adapts_the_gated_attention_layers():
+    """Pattern letter A (Qwen3-Next gated full attention): lora.targets "full_attention" wraps its
+    four projections; the adapted model starts equal to the base (B = 0) and trains only adapters."""
+    from megatron_moe_hybrid.models import build_model
+
+    config = _tiny(**{"model.pattern": "LLLA"})
+    torch.manual_seed(0)
+    model = build_model(config).eval().double()
+    ref = _logits(model, config).detach()
+    paths = apply_lora(model, ["full_attention"], 4, 8.0)
+    assert paths == [f"decoder.layers.3.self_attention.{n}" for n in ("linear_q", "linear_k", "linear_v", "linear_proj")]
+    torch.testing.assert_close(_logits(model, config), ref, rtol=1e-12, atol=1e-12)
+    loss = _logits(model, config).float().pow(2).mean()
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(".lora_" in n for n in grads)

@@ -20,7 +20,11 @@ def test_qwen3_next_defaults():
     hf = transformers.Qwen3NextConfig().to_dict()
     ours, unmapped = tool.import_hf_config(hf)
     c = config_from_dict(ours, {"parallel.world_size": 1})
-    assert c.pattern == "LLLS" and c.num_layers == hf["num_hidden_layers"]
+    assert c.pattern == "LLLA" and c.num_layers == hf["num_hidden_layers"]
+    fa = c.full_attention
+    assert (fa.rope_theta, fa.partial_rotary_factor) == (
+        hf["rope_parameters"]["rope_theta"], hf["rope_parameters"]["partial_rotary_factor"])
+    assert c.moe.shared_expert_gate and c.moe.norm_topk_prob == hf["norm_topk_prob"]
     assert c.hidden_size == hf["hidden_size"] and c.vocab_size == hf["vocab_size"]
     la = c.linear_attention
     assert (la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim) == (
@@ -30,8 +34,8 @@ def test_qwen3_next_defaults():
     assert c.moe.shared_expert_ffn_hidden_size == hf["shared_expert_intermediate_size"]
     assert c.num_query_groups == hf["num_key_value_heads"] and c.kv_channels == hf["head_dim"]
     text = "\n".join(unmapped)
-    assert "full_attention layers became S" in text
-    assert "max_position_embeddings" in text and "rope_parameters" in text
+    assert "became S" not in text and "rope_parameters" not in text  # A layers take them as they are
+    assert "max_position_embeddings" in text
 
 
 def test_deepseek_v32_small():

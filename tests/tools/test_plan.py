@@ -29,6 +29,7 @@ VARIANTS = {
     "pattern-LS-layernorm-mha": {"model.pattern": "LS", "model.num_layers": 4, "model.normalization": "LayerNorm",
                                  "model.num_query_groups": 4, "moe.num_experts": 6, "moe.topk": 3},
     "all-sparse": {"model.pattern": "S", "model.num_layers": 2, "sparse_attention.index_n_heads": 2},
+    "qwen3-next-LLLA-gated-shared": {"model.pattern": "LLLA", "moe.shared_expert_gate": True},
 }
 
 

@@ -21,7 +21,12 @@ from .router import TopKRouter
 
 
 class SharedExpertMLP(MegatronModule):
-    """A SwiGLU MLP applied to every token, next to the routed experts."""
+    """A SwiGLU MLP applied to every token, next to the routed experts.
+
+    With moe.shared_expert_gate (Qwen3-Next) its output is scaled per token by
+    sigmoid(x @ gate_weight^T), gate_weight [1, h]. The gate is a bare parameter, not a Linear,
+    so that LoRA's shared_expert target adapts the MLP and leaves the one-output gate alone.
+    """
 
     def __init__(self, config, ffn_hidden_size: int):
         super().__init__(config)
@@ -30,10 +35,17 @@ class SharedExpertMLP(MegatronModule):
         self.linear_fc2 = torch.nn.Linear(ffn_hidden_size, h, bias=False, dtype=config.params_dtype)
         config.init_method(self.linear_fc1.weight)
         config.output_layer_init_method(self.linear_fc2.weight)
+        self.gate_weight = None
+        if getattr(config.moe, "shared_expert_gate", False):
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, h, dtype=config.params_dtype))
+            config.init_method(self.gate_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # [T, F_shared] each
-        return self.linear_fc2(torch.nn.functional.silu(gate) * up)  # [T, h]
+        y = self.linear_fc2(torch.nn.functional.silu(gate) * up)  # [T, h]
+        if self.gate_weight is not None:
+            y = torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight)) * y  # [T, 1] * [T, h]
+        return y
 
 
 class MoELayer(MegatronModule):
@@ -150,3 +162,30 @@ class MoELayer(MegatronModule):
                 self.tokens_per_expert += count_experts(kept_idx, num_experts).to(self.tokens_per_expert.device)
                 self.dispatch_overflow += self.last_dispatch_overflow.to(self.dispatch_overflow.device)
         return out.view(s, b, h), None
+
+
+def load_hf_qwen3_next_moe(layer, hf_state_dict, prefix: str = "") -> None:
+    """Copies a transformers Qwen3NextSparseMoeBlock state dict into our MoELayer (this EP
+    rank's experts). HF: gate.weight [E, h]; experts.gate_up_proj [E, 2F, h] (gate rows, then
+    up); experts.down_proj [E, h, F]; shared_expert.{gate,up,down}_proj; shared_expert_gate [1, h].
+    Ours: router.weight [E, h]; experts.weight1 [E_local, h, 2F]; weight2 [E_local, F, h];
+    shared_experts.linear_fc1 [2F_s, h] (gate | up), linear_fc2, gate_weight [1, h].
+    """
+    sd = {k[len(prefix):]: v for k, v in hf_state_dict.items() if k.startswith(prefix)}
+    local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
+    shared = layer.shared_experts
+    pairs = [
+        (layer.router.weight, sd.pop("gate.weight")),
+        (layer.experts.weight1, sd.pop("experts.gate_up_proj")[local].transpose(1, 2)),
+        (layer.experts.weight2, sd.pop("experts.down_proj")[local].transpose(1, 2)),
+        (shared.linear_fc1.weight, torch.cat([sd.pop("shared_expert.gate_proj.weight"), sd.pop("shared_expert.up_proj.weight")])),
+        (shared.linear_fc2.weight, sd.pop("shared_expert.down_proj.weight")),
+        (shared.gate_weight, sd.pop("shared_expert_gate.weight")),
+    ]  # fmt: skip
+    if sd:
+        raise ValueError(f"hf_state_dict: unexpected keys {sorted(prefix + k for k in sd)}")
+    with torch.no_grad():
+        for param, w in pairs:
+            if w.shape != param.shape:
+                raise ValueError(f"hf_state_dict: shape {tuple(w.shape)} does not match {tuple(param.shape)}")
+            param.copy_(w.to(param.dtype))
