@@ -1,15 +1,24 @@
-"""Expert-parallel token dispatcher over all_to_all_single (Megatron's six-step split).
+"""Expert-parallel token dispatchers over all_to_all_single (Megatron's six-step split).
+
+Two dispatchers with the same six steps (dispatch_preprocess, token_dispatch,
+dispatch_postprocess, combine_preprocess, token_combine, combine_postprocess):
+
+  StaticAllToAllDispatcher  (moe.dispatcher "static", the default) no host sync: fixed rows
+      per rank pair, each token sent once per destination rank, combined on the expert side;
+      forward_experts() pipelines chunks. See its docstring.
+  AllToAllDispatcher        (moe.dispatcher "alltoall") exact split sizes, read on the host
+      once per layer; sends one row per routed copy.
 
 Experts are split contiguously over the EP group: rank r holds experts
 [r * E_local, (r + 1) * E_local). Only token_dispatch and token_combine communicate, so a
 caller can overlap them with other work. Everything runs on CPU over gloo as well as on GPU.
-Copies dropped by the router's capacity (topk_idx -1) are permuted behind all real experts'
-rows and never sent; at the combine their rows come back as zeros.
+Copies dropped by the router's capacity (topk_idx -1) are never sent and add nothing.
 
 Shape legend:
     T  local tokens         K  experts per token      h  hidden size
     E  experts (global)     E_local = E / ep          ep EP group size
     N_send rows sent by this rank (T * K less the dropped copies); N_recv rows received
+    C  static rows per (source, destination) pair      R  static expert-grouped rows
 """
 
 import torch
