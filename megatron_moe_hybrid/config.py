@@ -191,6 +191,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     normalization="RMSNorm",
     add_bias_linear=False,
     gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,  # with gated_linear_unit: SwiGLU dense layers (Megatron's default is gelu)
     hidden_dropout=0.0,
     attention_dropout=0.0,
     use_cpu_initialization=True,
@@ -456,6 +457,12 @@ def _validate(c: HybridMoEConfig) -> None:
     )
     if m.first_k_dense > 0:
         _positive(m.dense_ffn_hidden_size, "moe.dense_ffn_hidden_size")
+        _require(
+            c.ffn_hidden_size == m.dense_ffn_hidden_size,
+            "model.ffn_hidden_size",
+            f"is {c.ffn_hidden_size} but the dense layers are moe.dense_ffn_hidden_size="
+            f"{m.dense_ffn_hidden_size} (Megatron's MLP reads both); leave model.ffn_hidden_size unset",
+        )
     _require(
         not m.shared_expert_gate or m.shared_expert_ffn_hidden_size > 0,
         "moe.shared_expert_gate",
@@ -767,6 +774,10 @@ def config_from_dict(raw: dict, overrides: Optional[dict] = None) -> HybridMoECo
         kwargs[group] = cls(
             **{k: _coerce(v, hints[k], f"{group}.{k}") for k, v in values.items()}
         )
+    if "ffn_hidden_size" not in kwargs:
+        # Megatron's dense MLP sizes its second linear by model.ffn_hidden_size, whatever the
+        # spec passes: keep it equal to the dense layers' size (validate() checks it).
+        kwargs["ffn_hidden_size"] = kwargs.get("moe", MoEConfig()).dense_ffn_hidden_size
     return HybridMoEConfig(**kwargs)
 
 

@@ -1,0 +1,333 @@
+"""tools/convert_checkpoint.py: a random HF Qwen3-Next converts to our checkpoint with the same
+logits, both round trips keep every tensor, the result reshards over EP, bad inputs are named.
+
+Shape legend: b batch, s sequence, V vocabulary, h hidden, E experts, F expert FFN width.
+Logits are [b, s, V] on both sides (our model returns them batch-first without labels).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_moe_hybrid.config import config_from_dict, load_config
+from megatron_moe_hybrid.testing import init_megatron, spawn, teardown
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
+convert = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert)
+
+VOCAB = 256
+LOGIT_TOL = 1e-4  # fp32 end to end: HF and our chunked delta rules round differently; the gap grows with T
+ZERO_CENTERED = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    init_megatron()
+    yield
+    teardown()
+
+
+def hf_config(first_dense: int = 0) -> Qwen3NextConfig:
+    return Qwen3NextConfig(
+        hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        intermediate_size=48, mlp_only_layers=list(range(first_dense)), vocab_size=VOCAB, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, dtype="float32",
+    )  # fmt: skip
+
+
+def random_hf_model(seed: int, first_dense: int = 0) -> Qwen3NextForCausalLM:
+    """Every tensor random, away from HF's init (zero norms, ones dt_bias) so a mix-up shows."""
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(hf_config(first_dense)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decays exp(-A softplus(.)) spread over (0, 1)
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):
+                p.normal_(1.0, 0.5)
+            elif name.endswith("norm.weight"):  # zero-centered: the scale is 1 + w
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def save_hf(model, path) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def hf_tensors(hf_dir) -> dict[str, torch.Tensor]:
+    out = {}
+    for fname in sorted(os.listdir(hf_dir)):
+        if fname.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def our_tensors(run_dir) -> dict[str, torch.Tensor]:
+    from megatron_moe_hybrid.training.checkpoint import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(str(run_dir))
+    return hf_tensors(ckpt)
+
+
+def our_model(run_dir, **overrides):
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.checkpoint import load_model_weights
+
+    config = load_config(os.path.join(run_dir, "config.yaml"), {"parallel.world_size": 1, **overrides})
+    torch.manual_seed(1)  # a different init than the checkpoint: loading must overwrite all of it
+    model = build_model(config).eval()
+    assert load_model_weights(str(run_dir), model) == []
+    return model
+
+
+def tokens(b: int, s: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def our_logits(model, ids):  # ids [b, s] -> [b, s, V]
+    b, s = ids.shape
+    return model(ids, torch.arange(s).expand(b, s), None)
+
+
+PARITY = [("alltoall", 2, 37), ("static", 1, 64), ("static", 3, 1), ("alltoall", 2, 71)]
+
+
+@pytest.mark.parametrize("dispatcher,b,s", PARITY, ids=[f"{d}-B{b}-T{s}" for d, b, s in PARITY])
+def test_converted_model_matches_hf_logits(tmp_path, dispatcher, b, s):
+    check_parity(random_hf_model(seed=s), tmp_path, dispatcher, b, s)
+
+
+def test_dense_layers_convert_with_swiglu_or_are_refused(tmp_path):
+    """mlp_only_layers (our moe.first_k_dense) convert only where our dense MLP is SwiGLU too:
+    Megatron's MLP applies config.activation_func, which our config leaves at Megatron's gelu."""
+    hf = random_hf_model(seed=13, first_dense=1)
+    probe = config_from_dict({"model": {"pattern": "L", "num_layers": 1, "hidden_size": 64, "num_attention_heads": 4},
+                              "parallel": {"world_size": 1}})  # fmt: skip
+    if probe.activation_func is torch.nn.functional.silu:
+        check_parity(hf, tmp_path, "alltoall", 2, 29)
+    else:
+        with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]: Qwen3-Next's dense MLP layers are SwiGLU, ours compute gelu-GLU"):
+            convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+        assert not os.path.exists(tmp_path / "ours")
+
+
+def check_parity(hf, tmp_path, dispatcher: str, b: int, s: int) -> None:
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+    ids = tokens(b, s, seed=s + 1)
+    model = our_model(out, **{"moe.dispatcher": dispatcher, "moe.aux_loss_coeff": 0.0})
+    with torch.no_grad():
+        expected = hf(ids).logits  # [b, s, V]
+        actual = our_logits(model, ids)
+    assert actual.shape == expected.shape == (b, s, VOCAB)
+    torch.testing.assert_close(actual, expected, atol=LOGIT_TOL, rtol=0)
+    # the logits are far from constant, so the tolerance is a real check
+    assert expected.std() > 100 * LOGIT_TOL
+
+
+def test_norms_become_one_plus_hf_weight(tmp_path):
+    """The zero-centered decoder norms gain 1; the q/k and DeltaNet output norms do not."""
+    hf = random_hf_model(seed=3)
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+    ours, src = our_tensors(out), hf.state_dict()
+    pairs = {
+        "decoder.layers.2.input_layernorm.weight": ("model.layers.2.input_layernorm.weight", 1.0),
+        "decoder.layers.3.pre_mlp_layernorm.weight": ("model.layers.3.post_attention_layernorm.weight", 1.0),
+        "decoder.final_layernorm.weight": ("model.norm.weight", 1.0),
+        "decoder.layers.3.self_attention.q_norm.weight": ("model.layers.3.self_attn.q_norm.weight", 0.0),
+        "decoder.layers.0.self_attention.out_norm.weight": ("model.layers.0.linear_attn.norm.weight", 0.0),
+    }
+    for name, (hf_name, shift) in pairs.items():
+        torch.testing.assert_close(ours[name], src[hf_name] + shift, atol=0, rtol=0, msg=name)
+
+
+def _randomize_ours(model, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                # within [0.5, 2], where w - 1 and 1 + (w - 1) are exact in fp32
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+
+
+def test_ours_to_hf_to_ours_is_bitwise(tmp_path):
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+
+    hf = random_hf_model(seed=5)
+    first = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "first"), progress=False)
+    config = load_config(os.path.join(first, "config.yaml"), {"parallel.world_size": 1})
+    model = build_model(config)
+    _randomize_ours(model, seed=6)
+    run = str(tmp_path / "run")
+    save_checkpoint(run, 7, model, {}, {"config": config.to_dict()})
+    # small shards: the export writes an index and the import reads it back
+    exported = convert.ours_to_hf(run, str(tmp_path / "hf2"), max_shard_bytes=40_000, progress=False)
+    files = sorted(os.listdir(exported))
+    assert convert.HF_INDEX in files and sum(f.endswith(".safetensors") for f in files) > 2
+    back = convert.hf_to_ours(exported, str(tmp_path / "back"), progress=False)
+    before, after = our_tensors(run), our_tensors(back)
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_hf_to_ours_to_hf_keeps_every_tensor(tmp_path):
+    """Bitwise except the zero-centered norms, whose scale 1 + w is bitwise the same."""
+    hf = random_hf_model(seed=8)
+    src_dir = save_hf(hf, tmp_path / "hf")
+    ours = convert.hf_to_ours(src_dir, str(tmp_path / "ours"), progress=False)
+    exported = convert.ours_to_hf(ours, str(tmp_path / "hf2"), progress=False)
+    before, after = hf_tensors(src_dir), hf_tensors(exported)
+    assert sorted(before) == sorted(after)
+    for name, w in before.items():
+        if name.endswith(ZERO_CENTERED):
+            assert torch.equal(1.0 + after[name], 1.0 + w), name
+            # fl(1 + w) - 1 is exact, so w moves by the rounding of 1 + w: half an ulp of it
+            assert ((after[name] - w).abs().double() <= (1.0 + w.double()).abs() * 2.0**-24).all(), name
+        else:
+            assert torch.equal(after[name], w), name
+    # transformers reads the exported config and weights and computes the same logits
+    reloaded = Qwen3NextForCausalLM.from_pretrained(exported).float().eval()
+    assert reloaded.config.layer_types == hf.config.layer_types
+    ids = tokens(2, 23, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
+def _ep2_worker(rank, world_size, run_dir, ids):
+    init_megatron(rank, world_size, ep=2)
+    overrides = {"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, "moe.dispatcher": "alltoall",
+                 "moe.aux_loss_coeff": 0.0}  # fmt: skip
+    model = our_model(run_dir, **overrides)
+    experts = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts.weight" in n}
+    with torch.no_grad():
+        logits = our_logits(model, ids)
+    return experts, logits
+
+
+@pytest.mark.distributed
+def test_converted_checkpoint_loads_under_ep2(tmp_path):
+    hf = random_hf_model(seed=10)
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+    ids = tokens(2, 19, seed=11)
+    whole = dict(our_model(out).named_parameters())
+    per_rank = spawn(_ep2_worker, 2, out, ids)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    for rank, (experts, logits) in enumerate(per_rank):
+        assert len(experts) == 8  # weight1, weight2 of 4 layers
+        for name, local in experts.items():
+            assert local.shape[0] == 4
+            assert torch.equal(local, whole[name][4 * rank : 4 * (rank + 1)]), (rank, name)
+        torch.testing.assert_close(logits, expected, atol=LOGIT_TOL, rtol=0)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    return save_hf(random_hf_model(seed=12), tmp_path / "hf")
+
+
+def _rewrite(hf_dir, edit) -> None:
+    path = os.path.join(hf_dir, convert.HF_SINGLE)
+    tensors = hf_tensors(hf_dir)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(hf_dir, tmp_path):
+    key = "model.layers.1.linear_attn.dt_bias"
+    _rewrite(hf_dir, lambda t: t.pop(key))
+    with pytest.raises(ValueError, match=f"tensor '{key}' is missing"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), progress=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_wrong_shape_is_named(hf_dir, tmp_path):
+    key = "model.layers.3.mlp.experts.5.up_proj.weight"
+    _rewrite(hf_dir, lambda t: t.__setitem__(key, torch.zeros(31, 64)))
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{key}' has shape \(31, 64\), config.json implies \(32, 64\)"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), progress=False)
+
+
+def test_unexpected_tensor_is_named(hf_dir, tmp_path):
+    key = "model.layers.3.self_attn.q_proj.bias"
+    _rewrite(hf_dir, lambda t: t.__setitem__(key, torch.zeros(128)))
+    with pytest.raises(ValueError, match=f"unexpected tensor '{key}'"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), progress=False)
+
+
+def test_missing_shard_is_named(hf_dir, tmp_path):
+    tensors = hf_tensors(hf_dir)
+    os.remove(os.path.join(hf_dir, convert.HF_SINGLE))
+    keys = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    save_file({k: tensors[k] for k in halves["model-00001-of-00002.safetensors"]},
+              os.path.join(hf_dir, "model-00001-of-00002.safetensors"))  # fmt: skip
+    with open(os.path.join(hf_dir, convert.HF_INDEX), "w") as f:
+        json.dump({"weight_map": {k: name for name, ks in halves.items() for k in ks}}, f)
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors: shard listed in"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), progress=False)
+
+
+def test_unknown_model_type_is_named(hf_dir, tmp_path):
+    path = os.path.join(hf_dir, convert.HF_CONFIG)
+    with open(path) as f:
+        cfg = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(cfg, model_type="llama"), f)
+    with pytest.raises(ValueError, match="model_type: unknown architecture 'llama'"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), progress=False)
+    assert convert.main(["hf-to-ours", "--hf", hf_dir, "--out", str(tmp_path / "out")]) == 2
+
+
+def test_wider_dtype_than_target_is_refused(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' is F32, which bfloat16 cannot hold"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "out"), dtype=torch.bfloat16, progress=False)
+
+
+def test_failed_export_leaves_nothing(hf_dir, tmp_path, monkeypatch):
+    ours = convert.hf_to_ours(hf_dir, str(tmp_path / "ours"), progress=False)
+    real_save, calls = convert.save_file, []
+
+    def disk_full_on_third_shard(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device", path)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(convert, "save_file", disk_full_on_third_shard)
+    with pytest.raises(OSError, match="No space left"):
+        convert.ours_to_hf(ours, str(tmp_path / "hf2"), max_shard_bytes=40_000, progress=False)
+    assert len(calls) == 3
+    assert sorted(os.listdir(tmp_path)) == ["hf", "ours"]  # no hf2, no .tmp-hf2-*
+
+
+def test_existing_output_and_foreign_layers_are_refused(hf_dir, tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("")
+    with pytest.raises(ValueError, match="out_dir: .*busy exists and is not empty"):
+        convert.hf_to_ours(hf_dir, str(tmp_path / "busy"), progress=False)
+    raw = {"model": {"pattern": "LLLS", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 64},
+           "parallel": {"world_size": 1}}  # fmt: skip
+    with pytest.raises(ValueError, match="model.pattern: layer 3 is 'S'"):
+        convert.export_hf_config(config_from_dict(raw))

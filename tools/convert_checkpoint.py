@@ -1,0 +1,606 @@
+"""Convert Hugging Face Qwen3-Next safetensors to our checkpoint format, and back.
+
+    python tools/convert_checkpoint.py hf-to-ours --hf Qwen3-Next-80B-A3B --out runs/q3n
+    python tools/convert_checkpoint.py ours-to-hf --ckpt runs/q3n --out q3n_hf [--max-shard-gb 5]
+
+hf-to-ours writes a run directory: <out>/config.yaml (tools/import_hf_config.py's mapping) and
+<out>/checkpoints/step_00000000/ (training/checkpoint.py's format), so `training.init_from: <out>`
+loads it under any expert-parallel size. ours-to-hf takes such a directory (or any checkpoint of
+ours) and writes config.json + model.safetensors (or shards with an index) that
+transformers' Qwen3NextForCausalLM.from_pretrained loads.
+
+Shape legend: h hidden, V vocabulary, E experts, F expert FFN width, Fs shared expert width,
+Fd dense MLP width, H / G query / kv heads, D head dim, Hk / Hv linear q-k / v heads,
+K / V their head dims, R = Hv / Hk, W conv kernel.
+
+What changes between the formats (everything else is a rename):
+  - HF's decoder norms (input_layernorm, post_attention_layernorm, model.norm) are zero-centered,
+    x * (1 + w); ours are Megatron's torch RMSNorm, x * w: ours = 1 + hf. The per-head q/k norms
+    and the Gated DeltaNet output norm keep HF's convention on both sides.
+  - Experts: HF stores experts.<e>.{gate,up,down}_proj.weight ([F, h], [F, h], [h, F]); ours
+    experts.weight1.expert<e> [h, 2F] (gate | up columns) and weight2.expert<e> [F, h].
+  - Gated DeltaNet: HF groups in_proj_qkvz / in_proj_ba rows by q/k head, ours by piece
+    (layers/linear_attention.py:load_hf_qwen3_next_gdn).
+In fp32, ours -> HF -> ours is bitwise; HF -> ours -> HF is bitwise except the zero-centered
+norms, whose w comes back as fl(1 + w) - 1: the scale 1 + w that HF's forward multiplies by is
+bitwise the same, w itself moves by at most half an ulp of 1 + w.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import zlib
+from typing import Callable, Iterator, Optional
+
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+HF_CONFIG = "config.json"
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+OUR_CONFIG = "config.yaml"
+# Qwen3-Next's multi-token-prediction head: transformers ignores it too.
+SKIPPED_PREFIXES = ("mtp.",)
+
+_spec = importlib.util.spec_from_file_location(
+    "import_hf_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "import_hf_config.py")
+)
+import_hf_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_hf_config)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_PRECISION = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+# Names and shapes on the HF side.
+
+
+def hf_layer_shapes(config, i: int) -> dict[str, tuple]:
+    """HF key -> shape of layer i's tensors, for our config (keys without the `model.` prefix)."""
+    h, p = config.hidden_size, f"layers.{i}."
+    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    kind = config.layer_kind(i)
+    if kind == "L":
+        la = config.linear_attention
+        Hk, Hv, K, V = la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+        a = p + "linear_attn."
+        out.update({
+            a + "in_proj_qkvz.weight": (2 * Hk * K + 2 * Hv * V, h),
+            a + "in_proj_ba.weight": (2 * Hv, h),
+            a + "conv1d.weight": (2 * Hk * K + Hv * V, 1, la.conv_kernel_size),
+            a + "A_log": (Hv,),
+            a + "dt_bias": (Hv,),
+            a + "norm.weight": (V,),
+            a + "out_proj.weight": (h, Hv * V),
+        })  # fmt: skip
+    elif kind == "A":
+        H, G, D = config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
+        a = p + "self_attn."
+        out.update({
+            a + "q_proj.weight": (2 * H * D, h),  # [query | output gate] per head
+            a + "k_proj.weight": (G * D, h),
+            a + "v_proj.weight": (G * D, h),
+            a + "o_proj.weight": (h, H * D),
+            a + "q_norm.weight": (D,),
+            a + "k_norm.weight": (D,),
+        })  # fmt: skip
+    else:
+        raise ValueError(
+            f"model.pattern: layer {i} is {kind!r}; Qwen3-Next has only linear (L) and full (A) "
+            "attention layers, so only such configs convert"
+        )
+    m = p + "mlp."
+    if config.is_moe_layer(i):
+        E, F, Fs = config.moe.num_experts, config.moe.ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
+        out[m + "gate.weight"] = (E, h)
+        for e in range(E):
+            out.update({f"{m}experts.{e}.gate_proj.weight": (F, h), f"{m}experts.{e}.up_proj.weight": (F, h),
+                        f"{m}experts.{e}.down_proj.weight": (h, F)})  # fmt: skip
+        out.update({
+            m + "shared_expert.gate_proj.weight": (Fs, h),
+            m + "shared_expert.up_proj.weight": (Fs, h),
+            m + "shared_expert.down_proj.weight": (h, Fs),
+            m + "shared_expert_gate.weight": (1, h),
+        })  # fmt: skip
+    else:
+        Fd = config.moe.dense_ffn_hidden_size
+        out.update({m + "gate_proj.weight": (Fd, h), m + "up_proj.weight": (Fd, h), m + "down_proj.weight": (h, Fd)})
+    return {"model." + k: v for k, v in out.items()}
+
+
+def hf_shapes(config) -> dict[str, tuple]:
+    """Every HF key of the model -> its shape."""
+    out = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_layers):
+        out.update(hf_layer_shapes(config, i))
+    out["model.norm.weight"] = (config.hidden_size,)
+    out["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return out
+
+
+def _check_exportable(config) -> None:
+    m, la = config.moe, config.linear_attention
+    checks = [
+        (la.variant == "gated_delta_rule" and la.conv_kernel_size > 0, "linear_attention.variant",
+         "Qwen3-Next's linear layers are gated_delta_rule with a conv (conv_kernel_size > 0)"),
+        (m.score_func == "softmax", "moe.score_func", "Qwen3-Next routes with softmax"),
+        (not m.expert_bias and m.num_groups == 1 and m.routed_scaling_factor == 1.0, "moe.expert_bias",
+         "Qwen3-Next has no expert bias, group-limited routing or routed scaling"),
+        (m.shared_expert_ffn_hidden_size > 0 and m.shared_expert_gate, "moe.shared_expert_gate",
+         "Qwen3-Next always has a shared expert scaled by a sigmoid gate"),
+        (config.normalization == "RMSNorm" and not config.add_bias_linear, "model.normalization",
+         "Qwen3-Next uses RMSNorm and bias-free linears"),
+    ]  # fmt: skip
+    for ok, name, why in checks:
+        if not ok:
+            raise ValueError(f"{name}: this config has no Qwen3-Next equivalent ({why})")
+
+
+def _check_dense_activation(config, where: str) -> None:
+    act = config.activation_func
+    if config.moe.first_k_dense and act is not torch.nn.functional.silu:
+        raise ValueError(
+            f"{where}: Qwen3-Next's dense MLP layers are SwiGLU, ours compute "
+            f"{getattr(act, '__name__', act)}-GLU (the model's activation_func); dense layers convert "
+            "once the config sets activation_func to silu"
+        )
+
+
+def export_hf_config(config) -> dict:
+    """Our config -> a Qwen3NextConfig dict (the inverse of tools/import_hf_config.py)."""
+    for i in range(config.num_layers):
+        hf_layer_shapes(config, i)  # refuses layer kinds other than L and A
+    _check_exportable(config)
+    _check_dense_activation(config, f"moe.first_k_dense={config.moe.first_k_dense}")
+    m, la, fa = config.moe, config.linear_attention, config.full_attention
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "dtype": _DTYPE_NAMES[config.params_dtype],
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "initializer_range": config.init_method_std,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups or config.num_attention_heads,
+        "head_dim": config.kv_channels,
+        "rope_parameters": {"rope_type": "default", "rope_theta": fa.rope_theta,
+                            "partial_rotary_factor": fa.partial_rotary_factor},
+        "layer_types": ["linear_attention" if config.layer_kind(i) == "L" else "full_attention"
+                        for i in range(config.num_layers)],
+        "linear_num_key_heads": la.num_qk_heads,
+        "linear_num_value_heads": la.num_v_heads,
+        "linear_key_head_dim": la.head_k_dim,
+        "linear_value_head_dim": la.head_v_dim,
+        "linear_conv_kernel_dim": la.conv_kernel_size,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.topk,
+        "moe_intermediate_size": m.ffn_hidden_size,
+        "shared_expert_intermediate_size": m.shared_expert_ffn_hidden_size,
+        "intermediate_size": m.dense_ffn_hidden_size,
+        "norm_topk_prob": bool(m.norm_topk_prob),
+        "router_aux_loss_coef": m.aux_loss_coeff,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.first_k_dense)),
+    }  # fmt: skip
+
+
+# Reading HF checkpoints.
+
+
+class HFReader:
+    """Lazy reads from a directory of safetensors files: one open handle per shard, tensors on demand."""
+
+    def __init__(self, hf_dir: str):
+        self.dir = hf_dir
+        self.file_of: dict[str, str] = {}
+        index = os.path.join(hf_dir, HF_INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.file_of = dict(json.load(f)["weight_map"])
+            for fname in sorted(set(self.file_of.values())):
+                if not os.path.isfile(os.path.join(hf_dir, fname)):
+                    raise FileNotFoundError(f"{os.path.join(hf_dir, fname)}: shard listed in {index} is missing")
+        else:
+            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{hf_dir}: no {HF_SINGLE}, {HF_INDEX} or *.safetensors file")
+            for fname in files:
+                with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
+                    self.file_of.update({k: fname for k in f.keys()})
+        self._handles: dict[str, object] = {}
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, self.file_of[key])
+
+    def _handle(self, key: str):
+        fname = self.file_of[key]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="pt")
+        return self._handles[fname]
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+
+def _fused_experts(reader: HFReader, prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors -> the fused layout load_hf_qwen3_next_moe takes."""
+    gate_up = torch.stack([
+        torch.cat([reader.get(f"{prefix}experts.{e}.gate_proj.weight"), reader.get(f"{prefix}experts.{e}.up_proj.weight")])
+        for e in range(num_experts)
+    ])  # [E, 2F, h]  # fmt: skip
+    down = torch.stack([reader.get(f"{prefix}experts.{e}.down_proj.weight") for e in range(num_experts)])  # [E, h, F]
+    return {prefix + "experts.gate_up_proj": gate_up, prefix + "experts.down_proj": down}
+
+
+def _check_hf_tensors(reader: HFReader, config, dtype: torch.dtype, tie: bool) -> None:
+    """Every expected tensor is there with its shape and a floating dtype; nothing unknown is."""
+    expected = hf_shapes(config)
+    if tie and "lm_head.weight" not in reader.file_of:
+        del expected["lm_head.weight"]
+    missing = [k for k in expected if k not in reader.file_of]
+    if missing:
+        raise ValueError(
+            f"{reader.dir}: tensor {missing[0]!r} is missing from the checkpoint"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; it is expected by config.json"
+        )
+    unknown = sorted(k for k in reader.file_of if k not in expected and not k.startswith(SKIPPED_PREFIXES))
+    if unknown:
+        raise ValueError(
+            f"{reader.path(unknown[0])}: unexpected tensor {unknown[0]!r}"
+            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; it has no place in a "
+            "Qwen3-Next model of this config.json (biases and quantization scales are not supported)"
+        )
+    for key, shape in expected.items():
+        actual = reader.shape(key)
+        if actual != shape:
+            raise ValueError(f"{reader.path(key)}: tensor {key!r} has shape {actual}, config.json implies {shape}")
+        stored = reader._handle(key).get_slice(key).get_dtype()  # safetensors' name, e.g. "BF16"
+        t_dtype = _SAFETENSORS_DTYPES.get(stored)
+        if t_dtype is None:
+            raise ValueError(f"{reader.path(key)}: tensor {key!r} is {stored}; only float checkpoints convert (dequantize it first)")
+        if _PRECISION[t_dtype] > _PRECISION[dtype]:
+            raise ValueError(
+                f"{reader.path(key)}: tensor {key!r} is {stored}, which {_DTYPE_NAMES[dtype]} cannot hold "
+                "exactly; convert with dtype=torch.float32 (--dtype float32)"
+            )
+
+
+def _sibling_tmp(out_dir: str) -> str:
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"out_dir: {out_dir} exists and is not empty; choose a new directory")
+    return os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}-{os.getpid()}")
+
+
+def _atomically(out_dir: str, write: Callable[[str], None]) -> str:
+    """Runs write(tmp) in a sibling temp dir and renames it to out_dir; nothing is left on error."""
+    tmp = _sibling_tmp(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.abspath(out_dir)
+
+
+class _SingleProcess:
+    """Megatron's parallel_state for building the model: a world-1 group unless one exists."""
+
+    def __enter__(self):
+        from megatron.core import parallel_state as ps
+
+        self.owned = not ps.model_parallel_is_initialized()
+        if self.owned:
+            from megatron_moe_hybrid.testing import init_megatron
+
+            init_megatron()
+        elif ps.get_expert_model_parallel_world_size() != 1 or ps.get_tensor_model_parallel_world_size() != 1:
+            raise ValueError(
+                "hf_to_ours runs with tensor and expert parallel size 1 (the checkpoint it writes loads "
+                "under any expert-parallel size); call it outside a parallel run"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.owned:
+            from megatron_moe_hybrid.testing import teardown
+
+            teardown()
+
+
+def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> str:
+    """HF Qwen3-Next (config.json + safetensors) -> a run directory of ours; returns its path.
+
+    The model is built in `dtype` (float32 holds bf16/fp16 checkpoints exactly); a tensor wider
+    than `dtype` is refused rather than rounded.
+    """
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.layers.gated_attention import load_hf_qwen3_next_attention
+    from megatron_moe_hybrid.layers.linear_attention import load_hf_qwen3_next_gdn
+    from megatron_moe_hybrid.layers.moe.moe_layer import load_hf_qwen3_next_moe
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype: {dtype} is not one of {', '.join(_DTYPE_NAMES.values())}")
+    config_path = os.path.join(hf_dir, HF_CONFIG)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path}: missing; hf_dir must hold a transformers config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    try:
+        raw, unmapped = import_hf_config.import_hf_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    if hf_config.get("model_type") != "qwen3_next":
+        raise ValueError(
+            f"{config_path}: model_type {hf_config.get('model_type')!r} converts only as far as its "
+            "config (tools/import_hf_config.py); weight conversion supports qwen3_next"
+        )
+    if dtype != torch.float32:
+        raw["model"]["params_dtype"] = _DTYPE_NAMES[dtype]
+    if raw.get("moe", {}).get("first_k_dense"):
+        # Megatron 0.16.1's MLP sizes linear_fc2's input by config.ffn_hidden_size whatever
+        # ffn_hidden_size the spec passes, so the dense layers need the two to agree.
+        raw["model"]["ffn_hidden_size"] = raw["moe"]["dense_ffn_hidden_size"]
+    config = config_from_dict(raw, {"parallel.world_size": 1})
+    _check_dense_activation(config, f"{config_path}: mlp_only_layers={hf_config.get('mlp_only_layers')}")
+    tie = bool(hf_config.get("tie_word_embeddings"))
+    reader = HFReader(hf_dir)
+    _check_hf_tensors(reader, config, dtype, tie)
+
+    def zero_centered(key):  # HF's x * (1 + w) -> our x * w
+        return 1.0 + reader.get(key).to(dtype)
+
+    with _SingleProcess():
+        torch.manual_seed(0)  # the values are all overwritten; a seed keeps the build repeatable
+        model = build_model(config)
+        with torch.no_grad():
+            model.embedding.word_embeddings.weight.copy_(reader.get("model.embed_tokens.weight"))
+            layers = model.decoder.layers
+            for i in tqdm(range(config.num_layers), desc="hf-to-ours layers", disable=not progress):
+                layer, p = layers[i], f"model.layers.{i}."
+                layer.input_layernorm.weight.copy_(zero_centered(p + "input_layernorm.weight"))
+                layer.pre_mlp_layernorm.weight.copy_(zero_centered(p + "post_attention_layernorm.weight"))
+                keys = [k for k in hf_layer_shapes(config, i) if "layernorm" not in k]
+                if config.layer_kind(i) == "L":
+                    sd = {k: reader.get(k) for k in keys if ".linear_attn." in k}
+                    load_hf_qwen3_next_gdn(layer.self_attention, sd, prefix=p + "linear_attn.")
+                else:
+                    sd = {k: reader.get(k) for k in keys if ".self_attn." in k}
+                    load_hf_qwen3_next_attention(layer.self_attention, sd, prefix=p + "self_attn.")
+                m = p + "mlp."
+                if config.is_moe_layer(i):
+                    sd = {k: reader.get(k) for k in keys if k.startswith(m) and ".experts." not in k}
+                    sd.update(_fused_experts(reader, m, config.moe.num_experts))
+                    load_hf_qwen3_next_moe(layer.mlp, sd, prefix=m)
+                else:
+                    layer.mlp.linear_fc1.weight.copy_(torch.cat([reader.get(m + "gate_proj.weight"), reader.get(m + "up_proj.weight")]))
+                    layer.mlp.linear_fc2.weight.copy_(reader.get(m + "down_proj.weight"))
+            model.decoder.final_layernorm.weight.copy_(zero_centered("model.norm.weight"))
+            head = "model.embed_tokens.weight" if tie and "lm_head.weight" not in reader.file_of else "lm_head.weight"
+            model.output_layer.weight.copy_(reader.get(head))
+
+        def write(tmp):
+            meta = {"mode": "converted", "source": os.path.abspath(hf_dir), "source_format": "hf:qwen3_next",
+                    "config": config.to_dict()}  # fmt: skip
+            save_checkpoint(tmp, 0, model, {}, meta, keep=1)
+            header = [f"# converted from {os.path.abspath(hf_dir)} (qwen3_next)"]
+            header += [f"# not mapped exactly: {line}" for line in unmapped]
+            with open(os.path.join(tmp, OUR_CONFIG), "w") as f:
+                f.write("\n".join(header) + "\n")
+                yaml.safe_dump(raw, f, sort_keys=False)
+
+        return _atomically(out_dir, write)
+
+
+# Writing HF checkpoints.
+
+
+class OursReader:
+    """Tensors of one checkpoint of ours by global name (experts as `<name>.expert<g>`), CRC-checked."""
+
+    def __init__(self, ckpt_dir: str):
+        from megatron_moe_hybrid.training.checkpoint import resolve_checkpoint, verify_files
+
+        self.dir = resolve_checkpoint(ckpt_dir)
+        self.meta = verify_files(self.dir)
+        self.file_of: dict[str, str] = {}
+        self.crc: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
+        for fname in sorted(self.meta.get("files", {})):
+            if fname.endswith(".safetensors"):
+                handle = safe_open(os.path.join(self.dir, fname), framework="pt")
+                self._handles[fname] = handle
+                self.crc.update(handle.metadata() or {})
+                self.file_of.update({k: fname for k in handle.keys()})
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.file_of:
+            raise ValueError(f"{self.dir}: tensor {key!r} is missing from the checkpoint")
+        t = self._handles[self.file_of[key]].get_tensor(key)
+        crc = f"{zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()):08x}"
+        if key in self.crc and crc != self.crc[key]:
+            raise ValueError(f"{os.path.join(self.dir, self.file_of[key])}: tensor {key!r} is corrupt (checksum mismatch)")
+        return t
+
+
+def _read_our_config(reader: OursReader):
+    from megatron_moe_hybrid.config import config_from_dict
+
+    raw = reader.meta.get("config")
+    if raw is None:
+        # A checkpoint without its config in meta.json: the run's config.yaml beside it.
+        for d in (reader.dir, os.path.dirname(reader.dir), os.path.dirname(os.path.dirname(reader.dir))):
+            if os.path.isfile(os.path.join(d, OUR_CONFIG)):
+                with open(os.path.join(d, OUR_CONFIG)) as f:
+                    raw = yaml.safe_load(f)
+                break
+        else:
+            raise FileNotFoundError(f"{reader.dir}: meta.json holds no config and no {OUR_CONFIG} is beside it")
+    # The layout it was trained with does not matter here; the weights are read whole.
+    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1,
+              "parallel.tensor_model_parallel_size": 1, "parallel.fsdp": False, "lora.enabled": False}  # fmt: skip
+    return config_from_dict(raw, single)
+
+
+def _hf_layer(reader: OursReader, config, i: int) -> dict[str, torch.Tensor]:
+    """Layer i of our checkpoint -> its HF tensors."""
+    o, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = {
+        p + "input_layernorm.weight": reader.get(o + "input_layernorm.weight") - 1.0,
+        p + "post_attention_layernorm.weight": reader.get(o + "pre_mlp_layernorm.weight") - 1.0,
+    }
+    a = o + "self_attention."
+    if config.layer_kind(i) == "L":
+        la = config.linear_attention
+        Hk, Hv, K, V = la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+        in_proj = reader.get(a + "in_proj.weight")  # [q | k | v | z | b | a] rows, each over all heads
+        q, k, v, z, b, a_ = (t.unflatten(0, (Hk, -1)) for t in in_proj.split([Hk * K, Hk * K, Hv * V, Hv * V, Hv, Hv]))
+        h = p + "linear_attn."
+        out.update({
+            h + "in_proj_qkvz.weight": torch.cat([q, k, v, z], dim=1).flatten(0, 1),  # [Hk * (2K + 2RV), h]
+            h + "in_proj_ba.weight": torch.cat([b, a_], dim=1).flatten(0, 1),  # [Hk * 2R, h]
+            h + "conv1d.weight": reader.get(a + "conv1d.weight"),
+            h + "A_log": reader.get(a + "A_log"),
+            h + "dt_bias": reader.get(a + "dt_bias"),
+            h + "norm.weight": reader.get(a + "out_norm.weight"),
+            h + "out_proj.weight": reader.get(a + "out_proj.weight"),
+        })  # fmt: skip
+    else:
+        h = p + "self_attn."
+        for ours, hf in (("linear_q", "q_proj"), ("linear_k", "k_proj"), ("linear_v", "v_proj"),
+                         ("linear_proj", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):  # fmt: skip
+            out[f"{h}{hf}.weight"] = reader.get(f"{a}{ours}.weight")
+    m, hm = o + "mlp.", p + "mlp."
+    if config.is_moe_layer(i):
+        out[hm + "gate.weight"] = reader.get(m + "router.weight")
+        for e in range(config.moe.num_experts):
+            gate, up = reader.get(f"{m}experts.weight1.expert{e}").t().chunk(2)  # [h, 2F] -> [F, h] each
+            out[f"{hm}experts.{e}.gate_proj.weight"] = gate
+            out[f"{hm}experts.{e}.up_proj.weight"] = up
+            out[f"{hm}experts.{e}.down_proj.weight"] = reader.get(f"{m}experts.weight2.expert{e}").t()  # [h, F]
+        gate, up = reader.get(m + "shared_experts.linear_fc1.weight").chunk(2)  # [2Fs, h]: gate | up
+        out.update({
+            hm + "shared_expert.gate_proj.weight": gate,
+            hm + "shared_expert.up_proj.weight": up,
+            hm + "shared_expert.down_proj.weight": reader.get(m + "shared_experts.linear_fc2.weight"),
+            hm + "shared_expert_gate.weight": reader.get(m + "shared_experts.gate_weight"),
+        })  # fmt: skip
+    else:
+        gate, up = reader.get(m + "linear_fc1.weight").chunk(2)  # Megatron's GLU: [gate | up] rows
+        out.update({hm + "gate_proj.weight": gate, hm + "up_proj.weight": up,
+                    hm + "down_proj.weight": reader.get(m + "linear_fc2.weight")})  # fmt: skip
+    return out
+
+
+def _hf_tensors(reader: OursReader, config, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    yield "model.embed_tokens.weight", reader.get("embedding.word_embeddings.weight")
+    for i in tqdm(range(config.num_layers), desc="ours-to-hf layers", disable=not progress):
+        yield from _hf_layer(reader, config, i).items()
+    yield "model.norm.weight", reader.get("decoder.final_layernorm.weight") - 1.0
+    yield "lm_head.weight", reader.get("output_layer.weight")
+
+
+def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = None, progress: bool = True) -> str:
+    """A checkpoint of ours (a step dir, or a run dir meaning its newest) -> HF config.json +
+    model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json.
+    Written into a temp dir renamed at the end: after an error nothing is left at out_dir."""
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes: must be > 0 (or None for one file), got {max_shard_bytes}")
+    _sibling_tmp(out_dir)  # refuse a non-empty out_dir before any work
+    reader = OursReader(ckpt_dir)
+    config = _read_our_config(reader)
+    hf_config = export_hf_config(config)
+    expected = hf_shapes(config)
+    lora = sorted(k for k in reader.file_of if ".lora_" in k)
+    if lora:
+        raise ValueError(f"{reader.dir}: holds LoRA tensors ({lora[0]!r}, ...); merge the adapters into the base first")
+
+    def write(tmp):
+        with open(os.path.join(tmp, HF_CONFIG), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        shard_keys: list[list[str]] = []  # keys of each shard written so far
+        current: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush():
+            # A shard is written as soon as it is full: at most one shard is in memory.
+            save_file(current, os.path.join(tmp, f"shard-{len(shard_keys) + 1:05d}.safetensors"), metadata={"format": "pt"})
+            shard_keys.append(list(current))
+            current.clear()
+
+        for key, t in _hf_tensors(reader, config, progress):
+            if tuple(t.shape) != expected[key]:
+                raise ValueError(f"{reader.dir}: HF tensor {key!r} would have shape {tuple(t.shape)}, expected {expected[key]}")
+            nbytes = t.numel() * t.element_size()
+            if max_shard_bytes is not None and current and size + nbytes > max_shard_bytes:
+                flush()
+                size = 0
+            current[key] = t.contiguous().clone()  # safetensors refuses views sharing storage
+            size += nbytes
+            total += nbytes
+        flush()
+        n = len(shard_keys)
+        if n == 1:
+            os.replace(os.path.join(tmp, "shard-00001.safetensors"), os.path.join(tmp, HF_SINGLE))
+            return
+        weight_map = {}
+        for j, keys in enumerate(shard_keys, start=1):
+            name = f"model-{j:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(tmp, f"shard-{j:05d}.safetensors"), os.path.join(tmp, name))
+            weight_map.update({k: name for k in keys})
+        with open(os.path.join(tmp, HF_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+    return _atomically(out_dir, write)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-ours", help="HF Qwen3-Next safetensors -> our run directory")
+    a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+    a.add_argument("--out", required=True, help="new run directory (config.yaml + checkpoints/)")
+    a.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_NAMES.values()))
+    b = sub.add_parser("ours-to-hf", help="our checkpoint -> HF config.json + safetensors")
+    b.add_argument("--ckpt", required=True, help="a checkpoint dir, or a run dir (its newest checkpoint)")
+    b.add_argument("--out", required=True, help="new directory for the HF files")
+    b.add_argument("--max-shard-gb", type=float, default=None, help="split into shards of at most this size")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-to-ours":
+            dtype = {v: k for k, v in _DTYPE_NAMES.items()}[args.dtype]
+            out = hf_to_ours(args.hf, args.out, dtype=dtype)
+        else:
+            shard = None if args.max_shard_gb is None else int(args.max_shard_gb * 2**30)
+            out = ours_to_hf(args.ckpt, args.out, max_shard_bytes=shard)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
