@@ -6,6 +6,7 @@ A YAML file has one mapping per group:
     linear_attention:  LinearAttentionConfig
     sparse_attention:  SparseAttentionConfig
     full_attention:    FullAttentionConfig
+    mla:               MLAConfig
     moe:               MoEConfig
     lora:              LoRAConfig
     memory:            MemoryConfig
@@ -78,6 +79,20 @@ class FullAttentionConfig:
     model.num_attention_heads, model.num_query_groups and model.kv_channels."""
 
     partial_rotary_factor: float = 0.25  # RoPE on the first int(kv_channels * factor) channels
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek-V3.2 multi-head latent attention (pattern letter M). Its heads are
+    model.num_attention_heads; its indexer's topk, index_n_heads and index_head_dim come from
+    sparse_attention. DeepSeek-V3.2 uses 1536, 512, 128, 64, 128, 10000."""
+
+    q_lora_rank: Optional[int] = 64  # None: a plain q projection (then the indexer reads the hidden states)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16  # interleaved RoPE; the indexer rotates this many of its channels
+    v_head_dim: int = 32
     rope_theta: float = 10000.0
 
 
@@ -179,6 +194,7 @@ GROUPS: dict[str, type] = {
     "linear_attention": LinearAttentionConfig,
     "sparse_attention": SparseAttentionConfig,
     "full_attention": FullAttentionConfig,
+    "mla": MLAConfig,
     "moe": MoEConfig,
     "lora": LoRAConfig,
     "memory": MemoryConfig,
@@ -210,6 +226,7 @@ class HybridMoEConfig(TransformerConfig):
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
     sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
     full_attention: FullAttentionConfig = field(default_factory=FullAttentionConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -292,7 +309,7 @@ def _validate(c: HybridMoEConfig) -> None:
             letter in LAYER_KINDS,
             "model.pattern",
             f"unknown layer letter {letter!r} in {c.pattern!r}; valid letters: "
-            f"{', '.join(LAYER_KINDS.names())} (L linear attention, S sparse attention, A gated full attention)",
+            f"{', '.join(LAYER_KINDS.names())} (L linear attention, S sparse attention, A gated full attention, M DeepSeek-V3.2 MLA)",
         )
     _require(
         c.num_layers % len(c.pattern) == 0,
@@ -390,6 +407,33 @@ def _validate(c: HybridMoEConfig) -> None:
             "full_attention.partial_rotary_factor",
             f"head dim {head_dim} x {fa.partial_rotary_factor} gives {num_rotary} rotary channels, "
             "which must be even; change the factor or model.kv_channels",
+        )
+
+    # multi-head latent attention
+    mla = c.mla
+    _require(
+        mla.q_lora_rank is None or (isinstance(mla.q_lora_rank, int) and mla.q_lora_rank > 0),
+        "mla.q_lora_rank",
+        f"must be > 0, or null for a plain q projection; got {mla.q_lora_rank!r}",
+    )
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta"):
+        _positive(getattr(mla, name), f"mla.{name}")
+    _require(
+        mla.qk_rope_head_dim % 2 == 0,
+        "mla.qk_rope_head_dim",
+        f"{mla.qk_rope_head_dim} must be even (RoPE rotates channel pairs); DeepSeek-V3.2 uses 64",
+    )
+    if "M" in c.pattern:
+        _require(
+            mla.qk_rope_head_dim <= sa.index_head_dim,
+            "mla.qk_rope_head_dim",
+            f"{mla.qk_rope_head_dim} must be <= sparse_attention.index_head_dim={sa.index_head_dim}: "
+            "the indexer rotates its first qk_rope_head_dim channels",
+        )
+        _require(
+            c.parallel.tensor_model_parallel_size == 1,
+            "parallel.tensor_model_parallel_size",
+            "must be 1 with M layers: their latent projections and indexer are not split over ranks",
         )
 
     # MoE

@@ -49,6 +49,7 @@ LAYER_KINDS: Registry[Any] = Registry(
         "L": "megatron_moe_hybrid.layers.linear_attention:LinearAttention",
         "S": "megatron_moe_hybrid.layers.sparse_attention:SparseAttention",
         "A": "megatron_moe_hybrid.layers.gated_attention:GatedAttention",  # Qwen3-Next full attention
+        "M": "megatron_moe_hybrid.layers.mla_attention:MLAttention",  # DeepSeek-V3.2 MLA + indexer top-k
     },
 )
 

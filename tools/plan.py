@@ -29,7 +29,12 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_moe_hybrid.config import ConfigError, HybridMoEConfig, load_config, parse_overrides  # noqa: E402
+from megatron_moe_hybrid.config import (  # noqa: E402
+    ConfigError,
+    HybridMoEConfig,
+    load_config,
+    parse_overrides,
+)
 
 GiB = 1024**3
 
@@ -153,9 +158,25 @@ def gated_attention_params(c: HybridMoEConfig) -> int:
     return h * 2 * heads * d + 2 * h * groups * d + heads * d * h + 2 * d
 
 
+def mla_attention_params(c: HybridMoEConfig) -> int:
+    """DeepSeek-V3.2 MLA with the lightning indexer (letter M): q (low-rank or plain), the kv
+    latent and its up-projection, the output projection, and the indexer."""
+    h, heads, m, sa = c.hidden_size, c.num_attention_heads, c.mla, c.sparse_attention
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv += m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    out = heads * m.v_head_dim * h
+    index_in = m.q_lora_rank or h
+    index = index_in * sa.index_n_heads * sa.index_head_dim + h * sa.index_head_dim + 2 * sa.index_head_dim
+    index += h * sa.index_n_heads
+    return q + kv + out + index
+
+
 def count_parameters(c: HybridMoEConfig) -> dict[str, Any]:
     h, V = c.hidden_size, c.vocab_size
-    attention = {"L": linear_attention_params(c), "S": sparse_attention_params(c), "A": gated_attention_params(c)}
+    attention = {"L": linear_attention_params(c), "S": sparse_attention_params(c), "A": gated_attention_params(c),
+                 "M": mla_attention_params(c)}
     expert_per_layer, moe_rest = moe_params(c)
     dense_mlp = 3 * h * c.moe.dense_ffn_hidden_size
     counts = {"embedding": V * h, "output_layer": V * h, "final_norm": _norm(c, h)}
@@ -211,6 +232,14 @@ def _activation_bytes_per_token(
         n += (2 * qk + 2 * v + 2 * la.num_v_heads) * act_bytes  # in_proj output
         n += (2 * qk + v) * act_bytes * 2  # conv output and its activation
         n += 3 * v * 4  # chunk output and gated-norm input (fp32)
+    elif kind == "M":  # MLA: q, the kv latent, k/v per head, the output; then the indexer as in S
+        heads, m = c.num_attention_heads, c.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        n += (heads * qk + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
+        n += heads * (m.qk_nope_head_dim + m.v_head_dim) * act_bytes + heads * m.v_head_dim * act_bytes
+        n += heads * 4  # log-sum-exp
+        n += sa.index_n_heads * sa.index_head_dim * act_bytes + sa.index_head_dim * act_bytes
+        n += sa.topk * 4  # selected indices (int32)
     elif kind == "A":  # plain PyTorch softmax attention: it keeps the [heads, s, s] probabilities
         heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
         n += (2 * heads + 2 * groups) * d * act_bytes + 2 * heads * d * act_bytes  # q+gate, k, v; out, gated

@@ -30,6 +30,8 @@ VARIANTS = {
                                  "model.num_query_groups": 4, "moe.num_experts": 6, "moe.topk": 3},
     "all-sparse": {"model.pattern": "S", "model.num_layers": 2, "sparse_attention.index_n_heads": 2},
     "qwen3-next-LLLA-gated-shared": {"model.pattern": "LLLA", "moe.shared_expert_gate": True},
+    "deepseek-v32-LLLM": {"model.pattern": "LLLM"},
+    "deepseek-v32-M-plain-q": {"model.pattern": "M", "model.num_layers": 2, "mla.q_lora_rank": None},
 }
 
 

@@ -1,0 +1,314 @@
+"""DeepSeek-V3.2 attention (pattern letter "M"): MLA with the DSA lightning indexer and top-k keys.
+
+Shape legend: s tokens, b batch, h hidden (Megatron's [s, b, h] at the boundary); inside,
+batch first: B = b, T = s (queries), S = s (keys), H heads, Q q latent (q_lora_rank),
+C kv latent (kv_lora_rank), N / R / V the no-rope / rope / value head dims (q and k heads are
+N + R wide), HI / DI indexer heads / head dim, K = min(topk, S) keys per query.
+
+Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
+  q:  x -> linear_q_down_proj -> q_layernorm (RMSNorm) = q latent -> linear_q_up_proj -> [N | R]
+      (or x -> linear_q_proj when q_lora_rank is None, DeepSeek-V3's layout)
+  kv: x -> linear_kv_down_proj -> [C | R]; C -> kv_layernorm -> linear_kv_up_proj -> per head
+      [k_nope N | v V]; the R rope channels are one key head shared by all heads.
+  RoPE on the R channels in DeepSeek's interleaved-pair form, output de-interleaved as HF writes
+  it ([rotated evens | rotated odds]): q and k are permuted alike, so q . k is unchanged.
+  indexer (no gradient, as in HF): q from the q latent [HI, DI], k = LayerNorm(x @ wk) [DI]
+  shared by its heads, rotate-half RoPE on their first R channels; score[t, s] =
+  sum_j w[t, j] * HI^-0.5 * relu(q[t, j] . k[s] * DI^-0.5), w = x @ weights_proj; the top-K
+  causal keys per query are kept.
+  softmax((N + R)^-0.5 q . k) over the kept keys, times v -> linear_proj.
+Config: heads = model.num_attention_heads; dims and rope_theta from the mla group; topk,
+index_n_heads and index_head_dim from sparse_attention. Default RoPE only: HF's yarn mscale
+applies to other rope types, which this layer does not implement.
+"""
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import Tensor, nn
+
+from megatron_moe_hybrid.ops import sparse_attention as ops
+
+# DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
+# independent of the model's rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLAttentionSubmodules:
+    """HF's projections one to one, so weights copy as they are (tensor parallel size 1)."""
+
+    linear_q_proj: Union[ModuleSpec, type] = ColumnParallelLinear  # q_lora_rank None only
+    linear_q_down_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_q_up_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_kv_down_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_kv_up_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_proj: Union[ModuleSpec, type] = RowParallelLinear
+    linear_index_q: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_index_k: Union[ModuleSpec, type] = ColumnParallelLinear
+    linear_index_weights: Union[ModuleSpec, type] = ColumnParallelLinear
+
+
+class DeepseekRMSNorm(nn.Module):
+    """DeepseekV32RMSNorm: normalised in fp32, cast back, then times weight (initialised to 1)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, eps: float = _LATENT_NORM_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., D]
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, rope_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """[B or 1, T, R / 2] cos and sin, computed in fp32 exactly as DeepseekV32RotaryEmbedding."""
+    arange = torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (theta ** (arange / rope_dim))  # [R / 2]
+    freqs = positions.float()[..., None] * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, R]: pairs (x0, x1), (x2, x3), ... rotated, written as HF's
+    apply_rotary_pos_emb_interleave does: [rotated evens | rotated odds]."""
+    cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, R / 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, R]: channel i rotated with channel i + R / 2 (the indexer's RoPE)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, R / 2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _validate(config) -> None:
+    mla = getattr(config, "mla", None)
+    sa = getattr(config, "sparse_attention", None)
+    if mla is None or sa is None:
+        raise ValueError("config.mla and config.sparse_attention are needed; set both groups")
+    if mla.q_lora_rank is not None and not mla.q_lora_rank > 0:
+        raise ValueError(f"config.mla.q_lora_rank must be > 0 or None (plain q_proj), got {mla.q_lora_rank!r}")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta"):
+        if not getattr(mla, name) > 0:
+            raise ValueError(f"config.mla.{name} must be > 0, got {getattr(mla, name)!r}")
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"config.mla.qk_rope_head_dim must be even for RoPE pairs, got {mla.qk_rope_head_dim}")
+    if mla.qk_rope_head_dim > sa.index_head_dim:
+        raise ValueError(
+            f"config.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be <= sparse_attention.index_head_dim="
+            f"{sa.index_head_dim}: the indexer rotates its first qk_rope_head_dim channels"
+        )
+    if not (isinstance(sa.topk, int) and sa.topk > 0):
+        raise ValueError(f"config.sparse_attention.topk must be a positive int, got {sa.topk!r}")
+    if config.tensor_model_parallel_size != 1 or config.sequence_parallel:
+        raise ValueError(
+            "MLAttention runs with tensor_model_parallel_size 1 and sequence_parallel False only: its "
+            "latent projections and indexer are not split over ranks; set parallel.tensor_model_parallel_size 1"
+        )
+
+
+class MLAttention(MegatronModule):
+    """Multi-head latent attention over the lightning indexer's top-k causal keys per query."""
+
+    def __init__(
+        self,
+        config,
+        submodules: MLAttentionSubmodules,
+        layer_number: int = 1,
+        pg_collection=None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        _validate(config)
+        self.layer_number = layer_number
+        mla, sa = config.mla, config.sparse_attention
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = mla.q_lora_rank, mla.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.rope_theta = mla.rope_theta
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        self.topk = sa.topk
+        self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
+        self.backend = sa.backend
+        tp_group = getattr(pg_collection, "tp", None)
+        tp_kwargs = {} if tp_group is None else {"tp_group": tp_group}
+        dtype, h, H = config.params_dtype, config.hidden_size, self.num_heads
+
+        def column(spec, in_features, out_features):
+            return build_module(
+                spec, in_features, out_features, config=config, init_method=config.init_method,
+                bias=False, gather_output=False, **tp_kwargs,
+            )  # fmt: skip
+
+        qk_dim = self.nope_dim + self.rope_dim
+        if self.q_lora_rank is None:
+            self.linear_q_proj = column(submodules.linear_q_proj, h, H * qk_dim)
+        else:
+            self.linear_q_down_proj = column(submodules.linear_q_down_proj, h, self.q_lora_rank)
+            self.q_layernorm = DeepseekRMSNorm(self.q_lora_rank, dtype)
+            self.linear_q_up_proj = column(submodules.linear_q_up_proj, self.q_lora_rank, H * qk_dim)
+        self.linear_kv_down_proj = column(submodules.linear_kv_down_proj, h, self.kv_lora_rank + self.rope_dim)
+        self.kv_layernorm = DeepseekRMSNorm(self.kv_lora_rank, dtype)
+        self.linear_kv_up_proj = column(submodules.linear_kv_up_proj, self.kv_lora_rank, H * (self.nope_dim + self.v_dim))
+        self.linear_proj = build_module(
+            submodules.linear_proj, H * self.v_dim, h, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True, **tp_kwargs,
+        )  # fmt: skip
+        # DeepSeek's indexer reads the q latent; without one (q_lora_rank None, which HF's V3.2
+        # does not support) it reads the hidden states instead.
+        index_q_in = h if self.q_lora_rank is None else self.q_lora_rank
+        self.linear_index_q = column(submodules.linear_index_q, index_q_in, self.index_heads * self.index_dim)
+        self.linear_index_k = column(submodules.linear_index_k, h, self.index_dim)
+        self.index_k_norm = nn.LayerNorm(self.index_dim, eps=_LATENT_NORM_EPS, dtype=dtype)
+        self.linear_index_weights = column(submodules.linear_index_weights, h, self.index_heads)
+
+    def indexer_parameters(self) -> list[nn.Parameter]:
+        """The indexer's weights: the main loss gives them no gradient (top-k is discrete)."""
+        mods = (self.linear_index_q, self.linear_index_k, self.index_k_norm, self.linear_index_weights)
+        return [p for m in mods for p in m.parameters()]
+
+    @torch.no_grad()
+    def index_topk(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, readable: Tensor) -> Tensor:
+        """[B, T, K] int64 key indices per query, -1 where the pick is not readable.
+
+        x [B, T, h], q_latent [B, T, Q or h], readable [B or 1, T, S] bool. The op order copies
+        DeepseekV32Indexer (scores in fp32, the same matmuls, torch.topk over [B, T, S]) so that
+        exact ties (several keys whose relu'd logits are all 0) resolve as HF resolves them.
+        """
+        B, T, _ = x.shape
+        HI, DI, R = self.index_heads, self.index_dim, self.rope_dim
+        q = self.linear_index_q(q_latent)[0].unflatten(-1, (HI, DI))  # [B, T, HI, DI]
+        k = self.index_k_norm(self.linear_index_k(x)[0]).unsqueeze(2)  # [B, T, 1, DI]
+        q = torch.cat([rope_half(q[..., :R], cos, sin), q[..., R:]], dim=-1)
+        k = torch.cat([rope_half(k[..., :R], cos, sin), k[..., R:]], dim=-1).squeeze(2)  # [B, S, DI]
+        logits = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * DI**-0.5  # [B, T, HI, S]
+        w = self.linear_index_weights(x)[0].float() * HI**-0.5  # [B, T, HI]
+        scores = torch.matmul(w.unsqueeze(-2), logits.relu()).squeeze(-2)  # [B, T, S]
+        scores = scores.masked_fill(~readable, float("-inf"))
+        indices = scores.topk(min(self.topk, T), dim=-1).indices  # [B, T, K]
+        # Early queries have fewer than K readable keys: their extra picks are dropped here.
+        picked = readable.expand(B, T, T).gather(-1, indices)
+        return indices.masked_fill(~picked, -1)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """hidden_states [s, b, h] -> (output [s, b, h], bias None).
+
+        Always causal: attention_mask and Megatron's rotary embeddings (kwargs) are ignored; RoPE
+        positions restart per packed sequence (packed_seq_params.cu_seqlens_q, b == 1) and no
+        query reads another sequence. Attention dropout is not applied.
+        """
+        if kwargs.get("inference_context") is not None:
+            raise NotImplementedError("MLAttention keeps no KV cache for decoding")
+        s, b, _ = hidden_states.shape
+        H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        positions, readable = _positions_and_mask(packed_seq_params, s, b, hidden_states.device)
+        x = hidden_states.transpose(0, 1)  # [B, T, h]
+        cos, sin = rope_cos_sin(positions, R, self.rope_theta, x.dtype)  # [1, T, R / 2]
+
+        if self.q_lora_rank is None:
+            q_latent = x
+            q = self.linear_q_proj(x)[0]
+        else:
+            q_latent = self.q_layernorm(self.linear_q_down_proj(x)[0])  # [B, T, Q]
+            q = self.linear_q_up_proj(q_latent)[0]
+        q = q.unflatten(-1, (H, N + R))  # [B, T, H, N + R]
+        q = torch.cat([q[..., :N], rope_interleaved(q[..., N:], cos, sin)], dim=-1)
+
+        latent, k_rope = self.linear_kv_down_proj(x)[0].split([C, R], dim=-1)  # [B, S, C], [B, S, R]
+        kv = self.linear_kv_up_proj(self.kv_layernorm(latent))[0].unflatten(-1, (H, N + self.v_dim))
+        k_nope, v = kv.split([N, self.v_dim], dim=-1)  # [B, S, H, N], [B, S, H, V]
+        k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, R], shared by the heads
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, H, -1)], dim=-1)  # [B, S, H, N + R]
+
+        indices = self.index_topk(x, q_latent, cos, sin, readable)  # [B, T, K]
+        o, _ = ops.sparse_attention(q, k, v, indices, scale=self.scale, backend=self.backend)  # [B, T, H, V]
+        return self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h], None
+
+
+def _positions_and_mask(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Tensor]:
+    """[1, T] positions (restarting per packed sequence) and [1, T, S] bool readable keys."""
+    t = torch.arange(s, device=device)
+    causal = t[None, :] <= t[:, None]  # [T, S]
+    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+        return t[None], causal[None]
+    cu_seqlens = packed_seq_params.cu_seqlens_q
+    cu_kv = packed_seq_params.cu_seqlens_kv
+    if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
+        raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
+    if b != 1:
+        raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
+    seg = torch.searchsorted(cu_seqlens[1:].to(device), t, right=True)  # [T] sequence id
+    positions = ops.positions_from_cu_seqlens(cu_seqlens, s)
+    return positions[None], (causal & (seg[None, :] == seg[:, None]))[None]
+
+
+def _hf_names(module: MLAttention) -> dict[str, Tensor]:
+    """HF key (without prefix) -> our parameter."""
+    names = {}
+    if module.q_lora_rank is None:
+        names["q_proj.weight"] = module.linear_q_proj.weight
+    else:
+        names["q_a_proj.weight"] = module.linear_q_down_proj.weight
+        names["q_a_layernorm.weight"] = module.q_layernorm.weight
+        names["q_b_proj.weight"] = module.linear_q_up_proj.weight
+    names.update({
+        "kv_a_proj_with_mqa.weight": module.linear_kv_down_proj.weight,
+        "kv_a_layernorm.weight": module.kv_layernorm.weight,
+        "kv_b_proj.weight": module.linear_kv_up_proj.weight,
+        "o_proj.weight": module.linear_proj.weight,
+        "indexer.wq_b.weight": module.linear_index_q.weight,
+        "indexer.wk.weight": module.linear_index_k.weight,
+        "indexer.k_norm.weight": module.index_k_norm.weight,
+        "indexer.k_norm.bias": module.index_k_norm.bias,
+        "indexer.weights_proj.weight": module.linear_index_weights.weight,
+    })  # fmt: skip
+    return names
+
+
+def load_hf_deepseek_v32_attention(
+    module: MLAttention, hf_state_dict: Mapping[str, Tensor], prefix: str = ""
+) -> None:
+    """Copies a transformers DeepseekV32Attention state dict (keys `prefix + "q_a_proj.weight"`,
+    ..., `prefix + "indexer.wq_b.weight"`, ...) into `module`. With q_lora_rank None the q
+    projection is DeepSeek-V3's `q_proj.weight`.
+
+    Every key under `prefix` must be used: biases (attention_bias=True) have no place here.
+    """
+    names = _hf_names(module)
+    extra = sorted(k for k in hf_state_dict if k.startswith(prefix) and k[len(prefix):] not in names)
+    if extra:
+        raise ValueError(
+            f"hf_state_dict: unexpected keys {extra}; MLAttention has no biases (convert a checkpoint "
+            f"with attention_bias=False) and takes only {sorted(prefix + n for n in names)}"
+        )
+    missing = sorted(prefix + n for n in names if prefix + n not in hf_state_dict)
+    if missing:
+        raise ValueError(f"hf_state_dict: missing {missing}")
+    with torch.no_grad():
+        for name, param in names.items():
+            key = prefix + name
+            w = hf_state_dict[key]
+            if w.shape != param.shape:
+                raise ValueError(
+                    f"hf_state_dict[{key!r}]: shape {tuple(w.shape)} does not match {tuple(param.shape)}; "
+                    "check hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                    "qk_rope_head_dim, v_head_dim, index_n_heads and index_head_dim against the HF config"
+                )
+            param.copy_(w.to(param.dtype))
