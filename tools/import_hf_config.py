@@ -29,7 +29,9 @@ class Importer:
         self.hf = hf
         self.used: set[str] = set()
         self.notes: list[str] = []
-        self.out: dict[str, dict] = {"model": {}, "linear_attention": {}, "sparse_attention": {}, "full_attention": {}, "moe": {}}
+        self.out: dict[str, dict] = {
+            "model": {}, "linear_attention": {}, "sparse_attention": {}, "full_attention": {}, "mla": {}, "moe": {}
+        }
 
     def take(self, key: str, group: str, field: str, convert: Callable[[Any], Any] = lambda x: x) -> None:
         if key in self.hf and self.hf[key] is not None:
@@ -127,12 +129,19 @@ def import_qwen3_next(hf: dict) -> Importer:
 def import_deepseek_v32(hf: dict) -> Importer:
     imp = Importer(hf)
     _common_model(imp)
-    imp.out["model"]["pattern"] = "S"
+    imp.out["model"]["pattern"] = "M"  # MLA + the lightning indexer (layers/mla_attention.py)
     imp.used.add("layer_types")
-    imp.take("num_key_value_heads", "model", "num_query_groups")
+    imp.note("num_key_value_heads", "MLA shares one latent kv over all heads; the field does not apply")
     imp.take("v_head_dim", "model", "kv_channels")
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_head_dim", "head_dim"):
-        imp.note(key, "MLA (latent q/kv) is not implemented; the sparse attention layer uses GQA heads")
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        imp.take(key, "mla", key)
+    imp.used.update({"qk_head_dim", "head_dim"})  # derived: nope + rope, and rope
+    rope = hf.get("rope_parameters") or {}
+    imp.notes = [n for n in imp.notes if not n.startswith("rope_parameters=")]
+    if "rope_theta" in rope:
+        imp.out["mla"]["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        imp.notes.append(f"rope_parameters={rope!r}: RoPE scaling ({rope['rope_type']}) is not supported; plain RoPE")
     imp.take("index_n_heads", "sparse_attention", "index_n_heads")
     imp.take("index_head_dim", "sparse_attention", "index_head_dim")
     imp.take("index_topk", "sparse_attention", "topk")
@@ -148,11 +157,11 @@ def import_deepseek_v32(hf: dict) -> Importer:
         imp.out["moe"]["shared_expert_ffn_hidden_size"] = n_shared * hf.get("moe_intermediate_size", 0)
     imp.out["moe"]["score_func"] = "sigmoid"
     imp.out["moe"]["expert_bias"] = True
-    imp.used.add("norm_topk_prob")
+    imp.take("norm_topk_prob", "moe", "norm_topk_prob", bool)
     imp.used.add("mlp_layer_types")
-    imp.note("routed_scaling_factor", "routed outputs are not rescaled")
-    for key in ("n_group", "topk_group"):
-        imp.note(key, "group-limited routing is not implemented", when=(hf.get(key) or 1) > 1)
+    imp.take("routed_scaling_factor", "moe", "routed_scaling_factor", float)
+    imp.take("n_group", "moe", "num_groups")  # group score: the sum of a group's two best (V3)
+    imp.take("topk_group", "moe", "topk_groups")
     return imp
 
 

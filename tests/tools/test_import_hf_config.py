@@ -47,13 +47,16 @@ def test_deepseek_v32_small():
     ).to_dict()
     ours, unmapped = tool.import_hf_config(hf)
     c = config_from_dict(ours, {"parallel.world_size": 1})
-    assert c.pattern == "S" and c.num_layers == 4
+    assert c.pattern == "M" and c.num_layers == 4
+    assert (c.mla.q_lora_rank, c.mla.kv_lora_rank, c.mla.qk_nope_head_dim, c.mla.qk_rope_head_dim, c.mla.v_head_dim) == (
+        16, 16, 8, 8, 16)
     sa = c.sparse_attention
     assert (sa.topk, sa.index_n_heads, sa.index_head_dim, sa.index_rope_dim) == (64, 4, 16, 8)
     assert (c.moe.num_experts, c.moe.topk, c.moe.first_k_dense, c.moe.score_func) == (8, 2, 1, "sigmoid")
     assert c.moe.shared_expert_ffn_hidden_size == 32 and c.moe.dense_ffn_hidden_size == 96
     text = "\n".join(unmapped)
-    assert "kv_lora_rank" in text and "MLA" in text and "routed_scaling_factor" in text
+    assert "kv_lora_rank" not in text and "routed_scaling_factor" not in text  # mapped now
+    assert c.moe.routed_scaling_factor == hf["routed_scaling_factor"] and c.moe.norm_topk_prob == hf["norm_topk_prob"]
 
 
 def test_unknown_architecture_and_cli(tmp_path, capsys):
