@@ -1,4 +1,4 @@
-"""Convert Hugging Face Qwen3-Next safetensors to our checkpoint format, and back.
+"""Convert Hugging Face Qwen3-Next or DeepSeek-V3.2 safetensors to our checkpoint format, and back.
 
     python tools/convert_checkpoint.py hf-to-ours --hf Qwen3-Next-80B-A3B --out runs/q3n
     python tools/convert_checkpoint.py ours-to-hf --ckpt runs/q3n --out q3n_hf [--max-shard-gb 5]
@@ -6,33 +6,43 @@
 hf-to-ours writes a run directory: <out>/config.yaml (tools/import_hf_config.py's mapping) and
 <out>/checkpoints/step_00000000/ (training/checkpoint.py's format), so `training.init_from: <out>`
 loads it under any expert-parallel size. ours-to-hf takes such a directory (or any checkpoint of
-ours) and writes config.json + model.safetensors (or shards with an index) that
-transformers' Qwen3NextForCausalLM.from_pretrained loads.
+ours) and writes config.json + model.safetensors (or shards with an index) that transformers'
+Qwen3NextForCausalLM / DeepseekV32ForCausalLM.from_pretrained loads. The family follows the HF
+config's model_type one way and our model.pattern the other (M layers: DeepSeek-V3.2).
 
 Shape legend: h hidden, V vocabulary, E experts, F expert FFN width, Fs shared expert width,
 Fd dense MLP width, H / G query / kv heads, D head dim, Hk / Hv linear q-k / v heads,
-K / V their head dims, R = Hv / Hk, W conv kernel.
+K / V their head dims, R = Hv / Hk, W conv kernel; MLA: Q / C q / kv latent ranks,
+N / Rr / Vm no-rope / rope / value head dims, HI / DI indexer heads / head dim.
 
 What changes between the formats (everything else is a rename):
-  - HF's decoder norms (input_layernorm, post_attention_layernorm, model.norm) are zero-centered,
-    x * (1 + w); ours are Megatron's torch RMSNorm, x * w: ours = 1 + hf. The per-head q/k norms
-    and the Gated DeltaNet output norm keep HF's convention on both sides.
+  - Qwen3-Next's decoder norms (input_layernorm, post_attention_layernorm, model.norm) are
+    zero-centered, x * (1 + w); ours are Megatron's torch RMSNorm, x * w: ours = 1 + hf. The
+    per-head q/k norms and the Gated DeltaNet output norm keep HF's convention on both sides.
+    DeepSeek-V3.2's norms are x * w already and copy as they are.
   - Experts: HF stores experts.<e>.{gate,up,down}_proj.weight ([F, h], [F, h], [h, F]); ours
     experts.weight1.expert<e> [h, 2F] (gate | up columns) and weight2.expert<e> [F, h].
   - Gated DeltaNet: HF groups in_proj_qkvz / in_proj_ba rows by q/k head, ours by piece
     (layers/linear_attention.py:load_hf_qwen3_next_gdn).
-In fp32, ours -> HF -> ours is bitwise; HF -> ours -> HF is bitwise except the zero-centered
-norms, whose w comes back as fl(1 + w) - 1: the scale 1 + w that HF's forward multiplies by is
-bitwise the same, w itself moves by at most half an ulp of 1 + w.
+  - DeepSeek-V3.2: MLA and its indexer are renames (layers/mla_attention.py); the router's
+    e_score_correction_bias is our router.expert_bias; shared_experts.{gate,up}_proj stack into
+    shared_experts.linear_fc1. Its multi-token-prediction layers (model.layers.<n>.* for
+    n >= num_hidden_layers) are not modelled: they are skipped and the skip is written into
+    config.yaml.
+In fp32, ours -> HF -> ours is bitwise; HF -> ours -> HF is bitwise except Qwen3-Next's
+zero-centered norms, whose w comes back as fl(1 + w) - 1: the scale 1 + w that HF's forward
+multiplies by is bitwise the same, w itself moves by at most half an ulp of 1 + w.
 """
 
 import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -45,8 +55,8 @@ HF_CONFIG = "config.json"
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 OUR_CONFIG = "config.yaml"
-# Qwen3-Next's multi-token-prediction head: transformers ignores it too.
-SKIPPED_PREFIXES = ("mtp.",)
+# Our router keeps its weight and expert bias in fp32 whatever the model dtype (as transformers does).
+ROUTER_KEYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 _spec = importlib.util.spec_from_file_location(
     "import_hf_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "import_hf_config.py")
@@ -62,16 +72,13 @@ _PRECISION = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float
 # Names and shapes on the HF side.
 
 
-def hf_layer_shapes(config, i: int) -> dict[str, tuple]:
-    """HF key -> shape of layer i's tensors, for our config (keys without the `model.` prefix)."""
-    h, p = config.hidden_size, f"layers.{i}."
-    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    kind = config.layer_kind(i)
+def _qwen3_next_attention_shapes(config, i: int, p: str) -> dict[str, tuple]:
+    h, kind = config.hidden_size, config.layer_kind(i)
     if kind == "L":
         la = config.linear_attention
         Hk, Hv, K, V = la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
         a = p + "linear_attn."
-        out.update({
+        return {
             a + "in_proj_qkvz.weight": (2 * Hk * K + 2 * Hv * V, h),
             a + "in_proj_ba.weight": (2 * Hv, h),
             a + "conv1d.weight": (2 * Hk * K + Hv * V, 1, la.conv_kernel_size),
@@ -79,40 +86,97 @@ def hf_layer_shapes(config, i: int) -> dict[str, tuple]:
             a + "dt_bias": (Hv,),
             a + "norm.weight": (V,),
             a + "out_proj.weight": (h, Hv * V),
-        })  # fmt: skip
-    elif kind == "A":
+        }  # fmt: skip
+    if kind == "A":
         H, G, D = config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
         a = p + "self_attn."
-        out.update({
+        return {
             a + "q_proj.weight": (2 * H * D, h),  # [query | output gate] per head
             a + "k_proj.weight": (G * D, h),
             a + "v_proj.weight": (G * D, h),
             a + "o_proj.weight": (h, H * D),
             a + "q_norm.weight": (D,),
             a + "k_norm.weight": (D,),
-        })  # fmt: skip
-    else:
+        }  # fmt: skip
+    raise ValueError(
+        f"model.pattern: layer {i} is {kind!r}; Qwen3-Next has only linear (L) and full (A) "
+        "attention layers, so only such configs convert"
+    )
+
+
+def _qwen3_next_moe_shapes(config, m: str) -> dict[str, tuple]:
+    h, E, F, Fs = config.hidden_size, config.moe.num_experts, config.moe.ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
+    out = {m + "gate.weight": (E, h)}
+    for e in range(E):
+        out.update({f"{m}experts.{e}.gate_proj.weight": (F, h), f"{m}experts.{e}.up_proj.weight": (F, h),
+                    f"{m}experts.{e}.down_proj.weight": (h, F)})  # fmt: skip
+    out.update({
+        m + "shared_expert.gate_proj.weight": (Fs, h),
+        m + "shared_expert.up_proj.weight": (Fs, h),
+        m + "shared_expert.down_proj.weight": (h, Fs),
+        m + "shared_expert_gate.weight": (1, h),
+    })  # fmt: skip
+    return out
+
+
+def _mla_names(config) -> dict[str, tuple[str, tuple]]:
+    """HF attention key (after `self_attn.`) -> (our MLAttention parameter, shape)."""
+    mla, sa, h, H = config.mla, config.sparse_attention, config.hidden_size, config.num_attention_heads
+    Q, C, N, R, V = mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    HI, DI = sa.index_n_heads, sa.index_head_dim
+    return {
+        "q_a_proj.weight": ("linear_q_down_proj.weight", (Q, h)),
+        "q_a_layernorm.weight": ("q_layernorm.weight", (Q,)),
+        "q_b_proj.weight": ("linear_q_up_proj.weight", (H * (N + R), Q)),
+        "kv_a_proj_with_mqa.weight": ("linear_kv_down_proj.weight", (C + R, h)),
+        "kv_a_layernorm.weight": ("kv_layernorm.weight", (C,)),
+        "kv_b_proj.weight": ("linear_kv_up_proj.weight", (H * (N + V), C)),
+        "o_proj.weight": ("linear_proj.weight", (h, H * V)),
+        "indexer.wq_b.weight": ("linear_index_q.weight", (HI * DI, Q)),
+        "indexer.wk.weight": ("linear_index_k.weight", (DI, h)),
+        "indexer.k_norm.weight": ("index_k_norm.weight", (DI,)),
+        "indexer.k_norm.bias": ("index_k_norm.bias", (DI,)),
+        "indexer.weights_proj.weight": ("linear_index_weights.weight", (HI, h)),
+    }  # fmt: skip
+
+
+def _deepseek_v32_attention_shapes(config, i: int, p: str) -> dict[str, tuple]:
+    kind = config.layer_kind(i)
+    if kind != "M":
         raise ValueError(
-            f"model.pattern: layer {i} is {kind!r}; Qwen3-Next has only linear (L) and full (A) "
-            "attention layers, so only such configs convert"
+            f"model.pattern: layer {i} is {kind!r}; DeepSeek-V3.2 has only MLA (M) layers and Qwen3-Next only "
+            "L and A layers, so a pattern of M only, or of L and A only, converts"
         )
+    return {f"{p}self_attn.{k}": shape for k, (_, shape) in _mla_names(config).items()}
+
+
+def _deepseek_v32_moe_shapes(config, m: str) -> dict[str, tuple]:
+    h, E, F, Fs = config.hidden_size, config.moe.num_experts, config.moe.ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
+    out = {m + "gate.weight": (E, h), m + "gate.e_score_correction_bias": (E,)}
+    for e in range(E):
+        out.update({f"{m}experts.{e}.gate_proj.weight": (F, h), f"{m}experts.{e}.up_proj.weight": (F, h),
+                    f"{m}experts.{e}.down_proj.weight": (h, F)})  # fmt: skip
+    out.update({
+        m + "shared_experts.gate_proj.weight": (Fs, h),
+        m + "shared_experts.up_proj.weight": (Fs, h),
+        m + "shared_experts.down_proj.weight": (h, Fs),
+    })  # fmt: skip
+    return out
+
+
+def hf_layer_shapes(config, i: int) -> dict[str, tuple]:
+    """HF key -> shape of layer i's tensors, for our config."""
+    family = family_of(config)
+    h, p = config.hidden_size, f"model.layers.{i}."
+    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    out.update(family.attention_shapes(config, i, p))
     m = p + "mlp."
     if config.is_moe_layer(i):
-        E, F, Fs = config.moe.num_experts, config.moe.ffn_hidden_size, config.moe.shared_expert_ffn_hidden_size
-        out[m + "gate.weight"] = (E, h)
-        for e in range(E):
-            out.update({f"{m}experts.{e}.gate_proj.weight": (F, h), f"{m}experts.{e}.up_proj.weight": (F, h),
-                        f"{m}experts.{e}.down_proj.weight": (h, F)})  # fmt: skip
-        out.update({
-            m + "shared_expert.gate_proj.weight": (Fs, h),
-            m + "shared_expert.up_proj.weight": (Fs, h),
-            m + "shared_expert.down_proj.weight": (h, Fs),
-            m + "shared_expert_gate.weight": (1, h),
-        })  # fmt: skip
+        out.update(family.moe_shapes(config, m))
     else:
         Fd = config.moe.dense_ffn_hidden_size
         out.update({m + "gate_proj.weight": (Fd, h), m + "up_proj.weight": (Fd, h), m + "down_proj.weight": (h, Fd)})
-    return {"model." + k: v for k, v in out.items()}
+    return out
 
 
 def hf_shapes(config) -> dict[str, tuple]:
@@ -125,9 +189,15 @@ def hf_shapes(config) -> dict[str, tuple]:
     return out
 
 
-def _check_exportable(config) -> None:
+def _refuse(checks: list, family: str) -> None:
+    for ok, name, why in checks:
+        if not ok:
+            raise ValueError(f"{name}: this config has no {family} equivalent ({why})")
+
+
+def _check_qwen3_next(config) -> None:
     m, la = config.moe, config.linear_attention
-    checks = [
+    _refuse([
         (la.variant == "gated_delta_rule" and la.conv_kernel_size > 0, "linear_attention.variant",
          "Qwen3-Next's linear layers are gated_delta_rule with a conv (conv_kernel_size > 0)"),
         (m.score_func == "softmax", "moe.score_func", "Qwen3-Next routes with softmax"),
@@ -137,42 +207,38 @@ def _check_exportable(config) -> None:
          "Qwen3-Next always has a shared expert scaled by a sigmoid gate"),
         (config.normalization == "RMSNorm" and not config.add_bias_linear, "model.normalization",
          "Qwen3-Next uses RMSNorm and bias-free linears"),
-    ]  # fmt: skip
-    for ok, name, why in checks:
-        if not ok:
-            raise ValueError(f"{name}: this config has no Qwen3-Next equivalent ({why})")
+    ], "Qwen3-Next")  # fmt: skip
+
+
+def _check_deepseek_v32(config) -> None:
+    m = config.moe
+    _refuse([
+        (config.mla.q_lora_rank is not None, "mla.q_lora_rank",
+         "DeepSeek-V3.2 always has a q latent, which its indexer reads"),
+        (m.score_func == "sigmoid" and m.expert_bias, "moe.score_func",
+         "DeepSeek-V3.2 routes with sigmoid scores and an expert bias (moe.expert_bias=True)"),
+        (m.shared_expert_ffn_hidden_size > 0 and m.shared_expert_ffn_hidden_size % m.ffn_hidden_size == 0,
+         "moe.shared_expert_ffn_hidden_size",
+         f"DeepSeek-V3.2's shared experts are n_shared_experts >= 1 times moe.ffn_hidden_size={m.ffn_hidden_size} wide"),
+        (not m.shared_expert_gate, "moe.shared_expert_gate", "DeepSeek-V3.2's shared experts have no gate"),
+        (config.normalization == "RMSNorm" and not config.add_bias_linear, "model.normalization",
+         "DeepSeek-V3.2 uses RMSNorm and bias-free linears"),
+    ], "DeepSeek-V3.2")  # fmt: skip
 
 
 def _check_dense_activation(config, where: str) -> None:
     act = config.activation_func
     if config.moe.first_k_dense and act is not torch.nn.functional.silu:
         raise ValueError(
-            f"{where}: Qwen3-Next's dense MLP layers are SwiGLU, ours compute "
+            f"{where}: {family_of(config).name}'s dense MLP layers are SwiGLU, ours compute "
             f"{getattr(act, '__name__', act)}-GLU (the model's activation_func); dense layers convert "
             "once the config sets activation_func to silu"
         )
 
 
-def export_hf_config(config) -> dict:
-    """Our config -> a Qwen3NextConfig dict (the inverse of tools/import_hf_config.py)."""
-    for i in range(config.num_layers):
-        hf_layer_shapes(config, i)  # refuses layer kinds other than L and A
-    _check_exportable(config)
-    _check_dense_activation(config, f"moe.first_k_dense={config.moe.first_k_dense}")
+def _qwen3_next_config(config) -> dict:
     m, la, fa = config.moe, config.linear_attention, config.full_attention
     return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "dtype": _DTYPE_NAMES[config.params_dtype],
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "vocab_size": config.vocab_size,
-        "rms_norm_eps": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups or config.num_attention_heads,
         "head_dim": config.kv_channels,
         "rope_parameters": {"rope_type": "default", "rope_theta": fa.rope_theta,
@@ -185,15 +251,225 @@ def export_hf_config(config) -> dict:
         "linear_value_head_dim": la.head_v_dim,
         "linear_conv_kernel_dim": la.conv_kernel_size,
         "num_experts": m.num_experts,
-        "num_experts_per_tok": m.topk,
-        "moe_intermediate_size": m.ffn_hidden_size,
         "shared_expert_intermediate_size": m.shared_expert_ffn_hidden_size,
-        "intermediate_size": m.dense_ffn_hidden_size,
-        "norm_topk_prob": bool(m.norm_topk_prob),
         "router_aux_loss_coef": m.aux_loss_coeff,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(m.first_k_dense)),
     }  # fmt: skip
+
+
+def _deepseek_v32_config(config) -> dict:
+    m, mla, sa = config.moe, config.mla, config.sparse_attention
+    return {
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": mla.rope_theta},
+        "index_topk": sa.topk,
+        "index_n_heads": sa.index_n_heads,
+        "index_head_dim": sa.index_head_dim,
+        "n_routed_experts": m.num_experts,
+        "n_shared_experts": m.shared_expert_ffn_hidden_size // m.ffn_hidden_size,
+        "n_group": m.num_groups,
+        "topk_group": m.topk_groups,
+        "routed_scaling_factor": m.routed_scaling_factor,
+        "first_k_dense_replace": m.first_k_dense,
+        "mlp_layer_types": ["dense" if i < m.first_k_dense else "sparse" for i in range(config.num_layers)],
+        "mlp_bias": False,
+    }  # fmt: skip
+
+
+def export_hf_config(config) -> dict:
+    """Our config -> a Qwen3NextConfig or DeepseekV32Config dict (the inverse of
+    tools/import_hf_config.py); the family follows model.pattern (M: DeepSeek-V3.2)."""
+    family = family_of(config)
+    for i in range(config.num_layers):
+        family.attention_shapes(config, i, "")  # refuses layer kinds the family does not have
+    family.check(config)
+    _check_dense_activation(config, f"moe.first_k_dense={config.moe.first_k_dense}")
+    m = config.moe
+    norm_topk_prob = m.norm_topk_prob if m.norm_topk_prob is not None else m.score_func == "sigmoid"
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "dtype": _DTYPE_NAMES[config.params_dtype],
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "initializer_range": config.init_method_std,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "num_attention_heads": config.num_attention_heads,
+        "num_experts_per_tok": m.topk,
+        "moe_intermediate_size": m.ffn_hidden_size,
+        "intermediate_size": m.dense_ffn_hidden_size,
+        "norm_topk_prob": bool(norm_topk_prob),
+        **family.export_config(config),
+    }  # fmt: skip
+
+
+# What differs between the families.
+
+
+def _fused_experts(get: Callable[[str], torch.Tensor], m: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors (the files' layout) -> the fused layout of transformers' modules."""
+    gate_up = torch.stack([
+        torch.cat([get(f"{m}experts.{e}.gate_proj.weight"), get(f"{m}experts.{e}.up_proj.weight")])
+        for e in range(num_experts)
+    ])  # [E, 2F, h]  # fmt: skip
+    down = torch.stack([get(f"{m}experts.{e}.down_proj.weight") for e in range(num_experts)])  # [E, h, F]
+    return {m + "experts.gate_up_proj": gate_up, m + "experts.down_proj": down}
+
+
+def _hf_experts(get: Callable[[str], torch.Tensor], num_experts: int, m: str, hm: str) -> dict[str, torch.Tensor]:
+    """Our experts of MoE layer m -> HF's per-expert tensors under hm."""
+    out = {}
+    for e in range(num_experts):
+        gate, up = get(f"{m}experts.weight1.expert{e}").t().chunk(2)  # [h, 2F] -> [F, h] each
+        out[f"{hm}experts.{e}.gate_proj.weight"] = gate
+        out[f"{hm}experts.{e}.up_proj.weight"] = up
+        out[f"{hm}experts.{e}.down_proj.weight"] = get(f"{m}experts.weight2.expert{e}").t()  # [h, F]
+    return out
+
+
+def _load_qwen3_next_attention(module, config, i: int, get, p: str) -> None:
+    from megatron_moe_hybrid.layers.gated_attention import load_hf_qwen3_next_attention
+    from megatron_moe_hybrid.layers.linear_attention import load_hf_qwen3_next_gdn
+
+    sd = {k: get(k) for k in _qwen3_next_attention_shapes(config, i, p)}
+    if config.layer_kind(i) == "L":
+        load_hf_qwen3_next_gdn(module, sd, prefix=p + "linear_attn.")
+    else:
+        load_hf_qwen3_next_attention(module, sd, prefix=p + "self_attn.")
+
+
+def _load_qwen3_next_moe(module, config, get, m: str) -> None:
+    from megatron_moe_hybrid.layers.moe.moe_layer import load_hf_qwen3_next_moe
+
+    sd = {k: get(k) for k in _qwen3_next_moe_shapes(config, m) if ".experts." not in k}
+    sd.update(_fused_experts(get, m, config.moe.num_experts))
+    load_hf_qwen3_next_moe(module, sd, prefix=m)
+
+
+def _export_qwen3_next_attention(get, config, i: int, o: str, p: str) -> dict[str, torch.Tensor]:
+    a = o + "self_attention."
+    if config.layer_kind(i) == "L":
+        la = config.linear_attention
+        Hk, Hv, K, V = la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+        in_proj = get(a + "in_proj.weight")  # [q | k | v | z | b | a] rows, each over all heads
+        q, k, v, z, b, a_ = (t.unflatten(0, (Hk, -1)) for t in in_proj.split([Hk * K, Hk * K, Hv * V, Hv * V, Hv, Hv]))
+        h = p + "linear_attn."
+        return {
+            h + "in_proj_qkvz.weight": torch.cat([q, k, v, z], dim=1).flatten(0, 1),  # [Hk * (2K + 2RV), h]
+            h + "in_proj_ba.weight": torch.cat([b, a_], dim=1).flatten(0, 1),  # [Hk * 2R, h]
+            h + "conv1d.weight": get(a + "conv1d.weight"),
+            h + "A_log": get(a + "A_log"),
+            h + "dt_bias": get(a + "dt_bias"),
+            h + "norm.weight": get(a + "out_norm.weight"),
+            h + "out_proj.weight": get(a + "out_proj.weight"),
+        }  # fmt: skip
+    h = p + "self_attn."
+    names = (("linear_q", "q_proj"), ("linear_k", "k_proj"), ("linear_v", "v_proj"), ("linear_proj", "o_proj"),
+             ("q_norm", "q_norm"), ("k_norm", "k_norm"))  # fmt: skip
+    return {f"{h}{hf}.weight": get(f"{a}{ours}.weight") for ours, hf in names}
+
+
+def _export_qwen3_next_moe(get, config, m: str, hm: str) -> dict[str, torch.Tensor]:
+    out = {hm + "gate.weight": get(m + "router.weight")}
+    out.update(_hf_experts(get, config.moe.num_experts, m, hm))
+    gate, up = get(m + "shared_experts.linear_fc1.weight").chunk(2)  # [2Fs, h]: gate | up
+    out.update({
+        hm + "shared_expert.gate_proj.weight": gate,
+        hm + "shared_expert.up_proj.weight": up,
+        hm + "shared_expert.down_proj.weight": get(m + "shared_experts.linear_fc2.weight"),
+        hm + "shared_expert_gate.weight": get(m + "shared_experts.gate_weight"),
+    })  # fmt: skip
+    return out
+
+
+def _load_deepseek_v32_attention(module, config, i: int, get, p: str) -> None:
+    from megatron_moe_hybrid.layers.mla_attention import load_hf_deepseek_v32_attention
+
+    sd = {k: get(k) for k in _deepseek_v32_attention_shapes(config, i, p)}
+    load_hf_deepseek_v32_attention(module, sd, prefix=p + "self_attn.")
+
+
+def _load_deepseek_v32_moe(module, config, get, m: str) -> None:
+    from megatron_moe_hybrid.layers.moe.moe_layer import load_hf_deepseek_v32_moe
+
+    sd = {k: get(k) for k in _deepseek_v32_moe_shapes(config, m) if ".experts." not in k}
+    sd.update(_fused_experts(get, m, config.moe.num_experts))
+    load_hf_deepseek_v32_moe(module, sd, prefix=m)
+
+
+def _export_deepseek_v32_attention(get, config, i: int, o: str, p: str) -> dict[str, torch.Tensor]:
+    return {f"{p}self_attn.{hf}": get(f"{o}self_attention.{ours}") for hf, (ours, _) in _mla_names(config).items()}
+
+
+def _export_deepseek_v32_moe(get, config, m: str, hm: str) -> dict[str, torch.Tensor]:
+    out = {hm + "gate.weight": get(m + "router.weight"), hm + "gate.e_score_correction_bias": get(m + "router.expert_bias")}
+    out.update(_hf_experts(get, config.moe.num_experts, m, hm))
+    gate, up = get(m + "shared_experts.linear_fc1.weight").chunk(2)  # [2Fs, h]: gate | up
+    out.update({
+        hm + "shared_experts.gate_proj.weight": gate,
+        hm + "shared_experts.up_proj.weight": up,
+        hm + "shared_experts.down_proj.weight": get(m + "shared_experts.linear_fc2.weight"),
+    })  # fmt: skip
+    return out
+
+
+def _is_mtp_layer(key: str, config) -> bool:
+    """DeepSeek-V3's multi-token-prediction modules are stored as layers past num_hidden_layers."""
+    match = re.match(r"model\.layers\.(\d+)\.", key)
+    return match is not None and int(match.group(1)) >= config.num_layers
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the HF families; embeddings, the two decoder norms, dense SwiGLU MLPs
+    (gate_proj / up_proj / down_proj), the final norm and lm_head convert alike."""
+
+    name: str
+    model_type: str
+    architecture: str
+    norm_offset: float  # our decoder norm weight = HF's + norm_offset
+    attention_shapes: Callable  # (config, i, "model.layers.<i>.") -> {HF key: shape}
+    moe_shapes: Callable  # (config, "model.layers.<i>.mlp.") -> {HF key: shape}
+    check: Callable  # (config) -> None; ValueError naming the field the family cannot represent
+    export_config: Callable  # (config) -> the family's config.json fields
+    load_attention: Callable  # (our attention module, config, i, get HF tensor, HF prefix)
+    load_moe: Callable  # (our MoELayer, config, get HF tensor, HF mlp prefix)
+    export_attention: Callable  # (get our tensor, config, i, our prefix, HF prefix) -> {HF key: tensor}
+    export_moe: Callable  # (get our tensor, config, our mlp prefix, HF mlp prefix) -> {HF key: tensor}
+    skipped: Callable  # (HF key, config) -> True for tensors we do not model
+    skipped_why: str
+
+
+FAMILIES = {
+    "qwen3_next": Family(
+        "Qwen3-Next", "qwen3_next", "Qwen3NextForCausalLM", 1.0,
+        _qwen3_next_attention_shapes, _qwen3_next_moe_shapes, _check_qwen3_next, _qwen3_next_config,
+        _load_qwen3_next_attention, _load_qwen3_next_moe, _export_qwen3_next_attention, _export_qwen3_next_moe,
+        lambda key, config: key.startswith("mtp."), "the multi-token-prediction head (transformers ignores it too)",
+    ),
+    "deepseek_v32": Family(
+        "DeepSeek-V3.2", "deepseek_v32", "DeepseekV32ForCausalLM", 0.0,
+        _deepseek_v32_attention_shapes, _deepseek_v32_moe_shapes, _check_deepseek_v32, _deepseek_v32_config,
+        _load_deepseek_v32_attention, _load_deepseek_v32_moe, _export_deepseek_v32_attention, _export_deepseek_v32_moe,
+        _is_mtp_layer, "the multi-token-prediction layers past num_hidden_layers (transformers ignores them too)",
+    ),
+}  # fmt: skip
+
+
+def family_of(config) -> Family:
+    """DeepSeek-V3.2 if the pattern has MLA (M) layers, else Qwen3-Next."""
+    kinds = {config.layer_kind(i) for i in range(config.num_layers)}
+    return FAMILIES["deepseek_v32" if "M" in kinds else "qwen3_next"]
 
 
 # Reading HF checkpoints.
@@ -237,16 +513,6 @@ class HFReader:
         return self._handle(key).get_tensor(key)
 
 
-def _fused_experts(reader: HFReader, prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
-    """Per-expert HF tensors -> the fused layout load_hf_qwen3_next_moe takes."""
-    gate_up = torch.stack([
-        torch.cat([reader.get(f"{prefix}experts.{e}.gate_proj.weight"), reader.get(f"{prefix}experts.{e}.up_proj.weight")])
-        for e in range(num_experts)
-    ])  # [E, 2F, h]  # fmt: skip
-    down = torch.stack([reader.get(f"{prefix}experts.{e}.down_proj.weight") for e in range(num_experts)])  # [E, h, F]
-    return {prefix + "experts.gate_up_proj": gate_up, prefix + "experts.down_proj": down}
-
-
 def _check_hf_tensors(reader: HFReader, config, dtype: torch.dtype, tie: bool) -> None:
     """Every expected tensor is there with its shape and a floating dtype; nothing unknown is."""
     expected = hf_shapes(config)
@@ -258,12 +524,13 @@ def _check_hf_tensors(reader: HFReader, config, dtype: torch.dtype, tie: bool) -
             f"{reader.dir}: tensor {missing[0]!r} is missing from the checkpoint"
             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; it is expected by config.json"
         )
-    unknown = sorted(k for k in reader.file_of if k not in expected and not k.startswith(SKIPPED_PREFIXES))
+    family = family_of(config)
+    unknown = sorted(k for k in reader.file_of if k not in expected and not family.skipped(k, config))
     if unknown:
         raise ValueError(
             f"{reader.path(unknown[0])}: unexpected tensor {unknown[0]!r}"
             f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; it has no place in a "
-            "Qwen3-Next model of this config.json (biases and quantization scales are not supported)"
+            f"{family.name} model of this config.json (biases and quantization scales are not supported)"
         )
     for key, shape in expected.items():
         actual = reader.shape(key)
@@ -273,9 +540,10 @@ def _check_hf_tensors(reader: HFReader, config, dtype: torch.dtype, tie: bool) -
         t_dtype = _SAFETENSORS_DTYPES.get(stored)
         if t_dtype is None:
             raise ValueError(f"{reader.path(key)}: tensor {key!r} is {stored}; only float checkpoints convert (dequantize it first)")
-        if _PRECISION[t_dtype] > _PRECISION[dtype]:
+        target = torch.promote_types(dtype, torch.float32) if key.endswith(ROUTER_KEYS) else dtype
+        if _PRECISION[t_dtype] > _PRECISION[target]:
             raise ValueError(
-                f"{reader.path(key)}: tensor {key!r} is {stored}, which {_DTYPE_NAMES[dtype]} cannot hold "
+                f"{reader.path(key)}: tensor {key!r} is {stored}, which {_DTYPE_NAMES[target]} cannot hold "
                 "exactly; convert with dtype=torch.float32 (--dtype float32)"
             )
 
@@ -329,15 +597,13 @@ class _SingleProcess:
 
 
 def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> str:
-    """HF Qwen3-Next (config.json + safetensors) -> a run directory of ours; returns its path.
+    """HF Qwen3-Next or DeepSeek-V3.2 (config.json + safetensors) -> a run directory of ours;
+    returns its path.
 
     The model is built in `dtype` (float32 holds bf16/fp16 checkpoints exactly); a tensor wider
-    than `dtype` is refused rather than rounded.
+    than `dtype` is refused rather than rounded (the router's, held in fp32, excepted).
     """
     from megatron_moe_hybrid.config import config_from_dict
-    from megatron_moe_hybrid.layers.gated_attention import load_hf_qwen3_next_attention
-    from megatron_moe_hybrid.layers.linear_attention import load_hf_qwen3_next_gdn
-    from megatron_moe_hybrid.layers.moe.moe_layer import load_hf_qwen3_next_moe
     from megatron_moe_hybrid.models import build_model
     from megatron_moe_hybrid.training.checkpoint import save_checkpoint
 
@@ -352,10 +618,11 @@ def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, pr
         raw, unmapped = import_hf_config.import_hf_config(hf_config)
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from e
-    if hf_config.get("model_type") != "qwen3_next":
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
         raise ValueError(
-            f"{config_path}: model_type {hf_config.get('model_type')!r} converts only as far as its "
-            "config (tools/import_hf_config.py); weight conversion supports qwen3_next"
+            f"{config_path}: model_type {model_type!r} converts only as far as its config "
+            f"(tools/import_hf_config.py); weight conversion supports {', '.join(sorted(FAMILIES))}"
         )
     if dtype != torch.float32:
         raw["model"]["params_dtype"] = _DTYPE_NAMES[dtype]
@@ -364,13 +631,27 @@ def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, pr
         # ffn_hidden_size the spec passes, so the dense layers need the two to agree.
         raw["model"]["ffn_hidden_size"] = raw["moe"]["dense_ffn_hidden_size"]
     config = config_from_dict(raw, {"parallel.world_size": 1})
-    _check_dense_activation(config, f"{config_path}: mlp_only_layers={hf_config.get('mlp_only_layers')}")
+    family = family_of(config)
+    dense_key = "mlp_only_layers" if "mlp_only_layers" in hf_config else "mlp_layer_types"
+    _check_dense_activation(config, f"{config_path}: {dense_key}={hf_config.get(dense_key)}")
+    try:
+        exported = export_hf_config(config)  # refuses what the family has and our config cannot say
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    for key in ("mlp_only_layers", "mlp_layer_types"):
+        if key in hf_config and hf_config[key] != exported.get(key):
+            raise ValueError(
+                f"{config_path}: {key}={hf_config[key]!r}: only dense layers first, then MoE layers convert "
+                f"(moe.first_k_dense); this would be {exported.get(key)!r}"
+            )
     tie = bool(hf_config.get("tie_word_embeddings"))
     reader = HFReader(hf_dir)
     _check_hf_tensors(reader, config, dtype, tie)
+    skipped = sorted(k for k in reader.file_of if family.skipped(k, config))
 
-    def zero_centered(key):  # HF's x * (1 + w) -> our x * w
-        return 1.0 + reader.get(key).to(dtype)
+    def norm(key):  # HF's decoder norm -> ours
+        w = reader.get(key).to(dtype)
+        return family.norm_offset + w if family.norm_offset else w
 
     with _SingleProcess():
         torch.manual_seed(0)  # the values are all overwritten; a seed keeps the build repeatable
@@ -380,33 +661,27 @@ def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, pr
             layers = model.decoder.layers
             for i in tqdm(range(config.num_layers), desc="hf-to-ours layers", disable=not progress):
                 layer, p = layers[i], f"model.layers.{i}."
-                layer.input_layernorm.weight.copy_(zero_centered(p + "input_layernorm.weight"))
-                layer.pre_mlp_layernorm.weight.copy_(zero_centered(p + "post_attention_layernorm.weight"))
-                keys = [k for k in hf_layer_shapes(config, i) if "layernorm" not in k]
-                if config.layer_kind(i) == "L":
-                    sd = {k: reader.get(k) for k in keys if ".linear_attn." in k}
-                    load_hf_qwen3_next_gdn(layer.self_attention, sd, prefix=p + "linear_attn.")
-                else:
-                    sd = {k: reader.get(k) for k in keys if ".self_attn." in k}
-                    load_hf_qwen3_next_attention(layer.self_attention, sd, prefix=p + "self_attn.")
+                layer.input_layernorm.weight.copy_(norm(p + "input_layernorm.weight"))
+                layer.pre_mlp_layernorm.weight.copy_(norm(p + "post_attention_layernorm.weight"))
+                family.load_attention(layer.self_attention, config, i, reader.get, p)
                 m = p + "mlp."
                 if config.is_moe_layer(i):
-                    sd = {k: reader.get(k) for k in keys if k.startswith(m) and ".experts." not in k}
-                    sd.update(_fused_experts(reader, m, config.moe.num_experts))
-                    load_hf_qwen3_next_moe(layer.mlp, sd, prefix=m)
+                    family.load_moe(layer.mlp, config, reader.get, m)
                 else:
                     layer.mlp.linear_fc1.weight.copy_(torch.cat([reader.get(m + "gate_proj.weight"), reader.get(m + "up_proj.weight")]))
                     layer.mlp.linear_fc2.weight.copy_(reader.get(m + "down_proj.weight"))
-            model.decoder.final_layernorm.weight.copy_(zero_centered("model.norm.weight"))
+            model.decoder.final_layernorm.weight.copy_(norm("model.norm.weight"))
             head = "model.embed_tokens.weight" if tie and "lm_head.weight" not in reader.file_of else "lm_head.weight"
             model.output_layer.weight.copy_(reader.get(head))
 
         def write(tmp):
-            meta = {"mode": "converted", "source": os.path.abspath(hf_dir), "source_format": "hf:qwen3_next",
+            meta = {"mode": "converted", "source": os.path.abspath(hf_dir), "source_format": f"hf:{model_type}",
                     "config": config.to_dict()}  # fmt: skip
             save_checkpoint(tmp, 0, model, {}, meta, keep=1)
-            header = [f"# converted from {os.path.abspath(hf_dir)} (qwen3_next)"]
+            header = [f"# converted from {os.path.abspath(hf_dir)} ({model_type})"]
             header += [f"# not mapped exactly: {line}" for line in unmapped]
+            if skipped:
+                header.append(f"# skipped {len(skipped)} tensors of {family.skipped_why}: {skipped[0]}, ...")
             with open(os.path.join(tmp, OUR_CONFIG), "w") as f:
                 f.write("\n".join(header) + "\n")
                 yaml.safe_dump(raw, f, sort_keys=False)
@@ -466,59 +741,31 @@ def _read_our_config(reader: OursReader):
 
 def _hf_layer(reader: OursReader, config, i: int) -> dict[str, torch.Tensor]:
     """Layer i of our checkpoint -> its HF tensors."""
+    family, get = family_of(config), reader.get
     o, p = f"decoder.layers.{i}.", f"model.layers.{i}."
     out = {
-        p + "input_layernorm.weight": reader.get(o + "input_layernorm.weight") - 1.0,
-        p + "post_attention_layernorm.weight": reader.get(o + "pre_mlp_layernorm.weight") - 1.0,
+        p + "input_layernorm.weight": _hf_norm(get(o + "input_layernorm.weight"), family),
+        p + "post_attention_layernorm.weight": _hf_norm(get(o + "pre_mlp_layernorm.weight"), family),
     }
-    a = o + "self_attention."
-    if config.layer_kind(i) == "L":
-        la = config.linear_attention
-        Hk, Hv, K, V = la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
-        in_proj = reader.get(a + "in_proj.weight")  # [q | k | v | z | b | a] rows, each over all heads
-        q, k, v, z, b, a_ = (t.unflatten(0, (Hk, -1)) for t in in_proj.split([Hk * K, Hk * K, Hv * V, Hv * V, Hv, Hv]))
-        h = p + "linear_attn."
-        out.update({
-            h + "in_proj_qkvz.weight": torch.cat([q, k, v, z], dim=1).flatten(0, 1),  # [Hk * (2K + 2RV), h]
-            h + "in_proj_ba.weight": torch.cat([b, a_], dim=1).flatten(0, 1),  # [Hk * 2R, h]
-            h + "conv1d.weight": reader.get(a + "conv1d.weight"),
-            h + "A_log": reader.get(a + "A_log"),
-            h + "dt_bias": reader.get(a + "dt_bias"),
-            h + "norm.weight": reader.get(a + "out_norm.weight"),
-            h + "out_proj.weight": reader.get(a + "out_proj.weight"),
-        })  # fmt: skip
-    else:
-        h = p + "self_attn."
-        for ours, hf in (("linear_q", "q_proj"), ("linear_k", "k_proj"), ("linear_v", "v_proj"),
-                         ("linear_proj", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):  # fmt: skip
-            out[f"{h}{hf}.weight"] = reader.get(f"{a}{ours}.weight")
+    out.update(family.export_attention(get, config, i, o, p))
     m, hm = o + "mlp.", p + "mlp."
     if config.is_moe_layer(i):
-        out[hm + "gate.weight"] = reader.get(m + "router.weight")
-        for e in range(config.moe.num_experts):
-            gate, up = reader.get(f"{m}experts.weight1.expert{e}").t().chunk(2)  # [h, 2F] -> [F, h] each
-            out[f"{hm}experts.{e}.gate_proj.weight"] = gate
-            out[f"{hm}experts.{e}.up_proj.weight"] = up
-            out[f"{hm}experts.{e}.down_proj.weight"] = reader.get(f"{m}experts.weight2.expert{e}").t()  # [h, F]
-        gate, up = reader.get(m + "shared_experts.linear_fc1.weight").chunk(2)  # [2Fs, h]: gate | up
-        out.update({
-            hm + "shared_expert.gate_proj.weight": gate,
-            hm + "shared_expert.up_proj.weight": up,
-            hm + "shared_expert.down_proj.weight": reader.get(m + "shared_experts.linear_fc2.weight"),
-            hm + "shared_expert_gate.weight": reader.get(m + "shared_experts.gate_weight"),
-        })  # fmt: skip
+        out.update(family.export_moe(get, config, m, hm))
     else:
-        gate, up = reader.get(m + "linear_fc1.weight").chunk(2)  # Megatron's GLU: [gate | up] rows
-        out.update({hm + "gate_proj.weight": gate, hm + "up_proj.weight": up,
-                    hm + "down_proj.weight": reader.get(m + "linear_fc2.weight")})  # fmt: skip
+        gate, up = get(m + "linear_fc1.weight").chunk(2)  # Megatron's GLU: [gate | up] rows
+        out.update({hm + "gate_proj.weight": gate, hm + "up_proj.weight": up, hm + "down_proj.weight": get(m + "linear_fc2.weight")})
     return out
+
+
+def _hf_norm(w: torch.Tensor, family: Family) -> torch.Tensor:
+    return w - family.norm_offset if family.norm_offset else w
 
 
 def _hf_tensors(reader: OursReader, config, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     yield "model.embed_tokens.weight", reader.get("embedding.word_embeddings.weight")
     for i in tqdm(range(config.num_layers), desc="ours-to-hf layers", disable=not progress):
         yield from _hf_layer(reader, config, i).items()
-    yield "model.norm.weight", reader.get("decoder.final_layernorm.weight") - 1.0
+    yield "model.norm.weight", _hf_norm(reader.get("decoder.final_layernorm.weight"), family_of(config))
     yield "lm_head.weight", reader.get("output_layer.weight")
 
 
@@ -579,7 +826,7 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-ours", help="HF Qwen3-Next safetensors -> our run directory")
+    a = sub.add_parser("hf-to-ours", help="HF Qwen3-Next or DeepSeek-V3.2 safetensors -> our run directory")
     a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     a.add_argument("--out", required=True, help="new run directory (config.yaml + checkpoints/)")
     a.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_NAMES.values()))

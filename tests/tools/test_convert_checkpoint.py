@@ -331,3 +331,260 @@ def test_existing_output_and_foreign_layers_are_refused(hf_dir, tmp_path):
            "parallel": {"world_size": 1}}  # fmt: skip
     with pytest.raises(ValueError, match="model.pattern: layer 3 is 'S'"):
         convert.export_hf_config(config_from_dict(raw))
+
+
+# DeepSeek-V3.2: MLA + lightning indexer (pattern M), sigmoid group-limited routing with an expert
+# bias, shared experts, standard (not zero-centered) RMSNorms, dense first layers.
+
+v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
+
+from megatron_moe_hybrid.layers.moe.moe_layer import MoELayer, load_hf_deepseek_v32_moe  # noqa: E402
+
+
+def ds_config(index_topk: int = 64, **extra) -> DeepseekV32Config:
+    hc = DeepseekV32Config(
+        hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        index_n_heads=4, index_head_dim=16, index_topk=index_topk, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=96,
+        vocab_size=VOCAB, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32", **extra,
+    )  # fmt: skip
+    hc._attn_implementation = "eager"
+    return hc
+
+
+def perturb_ds(module: torch.nn.Module) -> None:
+    """HF initialises norms to 1, biases and e_score_correction_bias to 0: all random here."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.3)
+            else:
+                p.normal_(0.0, 0.1 if "norm" not in name else 0.3)
+        for name, buf in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
+                buf.normal_(0.0, 0.1)
+
+
+def random_ds_model(seed: int, index_topk: int = 64) -> DeepseekV32ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(ds_config(index_topk)).float().eval()
+    perturb_ds(model)
+    return model
+
+
+DS_PARITY = [("alltoall", 2, 37, 64), ("static", 1, 1, 64), ("alltoall", 2, 29, 5)]
+
+
+@pytest.mark.parametrize(
+    "dispatcher,b,s,index_topk", DS_PARITY, ids=[f"{d}-B{b}-T{s}-topk{k}" for d, b, s, k in DS_PARITY]
+)
+def test_converted_deepseek_v32_matches_hf_logits(tmp_path, dispatcher, b, s, index_topk):
+    """index_topk >= T is dense causal MLA; 5 < T makes the indexer drop keys in both models."""
+    check_parity(random_ds_model(seed=s, index_topk=index_topk), tmp_path, dispatcher, b, s)
+
+
+def test_deepseek_v32_norms_and_router_copy_as_they_are(tmp_path):
+    hf = random_ds_model(seed=4)
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+    ours, src = our_tensors(out), hf.state_dict()
+    pairs = {
+        "decoder.layers.1.input_layernorm.weight": "model.layers.1.input_layernorm.weight",
+        "decoder.layers.2.pre_mlp_layernorm.weight": "model.layers.2.post_attention_layernorm.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "decoder.layers.2.mlp.router.expert_bias": "model.layers.2.mlp.gate.e_score_correction_bias",
+        "decoder.layers.1.mlp.router.weight": "model.layers.1.mlp.gate.weight",
+        "decoder.layers.0.self_attention.index_k_norm.bias": "model.layers.0.self_attn.indexer.k_norm.bias",
+    }
+    for name, hf_name in pairs.items():
+        torch.testing.assert_close(ours[name], src[hf_name], atol=0, rtol=0, msg=name)
+    gate_up = src["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2F, h]
+    for e in (0, 7):
+        torch.testing.assert_close(ours[f"decoder.layers.1.mlp.experts.weight1.expert{e}"], gate_up[e].t(), atol=0, rtol=0)
+    fc1 = torch.cat([src["model.layers.0.mlp.gate_proj.weight"], src["model.layers.0.mlp.up_proj.weight"]])
+    torch.testing.assert_close(ours["decoder.layers.0.mlp.linear_fc1.weight"], fc1, atol=0, rtol=0)
+
+
+def _ours_from_hf_config(hc):
+    """Our config for an HF DeepseekV32Config, as hf_to_ours builds it."""
+    raw, _ = convert.import_hf_config.import_hf_config(hc.to_dict())
+    raw["model"]["ffn_hidden_size"] = raw["moe"]["dense_ffn_hidden_size"]
+    return config_from_dict(raw, {"parallel.world_size": 1, "moe.aux_loss_coeff": 0.0, "moe.dispatcher": "alltoall"})
+
+
+MOE_BT = [(2, 13), (1, 1), (3, 7)]
+
+
+@pytest.mark.parametrize("b,s", MOE_BT, ids=[f"B{b}-T{s}" for b, s in MOE_BT])
+def test_deepseek_v32_moe_block_matches_hf_with_gradients(b, s):
+    """load_hf_deepseek_v32_moe: our MoELayer equals DeepseekV32MoE, output and every gradient
+    (input, router, experts, shared experts) in fp32."""
+    hc = ds_config()
+    torch.manual_seed(s + b)
+    hf = v32.DeepseekV32MoE(hc).float()
+    perturb_ds(hf)
+    ours = MoELayer(_ours_from_hf_config(hc))
+    load_hf_deepseek_v32_moe(ours, {f"mlp.{k}": v for k, v in hf.state_dict().items()}, prefix="mlp.")
+    x = torch.randn(b, s, 64)
+    dy = torch.randn(b, s, 64)
+
+    x_hf = x.clone().requires_grad_()
+    hp = dict(hf.named_parameters())
+    hf_names = ["gate.weight", "experts.gate_up_proj", "experts.down_proj", "shared_experts.gate_proj.weight",
+                "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"]  # fmt: skip
+    y_hf = hf(x_hf)
+    g_hf = dict(zip(["x"] + hf_names, torch.autograd.grad((y_hf * dy).sum(), [x_hf] + [hp[n] for n in hf_names])))
+
+    x_ours = x.transpose(0, 1).clone().requires_grad_()  # [s, b, h]
+    y_ours, _ = ours(x_ours)
+    op = [ours.router.weight, ours.experts.weight1, ours.experts.weight2, ours.shared_experts.linear_fc1.weight,
+          ours.shared_experts.linear_fc2.weight]  # fmt: skip
+    dx, d_router, d_w1, d_w2, d_fc1, d_fc2 = torch.autograd.grad((y_ours * dy.transpose(0, 1)).sum(), [x_ours] + op)
+
+    torch.testing.assert_close(y_ours.transpose(0, 1), y_hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx.transpose(0, 1), g_hf["x"], atol=1e-5, rtol=1e-5)
+    ours_as_hf = {
+        "gate.weight": d_router,
+        "experts.gate_up_proj": d_w1.transpose(1, 2),  # [E, h, 2F] -> [E, 2F, h]
+        "experts.down_proj": d_w2.transpose(1, 2),
+        "shared_experts.gate_proj.weight": d_fc1.chunk(2)[0],
+        "shared_experts.up_proj.weight": d_fc1.chunk(2)[1],
+        "shared_experts.down_proj.weight": d_fc2,
+    }
+    for name in hf_names:
+        torch.testing.assert_close(ours_as_hf[name], g_hf[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+    assert d_router.abs().sum() > 0 and g_hf["experts.gate_up_proj"].abs().sum() > 0
+
+
+def test_load_hf_deepseek_v32_moe_names_bad_input():
+    hc = ds_config()
+    hf = v32.DeepseekV32MoE(hc)
+    sd = dict(hf.state_dict())
+    ours = MoELayer(_ours_from_hf_config(hc))
+    with pytest.raises(ValueError, match=r"unexpected keys \['experts.0.gate_proj.weight'\]"):
+        load_hf_deepseek_v32_moe(ours, {**sd, "experts.0.gate_proj.weight": torch.zeros(32, 64)})
+    with pytest.raises(ValueError, match=r"missing \['gate.e_score_correction_bias'\]"):
+        load_hf_deepseek_v32_moe(ours, {k: v for k, v in sd.items() if k != "gate.e_score_correction_bias"})
+    with pytest.raises(ValueError, match=r"hf_state_dict\['experts.down_proj'\]: shape \(7, 64, 32\), expected \(8, 64, 32\)"):
+        load_hf_deepseek_v32_moe(ours, {**sd, "experts.down_proj": torch.zeros(7, 64, 32)})
+    no_bias = MoELayer(config_from_dict(_ours_from_hf_config(hc).to_dict(), {"moe.expert_bias": False}))
+    with pytest.raises(ValueError, match="moe.expert_bias=True"):
+        load_hf_deepseek_v32_moe(no_bias, sd)
+
+
+def test_deepseek_v32_ours_to_hf_to_ours_is_bitwise(tmp_path):
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+
+    first = convert.hf_to_ours(save_hf(random_ds_model(seed=5), tmp_path / "hf"), str(tmp_path / "first"), progress=False)
+    config = load_config(os.path.join(first, "config.yaml"), {"parallel.world_size": 1})
+    model = build_model(config)
+    _randomize_ours(model, seed=6)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.normal_(0.0, 0.2)
+    run = str(tmp_path / "run")
+    save_checkpoint(run, 7, model, {}, {"config": config.to_dict()})
+    exported = convert.ours_to_hf(run, str(tmp_path / "hf2"), max_shard_bytes=40_000, progress=False)
+    assert convert.HF_INDEX in os.listdir(exported)
+    back = convert.hf_to_ours(exported, str(tmp_path / "back"), progress=False)
+    before, after = our_tensors(run), our_tensors(back)
+    assert sorted(before) == sorted(after)
+    assert any(name.endswith("router.expert_bias") for name in before)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_deepseek_v32_hf_to_ours_to_hf_is_bitwise(tmp_path):
+    hf = random_ds_model(seed=8, index_topk=6)
+    src_dir = save_hf(hf, tmp_path / "hf")
+    ours = convert.hf_to_ours(src_dir, str(tmp_path / "ours"), progress=False)
+    exported = convert.ours_to_hf(ours, str(tmp_path / "hf2"), progress=False)
+    before, after = hf_tensors(src_dir), hf_tensors(exported)
+    assert sorted(before) == sorted(after)
+    for name, w in before.items():
+        assert torch.equal(after[name], w), name
+    # transformers reads the exported config and weights and computes the same logits
+    reloaded = DeepseekV32ForCausalLM.from_pretrained(exported, attn_implementation="eager").float().eval()
+    for key in ("mlp_layer_types", "index_topk", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"):
+        assert getattr(reloaded.config, key) == getattr(hf.config, key), key
+    ids = tokens(2, 23, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
+@pytest.fixture
+def ds_dir(tmp_path):
+    return save_hf(random_ds_model(seed=12), tmp_path / "hf")
+
+
+def test_deepseek_v32_mtp_layers_are_skipped_and_said_so(ds_dir, tmp_path):
+    """DeepSeek-V3's checkpoints store the MTP module as layer num_hidden_layers; we skip it."""
+    _rewrite(ds_dir, lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+                                          "model.layers.3.enorm.weight": torch.ones(64)}))  # fmt: skip
+    out = convert.hf_to_ours(ds_dir, str(tmp_path / "ours"), progress=False)
+    with open(os.path.join(out, "config.yaml")) as f:
+        header = f.read()
+    assert "# skipped 2 tensors of the multi-token-prediction layers" in header
+    assert "model.layers.3.eh_proj.weight, ..." in header
+
+
+def test_deepseek_v32_quantization_scales_are_named(ds_dir, tmp_path):
+    key = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
+    _rewrite(ds_dir, lambda t: t.__setitem__(key, torch.ones(1, 1)))
+    with pytest.raises(ValueError, match=f"unexpected tensor '{key}'.*DeepSeek-V3.2 model.*quantization scales"):
+        convert.hf_to_ours(ds_dir, str(tmp_path / "out"), progress=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_deepseek_v32_interleaved_dense_layers_are_refused(ds_dir, tmp_path):
+    path = os.path.join(ds_dir, convert.HF_CONFIG)
+    with open(path) as f:
+        cfg = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(cfg, mlp_layer_types=["dense", "sparse", "dense"]), f)
+    with pytest.raises(ValueError, match=r"mlp_layer_types=\['dense', 'sparse', 'dense'\]: only dense layers first"):
+        convert.hf_to_ours(ds_dir, str(tmp_path / "out"), progress=False)
+
+
+def test_deepseek_v32_export_refuses_what_it_cannot_say(ds_dir, tmp_path):
+    out = convert.hf_to_ours(ds_dir, str(tmp_path / "ours"), progress=False)
+    config = load_config(os.path.join(out, "config.yaml"), {"parallel.world_size": 1})
+    with pytest.raises(ValueError, match="moe.score_func: this config has no DeepSeek-V3.2 equivalent"):
+        convert.export_hf_config(config_from_dict(config.to_dict(), {"moe.score_func": "softmax"}))
+    with pytest.raises(ValueError, match="moe.shared_expert_ffn_hidden_size: .*n_shared_experts >= 1 times"):
+        convert.export_hf_config(config_from_dict(config.to_dict(), {"moe.shared_expert_ffn_hidden_size": 48}))
+    with pytest.raises(ValueError, match="model.pattern: layer 0 is 'L'; DeepSeek-V3.2 has only MLA"):
+        convert.export_hf_config(config_from_dict(config.to_dict(), {"model.pattern": "LLM"}))
+
+
+def _ds_ep2_worker(rank, world_size, run_dir, ids):
+    init_megatron(rank, world_size, ep=2)
+    overrides = {"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, "moe.dispatcher": "alltoall",
+                 "moe.aux_loss_coeff": 0.0}  # fmt: skip
+    model = our_model(run_dir, **overrides)
+    experts = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts.weight" in n}
+    with torch.no_grad():
+        logits = our_logits(model, ids)
+    return experts, logits
+
+
+@pytest.mark.slow  # ~30 s: two spawned processes import transformers and build the model
+@pytest.mark.distributed
+def test_converted_deepseek_v32_loads_under_ep2(tmp_path):
+    hf = random_ds_model(seed=10)
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False)
+    ids = tokens(2, 19, seed=11)
+    whole = dict(our_model(out).named_parameters())
+    per_rank = spawn(_ds_ep2_worker, 2, out, ids)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    for rank, (experts, logits) in enumerate(per_rank):
+        assert len(experts) == 4  # weight1, weight2 of the 2 MoE layers
+        for name, local in experts.items():
+            assert local.shape[0] == 4
+            assert torch.equal(local, whole[name][4 * rank : 4 * (rank + 1)]), (rank, name)
+        torch.testing.assert_close(logits, expected, atol=LOGIT_TOL, rtol=0)

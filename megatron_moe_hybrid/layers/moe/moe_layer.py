@@ -189,3 +189,65 @@ def load_hf_qwen3_next_moe(layer, hf_state_dict, prefix: str = "") -> None:
             if w.shape != param.shape:
                 raise ValueError(f"hf_state_dict: shape {tuple(w.shape)} does not match {tuple(param.shape)}")
             param.copy_(w.to(param.dtype))
+
+
+def load_hf_deepseek_v32_moe(layer, hf_state_dict, prefix: str = "") -> None:
+    """Copies a transformers DeepseekV32MoE state dict into our MoELayer (this EP rank's experts).
+
+    HF (the module's layout; on disk transformers stores experts.<e>.{gate,up,down}_proj and
+    fuses them on load): gate.weight [E, h] fp32; gate.e_score_correction_bias [E] fp32;
+    experts.gate_up_proj [E, 2F, h] (gate rows, then up); experts.down_proj [E, h, F];
+    shared_experts.{gate,up}_proj.weight [Fs, h], shared_experts.down_proj.weight [h, Fs] with
+    Fs = n_shared_experts * F. Ours: router.weight [E, h]; router.expert_bias [E] (the bias
+    added only to choose the experts, as HF's e_score_correction_bias); experts.weight1
+    [E_local, h, 2F] (gate | up); weight2 [E_local, F, h]; shared_experts.linear_fc1 [2Fs, h]
+    (gate | up), linear_fc2 [h, Fs].
+    """
+    router, experts, shared = layer.router, layer.experts, layer.shared_experts
+    if router.expert_bias is None or shared is None:
+        raise ValueError(
+            "layer: DeepSeek-V3.2's MoE has an expert bias (gate.e_score_correction_bias) and shared experts; "
+            "build the layer with moe.expert_bias=True and moe.shared_expert_ffn_hidden_size = "
+            "n_shared_experts * moe_intermediate_size"
+        )
+    if shared.gate_weight is not None:
+        raise ValueError("layer: DeepSeek-V3.2's shared experts have no output gate; set moe.shared_expert_gate=False")
+    E, h = router.weight.shape
+    F, Fs = experts.weight2.shape[1], shared.linear_fc2.weight.shape[1]
+    expected = {
+        "gate.weight": (E, h),
+        "gate.e_score_correction_bias": (E,),
+        "experts.gate_up_proj": (E, 2 * F, h),
+        "experts.down_proj": (E, h, F),
+        "shared_experts.gate_proj.weight": (Fs, h),
+        "shared_experts.up_proj.weight": (Fs, h),
+        "shared_experts.down_proj.weight": (h, Fs),
+    }
+    sd = {k[len(prefix):]: v for k, v in hf_state_dict.items() if k.startswith(prefix)}
+    unexpected = sorted(prefix + k for k in sd if k not in expected)
+    if unexpected:
+        raise ValueError(
+            f"hf_state_dict: unexpected keys {unexpected}; a DeepSeek-V3.2 MoE block takes only "
+            f"{sorted(prefix + k for k in expected)} (per-expert keys: stack them into gate_up_proj / down_proj)"
+        )
+    missing = sorted(prefix + k for k in expected if k not in sd)
+    if missing:
+        raise ValueError(f"hf_state_dict: missing {missing}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise ValueError(
+                f"hf_state_dict[{prefix + k!r}]: shape {tuple(sd[k].shape)}, expected {shape} from this layer "
+                f"(E={E}, h={h}, F={F}, Fs={Fs}); check n_routed_experts, moe_intermediate_size and n_shared_experts"
+            )
+    local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
+    pairs = [
+        (router.weight, sd["gate.weight"]),
+        (router.expert_bias, sd["gate.e_score_correction_bias"]),
+        (experts.weight1, sd["experts.gate_up_proj"][local].transpose(1, 2)),  # [E_local, h, 2F]
+        (experts.weight2, sd["experts.down_proj"][local].transpose(1, 2)),  # [E_local, F, h]
+        (shared.linear_fc1.weight, torch.cat([sd["shared_experts.gate_proj.weight"], sd["shared_experts.up_proj.weight"]])),
+        (shared.linear_fc2.weight, sd["shared_experts.down_proj.weight"]),
+    ]  # fmt: skip
+    with torch.no_grad():
+        for param, w in pairs:
+            param.copy_(w.to(param.dtype))
