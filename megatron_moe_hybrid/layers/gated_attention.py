@@ -19,9 +19,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 
+from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops.sparse_attention import (
     dense_attention,
     positions_from_cu_seqlens,
@@ -117,35 +118,12 @@ class GatedAttention(MegatronModule):
         else:
             self.tp_size = tp
             self.tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
-        tp_kwargs = {} if tp_group is None else {"tp_group": tp_group}
-
-        def column(spec, out_features):
-            return build_module(
-                spec,
-                config.hidden_size,
-                out_features,
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                gather_output=False,
-                **tp_kwargs,
-            )
-
-        heads, groups, D = config.num_attention_heads, self.num_groups * tp, self.head_dim
-        self.linear_q = column(submodules.linear_q, heads * 2 * D)  # per head: D query, D gate
-        self.linear_k = column(submodules.linear_k, groups * D)
-        self.linear_v = column(submodules.linear_v, groups * D)
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            heads * D,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            **tp_kwargs,
-        )
+        column, row = tp_linear_builders(config, pg_collection)
+        heads, groups, D, h = config.num_attention_heads, self.num_groups * tp, self.head_dim, config.hidden_size
+        self.linear_q = column(submodules.linear_q, h, heads * 2 * D)  # per head: D query, D gate
+        self.linear_k = column(submodules.linear_k, h, groups * D)
+        self.linear_v = column(submodules.linear_v, h, groups * D)
+        self.linear_proj = row(submodules.linear_proj, heads * D, h)
         self.q_norm = ZeroCenteredRMSNorm(D, config.layernorm_epsilon, config.params_dtype)
         self.k_norm = ZeroCenteredRMSNorm(D, config.layernorm_epsilon, config.params_dtype)
 

@@ -28,9 +28,10 @@ from typing import Mapping, Optional, Union
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 
+from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 
 # DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
@@ -140,15 +141,8 @@ class MLAttention(MegatronModule):
         self.topk = sa.topk
         self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
         self.backend = sa.backend
-        tp_group = getattr(pg_collection, "tp", None)
-        tp_kwargs = {} if tp_group is None else {"tp_group": tp_group}
         dtype, h, H = config.params_dtype, config.hidden_size, self.num_heads
-
-        def column(spec, in_features, out_features):
-            return build_module(
-                spec, in_features, out_features, config=config, init_method=config.init_method,
-                bias=False, gather_output=False, **tp_kwargs,
-            )  # fmt: skip
+        column, row = tp_linear_builders(config, pg_collection)
 
         qk_dim = self.nope_dim + self.rope_dim
         if self.q_lora_rank is None:
@@ -160,11 +154,7 @@ class MLAttention(MegatronModule):
         self.linear_kv_down_proj = column(submodules.linear_kv_down_proj, h, self.kv_lora_rank + self.rope_dim)
         self.kv_layernorm = DeepseekRMSNorm(self.kv_lora_rank, dtype)
         self.linear_kv_up_proj = column(submodules.linear_kv_up_proj, self.kv_lora_rank, H * (self.nope_dim + self.v_dim))
-        self.linear_proj = build_module(
-            submodules.linear_proj, H * self.v_dim, h, config=config,
-            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
-            skip_bias_add=True, **tp_kwargs,
-        )  # fmt: skip
+        self.linear_proj = row(submodules.linear_proj, H * self.v_dim, h)
         # DeepSeek's indexer reads the q latent; without one (q_lora_rank None, which HF's V3.2
         # does not support) it reads the hidden states instead.
         index_q_in = h if self.q_lora_rank is None else self.q_lora_rank

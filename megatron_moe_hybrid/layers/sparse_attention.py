@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
+from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 
 STAGES = ("sparse", "dense_warmup")
@@ -102,37 +103,14 @@ class SparseAttention(MegatronModule):
         self.num_groups = (config.num_query_groups or config.num_attention_heads) // tp
         self.tp_group = getattr(pg_collection, "tp", None)
         self.last_indexer_loss: Optional[Tensor] = None
-        tp_kwargs = {} if self.tp_group is None else {"tp_group": self.tp_group}
-
-        def column(spec, out_features, gather_output):
-            return build_module(
-                spec,
-                config.hidden_size,
-                out_features,
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                gather_output=gather_output,
-                **tp_kwargs,
-            )
-
-        heads, groups, dim = config.num_attention_heads, self.num_groups * tp, self.head_dim
-        self.linear_qkv = column(submodules.linear_qkv, (heads + 2 * groups) * dim, False)
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            heads * dim,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            **tp_kwargs,
-        )
+        column, row = tp_linear_builders(config, pg_collection)
+        heads, groups, dim, h = config.num_attention_heads, self.num_groups * tp, self.head_dim, config.hidden_size
+        self.linear_qkv = column(submodules.linear_qkv, h, (heads + 2 * groups) * dim)
+        self.linear_proj = row(submodules.linear_proj, heads * dim, h)
         num_index_heads, index_dim = self.sa.index_n_heads, self.sa.index_head_dim
-        self.linear_index_q = column(submodules.linear_index_q, num_index_heads * index_dim, True)
-        self.linear_index_k = column(submodules.linear_index_k, index_dim, True)
-        self.linear_index_weights = column(submodules.linear_index_weights, num_index_heads, True)
+        self.linear_index_q = column(submodules.linear_index_q, h, num_index_heads * index_dim, gather_output=True)
+        self.linear_index_k = column(submodules.linear_index_k, h, index_dim, gather_output=True)
+        self.linear_index_weights = column(submodules.linear_index_weights, h, num_index_heads, gather_output=True)
         self.index_k_norm = build_module(
             submodules.index_k_norm,
             index_dim,

@@ -536,7 +536,7 @@ def _static_overflow_case(rank, world_size, solo_group):
             total = torch.tensor(results[factor])
             dist.all_reduce(total)
             assert int(total) > 0
-    return results[1.0] + 1  # > 0 on every rank: the check ran
+    return results[1.0]
 
 
 def _ep_worker(rank, world_size, dispatcher):
@@ -578,7 +578,7 @@ def test_expert_parallel_matches_single_process(dispatcher):
                 sent = sum(shapes[r][0] * shapes[r][1] * topk - results[r][(ep, name)][1] for r in members)
                 assert sum(results[r][(ep, name)][0] for r in members) == sent, (ep, name)
     if DISPATCHERS[dispatcher]["dispatcher"] == "static":
-        assert all(results[r]["overflow"] > 0 for r in range(4))
+        assert sum(results[r]["overflow"] for r in range(4)) > 0  # factor 1.0 overflowed somewhere
     for rank in range(4):
         assert results[rank][(4, "random-shared")][0] > 0
     # the expert bias sends every copy to experts 0-3: the ranks holding experts 4-7 get none

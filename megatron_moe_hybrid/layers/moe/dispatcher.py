@@ -25,7 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_hybrid.ops.moe import layout, permute_tokens, unpermute_tokens
-from megatron_moe_hybrid.ops.moe.gather import gather_entries, row_gather, weighted_combine
+from megatron_moe_hybrid.ops.moe.gather import (
+    gather_entries,
+    row_gather,
+    weighted_combine,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -51,6 +55,18 @@ def _sort_chunks(x: torch.Tensor, split_sizes: list[int], order: list[int]) -> t
     return torch.cat([chunks[i] for i in order])
 
 
+def _ep_layout(num_experts: int, ep_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+    """(ep_size, ep_rank, experts per rank) of an EP group (None: this rank alone)."""
+    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    if num_experts % ep_size:
+        raise ValueError(
+            f"num_experts={num_experts} must be divisible by the EP group size {ep_size}: "
+            "change moe.num_experts or the expert-parallel size"
+        )
+    return ep_size, ep_rank, num_experts // ep_size
+
+
 class AllToAllDispatcher:
     """Moves routed token copies to the EP rank that owns their expert and back.
 
@@ -61,15 +77,8 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None = None, permute_backend: str = "auto"):
         self.ep_group = ep_group
         self.permute_backend = permute_backend
-        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
-        if num_experts % self.ep_size:
-            raise ValueError(
-                f"num_experts={num_experts} must be divisible by the EP group size {self.ep_size}: "
-                "change moe.num_experts or the expert-parallel size"
-            )
+        self.ep_size, self.ep_rank, self.num_local_experts = _ep_layout(num_experts, ep_group)
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.ep_size
         # block b of the [src][local_expert] layout goes to position order[b] of [local_expert][src]
         blocks = torch.arange(num_experts).view(self.ep_size, self.num_local_experts)
         self._src_major_to_expert_major = blocks.t().flatten().tolist()
@@ -227,26 +236,25 @@ class StaticAllToAllDispatcher:
         num_chunks: int = 1,
     ):
         self.ep_group = ep_group
-        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
-        if num_experts % self.ep_size:
-            raise ValueError(
-                f"num_experts={num_experts} must be divisible by the EP group size {self.ep_size}: "
-                "change moe.num_experts or the expert-parallel size"
-            )
+        self.ep_size, self.ep_rank, self.num_local_experts = _ep_layout(num_experts, ep_group)
         if num_chunks < 1:
             raise ValueError(f"moe.dispatch_chunks must be >= 1, got {num_chunks}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"moe.dispatch_capacity_factor must be > 0 (or None: never overflow), got {capacity_factor}")
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.ep_size
         # "fused" asks for the compiled gathers: Triton (on CUDA; its interpreter elsewhere)
         self.backend = {"auto": "auto", "torch": "torch", "fused": "triton"}[permute_backend]
         self.capacity_factor = capacity_factor
         self.num_chunks = num_chunks
         self.state = _ChunkState()
         self.last_overflow = torch.zeros((), dtype=torch.int64)  # copies not computed (see above)
-        self.last_received = torch.zeros((), dtype=torch.int64)  # expert-grouped rows computed here
+        self._last_states: list[_ChunkState] = []  # of the latest forward_experts (for last_received)
+
+    @property
+    def last_received(self) -> torch.Tensor:
+        """[] int64: expert-grouped rows the latest forward_experts computed on this rank
+        (summed on demand, not in the hot path)."""
+        return sum((st.expand.tokens_per_expert.sum() for st in self._last_states), torch.zeros((), dtype=torch.int64))
 
     # -- the six steps, on self.state ---------------------------------------------------------
 
@@ -370,6 +378,6 @@ class StaticAllToAllDispatcher:
             self.state = states[i]
             outs[i] = self.combine_postprocess(outs[i])
         self.last_overflow = sum(st.send.overflow + st.expand.overflow for st in states)
-        self.last_received = sum(st.expand.tokens_per_expert.sum() for st in states)
+        self._last_states = states
         out = outs[0] if n == 1 else torch.cat(outs)
         return out if shared is None else out + shared

@@ -164,46 +164,72 @@ class MoELayer(MegatronModule):
         return out.view(s, b, h), None
 
 
+def _load_hf_moe(layer, hf_state_dict, prefix: str, shared_name: str, extra) -> None:
+    """Copies a transformers MoE block (router `gate`, experts fused as gate_up_proj [E, 2F, h]
+    (gate rows, then up) and down_proj [E, h, F], a SwiGLU shared MLP `shared_name`) into our
+    MoELayer: router.weight [E, h], this EP rank's experts.weight1 [E_local, h, 2F] (gate | up)
+    and weight2 [E_local, F, h], shared_experts.linear_fc1 [2Fs, h] (gate | up) and linear_fc2.
+    extra: {HF key: (HF shape, our tensor)} copied as they are. Every key is checked first:
+    unexpected, missing and wrongly shaped ones raise ValueError naming them."""
+    router, experts, shared = layer.router, layer.experts, layer.shared_experts
+    E, h = router.weight.shape
+    F, Fs = experts.weight2.shape[1], shared.linear_fc2.weight.shape[1]
+    local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
+
+    def to_ours(t):  # [E, out, in] -> this rank's [E_local, in, out]
+        return t[local].transpose(1, 2)
+
+    fc1 = shared.linear_fc1.weight
+    targets = {  # HF key: (HF shape, our tensor (a view where HF splits it), HF -> our layout)
+        "gate.weight": ((E, h), router.weight, None),
+        "experts.gate_up_proj": ((E, 2 * F, h), experts.weight1, to_ours),
+        "experts.down_proj": ((E, h, F), experts.weight2, to_ours),
+        f"{shared_name}.gate_proj.weight": ((Fs, h), fc1[:Fs], None),
+        f"{shared_name}.up_proj.weight": ((Fs, h), fc1[Fs:], None),
+        f"{shared_name}.down_proj.weight": ((h, Fs), shared.linear_fc2.weight, None),
+        **{k: (shape, dest, None) for k, (shape, dest) in extra.items()},
+    }
+    sd = {k[len(prefix):]: v for k, v in hf_state_dict.items() if k.startswith(prefix)}
+    unexpected = sorted(prefix + k for k in sd if k not in targets)
+    if unexpected:
+        raise ValueError(
+            f"hf_state_dict: unexpected keys {unexpected}; this MoE block takes only "
+            f"{sorted(prefix + k for k in targets)} (per-expert keys: stack them into gate_up_proj / down_proj)"
+        )
+    missing = sorted(prefix + k for k in targets if k not in sd)
+    if missing:
+        raise ValueError(f"hf_state_dict: missing {missing}")
+    for k, (shape, _, _) in targets.items():
+        if tuple(sd[k].shape) != shape:
+            raise ValueError(
+                f"hf_state_dict[{prefix + k!r}]: shape {tuple(sd[k].shape)}, expected {shape} from this layer "
+                f"(E={E}, h={h}, F={F}, Fs={Fs}); check the expert count and the expert and shared-expert sizes"
+            )
+    with torch.no_grad():
+        for k, (_, dest, convert) in targets.items():
+            dest.copy_((sd[k] if convert is None else convert(sd[k])).to(dest.dtype))
+
+
 def load_hf_qwen3_next_moe(layer, hf_state_dict, prefix: str = "") -> None:
     """Copies a transformers Qwen3NextSparseMoeBlock state dict into our MoELayer (this EP
-    rank's experts). HF: gate.weight [E, h]; experts.gate_up_proj [E, 2F, h] (gate rows, then
-    up); experts.down_proj [E, h, F]; shared_expert.{gate,up,down}_proj; shared_expert_gate [1, h].
-    Ours: router.weight [E, h]; experts.weight1 [E_local, h, 2F]; weight2 [E_local, F, h];
-    shared_experts.linear_fc1 [2F_s, h] (gate | up), linear_fc2, gate_weight [1, h].
-    """
-    sd = {k[len(prefix):]: v for k, v in hf_state_dict.items() if k.startswith(prefix)}
-    local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
+    rank's experts): see _load_hf_moe, plus shared_expert_gate.weight [1, h] -> the shared
+    expert's gate_weight."""
     shared = layer.shared_experts
-    pairs = [
-        (layer.router.weight, sd.pop("gate.weight")),
-        (layer.experts.weight1, sd.pop("experts.gate_up_proj")[local].transpose(1, 2)),
-        (layer.experts.weight2, sd.pop("experts.down_proj")[local].transpose(1, 2)),
-        (shared.linear_fc1.weight, torch.cat([sd.pop("shared_expert.gate_proj.weight"), sd.pop("shared_expert.up_proj.weight")])),
-        (shared.linear_fc2.weight, sd.pop("shared_expert.down_proj.weight")),
-        (shared.gate_weight, sd.pop("shared_expert_gate.weight")),
-    ]  # fmt: skip
-    if sd:
-        raise ValueError(f"hf_state_dict: unexpected keys {sorted(prefix + k for k in sd)}")
-    with torch.no_grad():
-        for param, w in pairs:
-            if w.shape != param.shape:
-                raise ValueError(f"hf_state_dict: shape {tuple(w.shape)} does not match {tuple(param.shape)}")
-            param.copy_(w.to(param.dtype))
+    if shared is None or shared.gate_weight is None:
+        raise ValueError(
+            "layer: Qwen3-Next's MoE has a gated shared expert; build the layer with "
+            "moe.shared_expert_ffn_hidden_size > 0 and moe.shared_expert_gate=True"
+        )
+    h = layer.router.weight.shape[1]
+    _load_hf_moe(layer, hf_state_dict, prefix, "shared_expert", {"shared_expert_gate.weight": ((1, h), shared.gate_weight)})
 
 
 def load_hf_deepseek_v32_moe(layer, hf_state_dict, prefix: str = "") -> None:
-    """Copies a transformers DeepseekV32MoE state dict into our MoELayer (this EP rank's experts).
-
-    HF (the module's layout; on disk transformers stores experts.<e>.{gate,up,down}_proj and
-    fuses them on load): gate.weight [E, h] fp32; gate.e_score_correction_bias [E] fp32;
-    experts.gate_up_proj [E, 2F, h] (gate rows, then up); experts.down_proj [E, h, F];
-    shared_experts.{gate,up}_proj.weight [Fs, h], shared_experts.down_proj.weight [h, Fs] with
-    Fs = n_shared_experts * F. Ours: router.weight [E, h]; router.expert_bias [E] (the bias
-    added only to choose the experts, as HF's e_score_correction_bias); experts.weight1
-    [E_local, h, 2F] (gate | up); weight2 [E_local, F, h]; shared_experts.linear_fc1 [2Fs, h]
-    (gate | up), linear_fc2 [h, Fs].
-    """
-    router, experts, shared = layer.router, layer.experts, layer.shared_experts
+    """Copies a transformers DeepseekV32MoE state dict into our MoELayer (this EP rank's experts):
+    see _load_hf_moe (on disk transformers stores experts.<e>.{gate,up,down}_proj and fuses them
+    on load), plus gate.e_score_correction_bias [E] -> router.expert_bias, the bias added only
+    to choose the experts. The shared MLP is n_shared_experts * moe_intermediate_size wide."""
+    router, shared = layer.router, layer.shared_experts
     if router.expert_bias is None or shared is None:
         raise ValueError(
             "layer: DeepSeek-V3.2's MoE has an expert bias (gate.e_score_correction_bias) and shared experts; "
@@ -212,42 +238,5 @@ def load_hf_deepseek_v32_moe(layer, hf_state_dict, prefix: str = "") -> None:
         )
     if shared.gate_weight is not None:
         raise ValueError("layer: DeepSeek-V3.2's shared experts have no output gate; set moe.shared_expert_gate=False")
-    E, h = router.weight.shape
-    F, Fs = experts.weight2.shape[1], shared.linear_fc2.weight.shape[1]
-    expected = {
-        "gate.weight": (E, h),
-        "gate.e_score_correction_bias": (E,),
-        "experts.gate_up_proj": (E, 2 * F, h),
-        "experts.down_proj": (E, h, F),
-        "shared_experts.gate_proj.weight": (Fs, h),
-        "shared_experts.up_proj.weight": (Fs, h),
-        "shared_experts.down_proj.weight": (h, Fs),
-    }
-    sd = {k[len(prefix):]: v for k, v in hf_state_dict.items() if k.startswith(prefix)}
-    unexpected = sorted(prefix + k for k in sd if k not in expected)
-    if unexpected:
-        raise ValueError(
-            f"hf_state_dict: unexpected keys {unexpected}; a DeepSeek-V3.2 MoE block takes only "
-            f"{sorted(prefix + k for k in expected)} (per-expert keys: stack them into gate_up_proj / down_proj)"
-        )
-    missing = sorted(prefix + k for k in expected if k not in sd)
-    if missing:
-        raise ValueError(f"hf_state_dict: missing {missing}")
-    for k, shape in expected.items():
-        if tuple(sd[k].shape) != shape:
-            raise ValueError(
-                f"hf_state_dict[{prefix + k!r}]: shape {tuple(sd[k].shape)}, expected {shape} from this layer "
-                f"(E={E}, h={h}, F={F}, Fs={Fs}); check n_routed_experts, moe_intermediate_size and n_shared_experts"
-            )
-    local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
-    pairs = [
-        (router.weight, sd["gate.weight"]),
-        (router.expert_bias, sd["gate.e_score_correction_bias"]),
-        (experts.weight1, sd["experts.gate_up_proj"][local].transpose(1, 2)),  # [E_local, h, 2F]
-        (experts.weight2, sd["experts.down_proj"][local].transpose(1, 2)),  # [E_local, F, h]
-        (shared.linear_fc1.weight, torch.cat([sd["shared_experts.gate_proj.weight"], sd["shared_experts.up_proj.weight"]])),
-        (shared.linear_fc2.weight, sd["shared_experts.down_proj.weight"]),
-    ]  # fmt: skip
-    with torch.no_grad():
-        for param, w in pairs:
-            param.copy_(w.to(param.dtype))
+    extra = {"gate.e_score_correction_bias": ((router.weight.shape[0],), router.expert_bias)}
+    _load_hf_moe(layer, hf_state_dict, prefix, "shared_experts", extra)
