@@ -101,3 +101,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str) -> None:
+    """Weight gradients sum over every token: their round-off grows with their size, so the
+    absolute tolerance is tol times the tensor's largest entry (rtol = tol)."""
+    atol = tol * max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")

@@ -30,7 +30,7 @@ from megatron_moe_hybrid.layers.mla_attention import (
     MLAttentionSubmodules,
     load_hf_deepseek_v32_attention,
 )
-from megatron_moe_hybrid.testing import init_megatron, teardown
+from megatron_moe_hybrid.testing import assert_close_to_scale, init_megatron, teardown
 
 v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
 v3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
@@ -38,13 +38,6 @@ from transformers import DeepseekV3Config, DeepseekV32Config
 
 F32, F64 = torch.float32, torch.float64
 TOL = 1e-4  # outputs absolute; input gradients also relative; weight gradients scaled, below
-
-
-def assert_close_to_scale(actual, expected, tol: float, name: str) -> None:
-    """Weight gradients sum over every token: their round-off grows with their size, so the
-    absolute tolerance is tol times the tensor's largest entry."""
-    atol = tol * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module", autouse=True)

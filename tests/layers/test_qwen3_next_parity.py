@@ -36,7 +36,7 @@ from megatron_moe_hybrid.layers.linear_attention import (
     load_hf_qwen3_next_gdn,
 )
 from megatron_moe_hybrid.layers.moe.moe_layer import load_hf_qwen3_next_moe
-from megatron_moe_hybrid.testing import init_megatron, teardown
+from megatron_moe_hybrid.testing import assert_close_to_scale, init_megatron, teardown
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 from transformers import Qwen3NextConfig  # noqa: E402
@@ -44,13 +44,6 @@ from transformers import Qwen3NextConfig  # noqa: E402
 F32, F64 = torch.float32, torch.float64
 # absolute tolerance on outputs; gradients (up to ~10 in size) also get it as relative tolerance
 TOL = {F32: 1e-5, F64: 1e-5}
-
-
-def assert_close_to_scale(actual, expected, tol: float, name: str) -> None:
-    """Weight gradients sum over every token (entries up to ~500 here): their fp32 round-off
-    grows with that sum, so the absolute tolerance is tol times the tensor's largest entry."""
-    atol = tol * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module", autouse=True)
