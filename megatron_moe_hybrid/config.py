@@ -140,14 +140,19 @@ class LoRAConfig:
 @dataclass
 class MemoryConfig:
     ce_chunk_size: int = 1024  # tokens per chunk of the linear + cross-entropy
-    activation_offload: bool = False  # host-memory activation offload: not implemented yet (issue 7)
+    activation_offload: bool = False  # keep selected saved activations in host memory (parallel/offload.py)
+    # fnmatch patterns over module paths: the innermost module running when autograd saves a tensor
+    offload_modules: list[str] = field(default_factory=lambda: ["*.mlp.experts"])  # module-path patterns; "*.self_attention" adds attention
+    offload_fraction: float = 1.0  # offload in the first ceil(fraction x num_layers) layers
+    offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
+    context_parallel_size: int = 1  # splits each sequence over this many ranks (L and S layers)
+    cp_layout: str = "zigzag"  # "zigzag" (rank r holds pieces r and 2CP-1-r: balanced causal work) | "contiguous"
     expert_model_parallel_size: int = 1
     world_size: Optional[int] = None  # None: from the WORLD_SIZE environment variable (torchrun)
     collective_timeout_s: float = 600.0
@@ -236,6 +241,11 @@ class HybridMoEConfig(TransformerConfig):
     def __post_init__(self):
         self.validate()
         super().__post_init__()
+
+    @property
+    def cp_layout(self) -> str:
+        """How the context-parallel ranks split a sequence (the layers read it here)."""
+        return self.parallel.cp_layout
 
     # Model-level helpers the builders use.
     def layer_kind(self, layer_index: int) -> str:
@@ -559,23 +569,63 @@ def _validate(c: HybridMoEConfig) -> None:
             )
 
     # memory
-    _positive(c.memory.ce_chunk_size, "memory.ce_chunk_size")
+    mem = c.memory
+    _positive(mem.ce_chunk_size, "memory.ce_chunk_size")
     _require(
-        not c.memory.activation_offload,
-        "memory.activation_offload",
-        "host-memory activation offload is not implemented yet; leave it false",
+        isinstance(mem.offload_modules, list)
+        and len(mem.offload_modules) > 0
+        and all(isinstance(p, str) and p for p in mem.offload_modules),
+        "memory.offload_modules",
+        f"must be a non-empty list of module-path patterns such as ['*.mlp.experts', '*.self_attention'], "
+        f"got {mem.offload_modules!r}",
+    )
+    _require(
+        isinstance(mem.offload_fraction, (int, float))
+        and not isinstance(mem.offload_fraction, bool)
+        and 0 < mem.offload_fraction <= 1,
+        "memory.offload_fraction",
+        f"must be within (0, 1] (the share of layers, from the first, that offload), got {mem.offload_fraction!r}",
+    )
+    _require(
+        isinstance(mem.offload_min_bytes, int)
+        and not isinstance(mem.offload_min_bytes, bool)
+        and mem.offload_min_bytes >= 0,
+        "memory.offload_min_bytes",
+        f"must be an integer >= 0 (0 offloads every selected tensor), got {mem.offload_min_bytes!r}",
     )
 
     # parallel
     p = c.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         _positive(getattr(p, name), f"parallel.{name}")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         _require(
             getattr(p, name) == 1,
             f"parallel.{name}",
             f"{getattr(p, name)} is not supported yet (only 1); use expert parallelism and data "
             "parallelism for now",
+        )
+    _require(
+        p.cp_layout in ("zigzag", "contiguous"),
+        "parallel.cp_layout",
+        f"{p.cp_layout!r} is not 'zigzag' or 'contiguous'",
+    )
+    if p.context_parallel_size > 1:
+        cp = p.context_parallel_size
+        others = sorted(set(c.pattern) - {"L", "S"})
+        _require(
+            not others,
+            "parallel.context_parallel_size",
+            f"context parallelism covers the linear (L) and sparse (S) attention layers; the pattern "
+            f"{c.pattern!r} has {', '.join(others)}: use parallel.context_parallel_size 1 for it",
+        )
+        pieces = cp * (2 if p.cp_layout == "zigzag" else 1)
+        _require(
+            c.training.seq_length % pieces == 0,
+            "training.seq_length",
+            f"{c.training.seq_length} must be a multiple of {pieces} (context_parallel_size {cp} x "
+            f"{pieces // cp} pieces per rank for parallel.cp_layout {p.cp_layout!r}); round it to "
+            f"{max(pieces, c.training.seq_length // pieces * pieces)}",
         )
     _positive(p.collective_timeout_s, "parallel.collective_timeout_s")
     for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
@@ -673,13 +723,21 @@ def _validate(c: HybridMoEConfig) -> None:
     # world size last: it depends on how the job is launched
     world = c.resolved_world_size()
     _positive(world, "parallel.world_size")
+    # Megatron's two grids over the same ranks: dense TP x PP x CP x DP, expert TP x PP x EP x EDP.
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    tp_pp_ep = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * ep
     _require(
-        world % (mp * ep) == 0,
+        world % tp_pp_ep == 0,
         "parallel.expert_model_parallel_size",
-        f"world size {world} is not divisible by tensor x expert x pipeline (x context) parallel = "
-        f"{mp * ep}; launch a multiple of {mp * ep} processes (torchrun --nproc-per-node) or lower "
+        f"world size {world} is not divisible by tensor x expert x pipeline parallel = "
+        f"{tp_pp_ep}; launch a multiple of {tp_pp_ep} processes (torchrun --nproc-per-node) or lower "
         "parallel.expert_model_parallel_size",
+    )
+    _require(
+        world % mp == 0,
+        "parallel.context_parallel_size",
+        f"world size {world} is not divisible by tensor x pipeline x context parallel = {mp}; "
+        f"launch a multiple of {mp} processes or lower parallel.context_parallel_size",
     )
     dp = world // mp
     _require(

@@ -13,7 +13,8 @@ numel()). Memory is a model of what a rank holds at its peak:
                  (ZeRO-Offload style) and the device keeps one layer's bf16 gradient bucket
     activations  saved activations of the layers of one micro-batch (see _activation_bytes)
     loss         one fp32 [token chunk, vocabulary chunk] tile of the chunked cross-entropy
-    comm         All-to-All send/receive buffers of one MoE layer
+    comm         All-to-All send/receive buffers of one MoE layer (and, with context parallelism,
+                 one sparse layer's gathered keys and their gradient)
 
 Shapes: h hidden, V vocabulary, E experts, K top-k, F expert FFN, S sequence, b micro-batch.
 """
@@ -69,12 +70,15 @@ class Cluster:
 
         need(self.training in ("lora", "full"), "training", f"{self.training!r} is not 'lora' or 'full'")
         need(self.recompute in ("none", "full"), "recompute", f"{self.recompute!r} is not 'none' or 'full'")
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        need(
-            self.accelerators % (mp * self.expert_model_parallel_size) == 0,
-            "accelerators",
-            f"{self.accelerators} is not divisible by TP x EP x PP x CP = {mp * self.expert_model_parallel_size}",
-        )
+        # Megatron's two grids: dense TP x PP x CP x DP and expert TP x PP x EP x expert-DP.
+        tp_pp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        for name, size in (("context_parallel_size", self.context_parallel_size),
+                           ("expert_model_parallel_size", self.expert_model_parallel_size)):
+            need(
+                self.accelerators % (tp_pp * size) == 0,
+                "accelerators",
+                f"{self.accelerators} is not divisible by TP x PP x {name} = {tp_pp * size}",
+            )
         for name in ("accelerators", "devices_per_node", "hbm_gib", "micro_batch_size", "seq_length", "lora_rank"):
             need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
 
@@ -274,7 +278,8 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         trainable_dense, trainable_expert = params["dense"], params["routed_experts"]
     else:
         lora_total = lora_parameters(c, cl.lora_rank)
-        per_layer_experts = c.moe.num_experts * cl.lora_rank * (3 * c.hidden_size + 3 * c.moe.ffn_hidden_size)
+        # fc1 [h -> 2F] and fc2 [F -> h] adapters per expert, as lora_parameters counts them
+        per_layer_experts = c.moe.num_experts * cl.lora_rank * (2 * c.hidden_size + 3 * c.moe.ffn_hidden_size)
         trainable_expert = per_layer_experts * params["num_moe_layers"]
         trainable_dense = lora_total - trainable_expert
         weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
@@ -316,8 +321,25 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
             (linear_attention_params(c) if k == "L" else sparse_attention_params(c)) for k in set(c.pattern)
         ) + moe_params(c)[1] + moe_params(c)[0] / ep
         comm += 2 * biggest * wb
+    cp = cl.context_parallel_size
+    cp_bytes = cp_buffer = 0.0
+    if cp > 1:
+        # Sparse layers all-gather the keys every query may select (the MQA/GQA-shared K, V and
+        # the indexer key) in the forward, and reduce-scatter their gradients in the backward;
+        # one layer's gathered copy and its gradient are alive at a time. Linear layers
+        # all-gather each piece's state and K x K transition (fp32): independent of the length.
+        sa, la = c.sparse_attention, c.linear_attention
+        groups = c.num_query_groups or c.num_attention_heads
+        kv_token = (2 * groups * c.kv_channels + sa.index_head_dim) * wb  # bytes per token
+        state = 2 * cp * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
+        cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + cp * state
+        n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
+        n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp
+        sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
+        cp_bytes = 2 * sparse_gather * n_sparse + 2 * state * (cp - 1) / cp * n_linear
+        cp_bytes *= 1 if cl.recompute == "none" else 1.5
     terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
-             "loss": loss, "comm_buffers": comm}
+             "loss": loss, "comm_buffers": comm + cp_buffer}
     peak = sum(terms.values())
     budget = cl.hbm_gib * GiB * cl.headroom
     host_per_node = host_optimizer * cl.devices_per_node
@@ -343,6 +365,8 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         "a2a_bytes_per_micro_batch_per_device": a2a_bytes,
         "a2a_bytes_per_step_per_device": a2a_bytes * num_micro,
         "a2a_seconds_per_step": a2a_bytes * num_micro / (link * 1e9),
+        "cp_bytes_per_micro_batch_per_device": cp_bytes,
+        "cp_seconds_per_step": cp_bytes * num_micro / (cl.intra_node_gbps * 1e9),
         "micro_batches_per_step": num_micro,
         "data_parallel_size": dp,
         "expert_data_parallel_size": edp,
@@ -375,6 +399,9 @@ def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
         lines.append(f"host memory per node: {p['host_bytes_per_node'] / GiB:.1f} GiB of {cl.host_gib_per_node:.0f}")
     lines.append(f"All-to-All per device per step ({p['micro_batches_per_step']} micro-batches): "
                  f"{p['a2a_bytes_per_step_per_device'] / GiB:.2f} GiB (~{p['a2a_seconds_per_step']:.1f} s at link speed)")
+    if cl.context_parallel_size > 1:
+        lines.append(f"context parallel per device per step: {p['cp_bytes_per_micro_batch_per_device'] * p['micro_batches_per_step'] / GiB:.2f} GiB "
+                     f"(~{p['cp_seconds_per_step']:.2f} s at NVLink speed)")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     why = "host memory" if not p["fits_host"] else p["dominant"]
     lines.append(f"{verdict}: the dominant term is {why}")
@@ -394,6 +421,7 @@ def main(argv=None) -> int:
         cluster = load_cluster(args.cluster, cluster_ov)
         model_ov.setdefault("parallel.world_size", cluster.accelerators)
         model_ov.setdefault("parallel.expert_model_parallel_size", cluster.expert_model_parallel_size)
+        model_ov.setdefault("parallel.context_parallel_size", cluster.context_parallel_size)
         config = load_config(args.config, model_ov)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

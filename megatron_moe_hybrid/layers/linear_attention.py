@@ -17,12 +17,18 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
 from megatron_moe_hybrid.ops.linear_attention import gated_delta_rule, simple_gla
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.cp_linear_attention import (
+    conv_halo,
+    cp_gated_delta_rule,
+    cp_simple_gla,
+)
 
 # variant -> number of per-v-head logits that follow q, k, v, z in the fused projection
 _NUM_HEAD_LOGITS = {"gated_delta_rule": 2, "simple_gla": 1}
@@ -160,15 +166,21 @@ class LinearAttention(MegatronModule):
         which keeps the real tokens exact because padding follows them. Other Megatron kwargs
         (rotary_pos_emb, attention_bias, ...) are ignored; an inference_context raises, since
         decoding would need a state cache this layer does not keep.
+
+        Under context parallelism (Megatron's context_parallel_size > 1) hidden_states holds
+        this rank's pieces of the sequence (CPLayout, kind config.cp_layout, default "zigzag")
+        and cu_seqlens stay global: the conv reads a halo from the previous piece and the
+        state passes between pieces (parallel.cp_linear_attention).
         """
         if kwargs.get("inference_context") is not None:
             raise NotImplementedError("LinearAttention keeps no state cache for decoding")
         cu_seqlens = _cu_seqlens(packed_seq_params, hidden_states)
+        layout = _cp_layout(self.config, hidden_states)
         proj, _ = self.in_proj(hidden_states)  # [s, b, D]
         proj = proj.transpose(0, 1)  # [B, T, D]
         q, k, v, z, *logits = proj.split(self.split_sizes, dim=-1)
         if self.conv1d is not None:
-            qkv = self._short_conv(torch.cat([q, k, v], dim=-1), cu_seqlens)
+            qkv = self._short_conv(torch.cat([q, k, v], dim=-1), cu_seqlens, layout)
             q, k, v = qkv.split(self.split_sizes[:3], dim=-1)
         q = _l2_normalize(q.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
         k = _l2_normalize(k.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
@@ -179,33 +191,60 @@ class LinearAttention(MegatronModule):
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
         op_kwargs = dict(cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend)
+        if layout is not None:
+            op_kwargs["layout"] = layout
         if self.variant == "gated_delta_rule":
             b, a = logits  # [B, T, Hv] each
             beta = b.sigmoid()
             # decay in fp32: softplus / exp of bf16 logits lose the small differences that matter
             g = -_at_least_fp32(self.A_log).exp() * F.softplus(_at_least_fp32(a) + self.dt_bias)
-            o, _ = gated_delta_rule(q, k, v, g, beta, **op_kwargs)  # [B, T, Hv, V]
+            op = gated_delta_rule if layout is None else cp_gated_delta_rule
+            o, _ = op(q, k, v, g, beta, **op_kwargs)  # [B, T, Hv, V]
         else:
             (gate,) = logits  # [B, T, Hv]
             g = F.logsigmoid(_at_least_fp32(gate)) / _GLA_GATE_NORMALIZER
-            o, _ = simple_gla(q, k, v, g, **op_kwargs)  # [B, T, Hv, V]
+            op = simple_gla if layout is None else cp_simple_gla
+            o, _ = op(q, k, v, g, **op_kwargs)  # [B, T, Hv, V]
         y = self.out_norm(o, z).flatten(2)  # [B, T, Hv * V]
         out, _ = self.out_proj(y.transpose(0, 1).contiguous())  # [s, b, h]
         return out, None
 
-    def _short_conv(self, x: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
-        """Causal depthwise conv + SiLU over [B, T, C], restarting at packed boundaries."""
+    def _short_conv(
+        self, x: Tensor, cu_seqlens: Optional[Tensor], layout: Optional[CPLayout] = None
+    ) -> Tensor:
+        """Causal depthwise conv + SiLU over [B, T, C], restarting at packed boundaries.
+
+        Under context parallelism each piece's first segment starts from the W - 1 tokens
+        before the piece in global order (conv_halo: zero where they belong to an earlier
+        packed sequence); the other segments begin a sequence and start from zeros.
+        """
         weight = self.conv1d.weight  # [C, 1, W]
+        halo_len = weight.shape[-1] - 1
+
+        def conv(seg, halo=None):  # token t sees t - W + 1 .. t: the halo, else zeros, before
+            seg = F.pad(seg, (halo_len, 0)) if halo is None else torch.cat([halo, seg], dim=-1)
+            return F.conv1d(seg, weight, groups=weight.shape[0])
+
         x = x.transpose(1, 2)  # [B, C, T]
-
-        def conv(seg):  # left padding only: token t sees t - W + 1 .. t
-            return F.conv1d(F.pad(seg, (weight.shape[-1] - 1, 0)), weight, groups=weight.shape[0])
-
-        if cu_seqlens is None:
+        if layout is not None:
+            halos = conv_halo(x.transpose(1, 2), layout, halo_len, cu_seqlens)  # [NPL, B, W - 1, C]
+            halos = halos.transpose(2, 3)  # [NPL, B, C, W - 1]
+            segs = layout.local_segments(cu_seqlens)
+            offsets, firsts = segs.cu_seqlens.tolist(), segs.first_in_piece.tolist()
+            y = torch.cat(
+                [
+                    conv(x[..., a:b], halos[a // layout.piece_len] if first else None)
+                    for a, b, first in zip(offsets[:-1], offsets[1:], firsts)
+                ],
+                dim=-1,
+            )
+        elif cu_seqlens is None:
             y = conv(x)
         else:
             offsets = cu_seqlens.tolist()
-            y = torch.cat([conv(x[..., a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=-1)
+            # an empty packed sequence has nothing to convolve (conv1d rejects a zero-length input)
+            segments = [(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+            y = torch.cat([conv(x[..., a:b]) for a, b in segments], dim=-1)
         return F.silu(y).transpose(1, 2)  # [B, T, C]
 
 
@@ -230,6 +269,18 @@ def _check_config(la, tp: int) -> None:
             f"linear_attention.conv_kernel_size: expected >= 0 (0 disables the conv), "
             f"got {la.conv_kernel_size}"
         )
+
+
+def _cp_layout(config, hidden_states: Tensor) -> Optional[CPLayout]:
+    """The context-parallel layout of hidden_states' [s, b, h] local tokens; None when CP is off
+    (or parallel_state is not initialised), which keeps the single-device path untouched."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return None
+    kind = getattr(config, "cp_layout", "zigzag")
+    return CPLayout.from_parallel_state(seq_len=hidden_states.shape[0] * size, kind=kind)
 
 
 def _cu_seqlens(packed_seq_params, hidden_states: Tensor) -> Optional[Tensor]:

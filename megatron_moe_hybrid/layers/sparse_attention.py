@@ -9,6 +9,11 @@ Per forward: qkv projection -> RoPE -> (indexer on detached input -> top-k) -> a
 indexer; stage "sparse" attends over the indexer's top-k. The indexer KL loss rides on the
 output through MoEAuxLossAutoScaler, so Megatron's schedule scales its gradient like the
 MoE auxiliary losses.
+
+Context parallelism (Megatron's context_parallel_size > 1): hidden_states holds this rank's
+s = T / cp tokens in the layout of config.cp_layout ("zigzag" by default), packed
+cu_seqlens stay global; the core in parallel/cp_sparse_attention.py gathers the keys. CP == 1
+runs the single-device code below unchanged.
 """
 
 from dataclasses import dataclass
@@ -24,6 +29,8 @@ from torch import Tensor
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
 
 STAGES = ("sparse", "dense_warmup")
 
@@ -128,10 +135,29 @@ class SparseAttention(MegatronModule):
         ):
             yield from module.parameters()
 
+    def _cp_layout(self, s: int) -> Optional[CPLayout]:
+        """This rank's context-parallel layout, or None when CP is off (or parallel_state is not
+        initialised): then the single-device path runs exactly as before."""
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        cp_size = parallel_state.get_context_parallel_world_size()
+        if cp_size <= 1:
+            return None
+        kind = getattr(self.config, "cp_layout", "zigzag")
+        return CPLayout.from_parallel_state(seq_len=s * cp_size, kind=kind)
+
     @staticmethod
-    def _positions(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Optional[Tensor]]:
-        """[T] positions (restarting per packed sequence) and cu_seqlens [N + 1] or None."""
+    def _positions(
+        packed_seq_params, s: int, b: int, device, layout: Optional[CPLayout] = None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """[s] RoPE positions (restarting per packed sequence) and cu_seqlens [N + 1] or None.
+
+        Under CP (layout given) the s local tokens sit at layout.positions() and cu_seqlens
+        holds global offsets over layout.seq_len tokens.
+        """
         if packed_seq_params is None:
+            if layout is not None:
+                return layout.positions(device), None
             return torch.arange(s, device=device), None
         cu_seqlens = packed_seq_params.cu_seqlens_q
         cu_kv = packed_seq_params.cu_seqlens_kv
@@ -141,6 +167,8 @@ class SparseAttention(MegatronModule):
             )
         if b != 1:
             raise ValueError(f"packed sequences need hidden_states [s, 1, h], got batch {b}")
+        if layout is not None:
+            return layout.sequence_positions(cu_seqlens, device), cu_seqlens
         return ops.positions_from_cu_seqlens(cu_seqlens, s), cu_seqlens
 
     def _qkv(self, hidden_states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -180,10 +208,17 @@ class SparseAttention(MegatronModule):
         """
         s, b, _ = hidden_states.shape
         backend = self.sa.backend
-        positions, cu_seqlens = self._positions(packed_seq_params, s, b, hidden_states.device)
+        layout = self._cp_layout(s)
+        positions, cu_seqlens = self._positions(
+            packed_seq_params, s, b, hidden_states.device, layout
+        )
         q, k, v = self._qkv(hidden_states, positions)
         # The indexer learns only from its KL loss: its input is cut off from the main model.
         q_idx, k_idx, weights = self._indexer(hidden_states.detach(), positions)
+        coeff = self.sa.indexer_loss_coeff
+        with_loss = coeff > 0 and self.training and torch.is_grad_enabled()
+        if layout is not None:
+            return self._cp_forward(q, k, v, q_idx, k_idx, weights, layout, cu_seqlens, with_loss)
 
         if self.sa.stage == "sparse":
             # [B, T, K]; selection is not differentiable, so the indexer gets no gradient here.
@@ -201,10 +236,49 @@ class SparseAttention(MegatronModule):
             o, _ = ops.dense_attention(q, k, v, cu_seqlens=cu_seqlens)
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
 
-        coeff = self.sa.indexer_loss_coeff
-        if coeff > 0 and self.training and torch.is_grad_enabled():
+        if with_loss:
             loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, cu_seqlens)
             self.last_indexer_loss = loss.detach()
+            output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
+        return output, bias
+
+    def _tp_group(self):
+        if self.config.tensor_model_parallel_size == 1:
+            return None
+        return self.tp_group or parallel_state.get_tensor_model_parallel_group()
+
+    def _cp_forward(self, q, k, v, q_idx, k_idx, weights, layout, cu_seqlens, with_loss):
+        """The forward's tail under context parallelism: the CP core, then the projection.
+
+        The core's loss is this rank's share of the global KL loss (its queries, scaled by
+        local / global valid-query count; the shares sum to the CP == 1 loss). The trainer
+        averages gradients over the CP ranks (Megatron's dp-cp group), as it must for the LM
+        loss, which each rank takes as the mean over its own tokens; so the layer attaches
+        cp x its share, whose average over the ranks is the CP == 1 loss (the router does the
+        same for the MoE losses). last_indexer_loss is the global value, for logging only.
+        """
+        b, s = q.shape[:2]
+        o, loss = cp_sparse_attention_core(
+            q,
+            k,
+            v,
+            q_idx,
+            k_idx,
+            weights,
+            layout=layout,
+            topk=self.sa.topk,
+            cu_seqlens=cu_seqlens,
+            stage=self.sa.stage,
+            indexer_loss=with_loss,
+            tp_group=self._tp_group(),
+            backend=self.sa.backend,
+        )
+        output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
+        if with_loss:
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total, group=layout.group)
+            self.last_indexer_loss = total
+            coeff = self.sa.indexer_loss_coeff * layout.size
             output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
         return output, bias
 
@@ -215,8 +289,7 @@ class SparseAttention(MegatronModule):
         )
         if self.config.tensor_model_parallel_size > 1:
             # Each rank holds H / tp heads; the target sums all of them (the loss renormalises).
-            group = self.tp_group or parallel_state.get_tensor_model_parallel_group()
-            torch.distributed.all_reduce(target, group=group)
+            torch.distributed.all_reduce(target, group=self._tp_group())
         if indices is None:
             scores = ops.lightning_indexer(
                 q_idx, k_idx, weights, cu_seqlens=cu_seqlens, backend=backend

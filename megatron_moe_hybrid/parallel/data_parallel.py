@@ -35,7 +35,7 @@ def is_fsdp_param(p: torch.nn.Parameter) -> bool:
 
 @dataclass
 class ParallelGroups:
-    dp: Optional[ProcessGroup]  # dense replicas
+    dp: Optional[ProcessGroup]  # dense replicas (data- and context-parallel ranks)
     expert_dp: Optional[ProcessGroup]  # replicas of this rank's experts
     ep: Optional[ProcessGroup]  # expert shards
     dp_size: int
@@ -46,11 +46,14 @@ class ParallelGroups:
 
         if not dist.is_initialized():
             return cls(None, None, None, 1)
+        # Context-parallel ranks hold other tokens of the same sequences: for the gradients
+        # they are data-parallel replicas like the others (Megatron's dp-cp group). The
+        # expert-data-parallel group already spans them.
         return cls(
-            dp=ps.get_data_parallel_group(),
+            dp=ps.get_data_parallel_group(with_context_parallel=True),
             expert_dp=ps.get_expert_data_parallel_group(),
             ep=ps.get_expert_model_parallel_group(),
-            dp_size=ps.get_data_parallel_world_size(),
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
         )
 
 

@@ -54,9 +54,11 @@ def apply_fsdp(model: nn.Module, config) -> nn.Module:
         reduce_dtype=_dtype(p.fsdp_reduce_dtype, "parallel.fsdp_reduce_dtype"),
     )
     device = next(model.parameters()).device.type  # the trainer keeps the model on the CPU today
-    dp_mesh = DeviceMesh.from_group(ps.get_data_parallel_group(), device)
+    # Context-parallel ranks are data-parallel replicas of the weights (they hold other tokens
+    # of the same sequences): dense modules shard over dp x cp; expert-dp already spans them.
+    dp_mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), device)
     expert_mesh = DeviceMesh.from_group(ps.get_expert_data_parallel_group(), device)
-    dp_size = ps.get_data_parallel_world_size()
+    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
 
     attrs = {
         name: {a: getattr(param, a) for a in _ATTRS if hasattr(param, a)}

@@ -130,7 +130,12 @@ class Trainer:
         self.rank = dist.get_rank()
         self.groups = ParallelGroups.from_parallel_state()
         self.dp_rank = ps.get_data_parallel_rank()
-        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
+        self.data_dp_size = ps.get_data_parallel_world_size()  # ranks reading different samples
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.data_dp_size)
+        from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+
+        # Context-parallel ranks read the same samples and keep their pieces of each sequence.
+        self.cp_layout = CPLayout.from_parallel_state(t.seq_length, config.parallel.cp_layout)
         self.output_dir = t.output_dir
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
@@ -186,6 +191,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
         )
+        if config.memory.activation_offload:  # after fully_shard: it hooks the modules that run
+            from megatron_moe_hybrid.parallel.offload import ActivationOffload
+
+            self.activation_offload = ActivationOffload.from_config(self.model, config.memory)
+        else:
+            from contextlib import nullcontext
+
+            self.activation_offload = nullcontext()
         torch.manual_seed(t.seed + 1000 + self.rank)  # per-rank stream (dropout, if any)
         self.step = 0
         self.consecutive_bad = 0
@@ -270,7 +283,7 @@ class Trainer:
         from megatron_moe_hybrid.training.data import batch
 
         t = self.config.training
-        per_rank = t.global_batch_size // self.groups.dp_size
+        per_rank = t.global_batch_size // self.data_dp_size
         start = step * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
         return batch(self.dataset, start, t.micro_batch_size)
 
@@ -330,10 +343,14 @@ class Trainer:
         loss_sum = torch.zeros(())
         for micro in range(self.num_micro):
             tokens, labels = self._batch(self.step, micro)  # [b, s] int64
-            position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
-            loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
-            loss = loss_bs.mean()
-            (loss / self.num_micro).backward()
+            # [b, s / CP]: this rank's pieces; the loss below is their mean, and averaging the
+            # gradients over the CP ranks (equal shares) makes it the mean over the sequence.
+            tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+            position_ids = self.cp_layout.positions().expand_as(tokens)
+            with self.activation_offload:  # a no-op context unless memory.activation_offload
+                loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
+                loss = loss_bs.mean()
+                (loss / self.num_micro).backward()
             loss_sum += loss.detach()
         if self.config.lora.enabled:  # replicated LoRA factors hold per-TP-rank partial grads
             from megatron_moe_hybrid.layers.lora import allreduce_lora_partial_grads

@@ -206,3 +206,23 @@ def test_static_dispatch_overflow_stops_with_the_fix(corpus, cache_dir, tmp_path
     messages = spawn(_train_expect_stop, 2, raw, ov)
     for message in messages:
         assert message is not None and "moe.dispatch_capacity_factor=0.05" in message and "overflowed" in message
+
+
+@pytest.mark.distributed
+def test_cp2_equals_cp1(corpus, cache_dir, tmp_path, raw_config):
+    """Context parallelism: each rank trains on its zigzag pieces of the same sequences."""
+    steps = {"training.train_steps": 3, "training.warmup_steps": 0, "moe.dispatcher": "alltoall"}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "cp1"), **steps)
+    (cp1,) = spawn(_train, 1, raw, ov)
+    # plain; with FSDP2 over the dp x cp ranks; with the experts split over the same 2 ranks
+    for fsdp, ep in ((False, 1), (True, 1), (False, 2)):
+        raw, ov = raw_config(
+            corpus, cache_dir, str(tmp_path / f"cp2-fsdp{fsdp}-ep{ep}"), **steps,
+            **{"parallel.world_size": 2, "parallel.context_parallel_size": 2, "parallel.fsdp": fsdp,
+               "parallel.expert_model_parallel_size": ep},
+        )
+        cp2 = spawn(_train, 2, raw, ov)
+        assert cp2[0]["losses"] == cp2[1]["losses"]  # the logged loss is the global mean
+        for a, b in zip(cp1["losses"], cp2[0]["losses"], strict=True):
+            assert abs(a - b) <= 1e-5, (fsdp, ep, cp1["losses"], cp2[0]["losses"])
+    assert cp1["losses"][0] != cp1["losses"][2]

@@ -74,7 +74,10 @@ class MoELayer(MegatronModule):
             # every rank that holds other tokens of the global batch (CP ranks hold other positions)
             dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.layer_number = layer_number
-        self.router = TopKRouter(config, aux_loss_group=dp_group)
+        cp_group = None
+        if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+            cp_group = ps.get_context_parallel_group()
+        self.router = TopKRouter(config, aux_loss_group=dp_group, cp_group=cp_group)
         # Configs without a dispatcher field get the all-to-all one (the only one so far).
         name = getattr(moe, "dispatcher", "alltoall")
         dispatcher_cls = MOE_DISPATCHERS.get(name)

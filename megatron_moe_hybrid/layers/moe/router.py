@@ -38,7 +38,12 @@ class TopKRouter(MegatronModule):
     `last_aux_loss` and `last_z_loss` keep the unscaled losses of the latest micro-batch (detached).
     """
 
-    def __init__(self, config, aux_loss_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        config,
+        aux_loss_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(config)
         moe = config.moe
         self.num_experts = moe.num_experts
@@ -53,6 +58,10 @@ class TopKRouter(MegatronModule):
         if self.aux_loss_type not in AUX_LOSS_TYPES:
             raise ValueError(f"moe.aux_loss_type must be one of {AUX_LOSS_TYPES}, got {self.aux_loss_type!r}")
         self.aux_loss_group = aux_loss_group
+        # Context parallelism splits every sequence over cp_group: the balance losses count
+        # their loads over it and each rank attaches cp x its share, because the gradients
+        # are then averaged over the CP ranks like those of the LM loss.
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
         self.z_loss_coeff = getattr(moe, "z_loss_coeff", 0.0)
         self.capacity_factor = getattr(moe, "capacity_factor", None)
         self.drop_policy = getattr(moe, "drop_policy", "probs")
@@ -94,6 +103,11 @@ class TopKRouter(MegatronModule):
         valid = None if padding_mask is None else ~padding_mask  # [T]
         aux_loss = self._aux_loss(scores, topk_idx, valid, batch_size)
         z_loss = router_z_loss(logits if valid is None else logits[valid])
+        if self.cp_group is not None and self.z_loss_coeff:  # cp x this rank's share, as the aux loss
+            n = torch.tensor(float(x.shape[0] if valid is None else valid.sum()), device=x.device)
+            n_all = n.clone()
+            dist.all_reduce(n_all, group=self.cp_group)
+            z_loss = z_loss * (n / n_all.clamp_min(1)) * dist.get_world_size(self.cp_group)
         self.last_aux_loss = aux_loss.detach().float()
         self.last_z_loss = z_loss.detach().float()
 
@@ -113,7 +127,19 @@ class TopKRouter(MegatronModule):
         valid: torch.Tensor | None,
         batch_size: int | None,
     ) -> torch.Tensor:
-        """scores [T, E], topk_idx [T, K], valid [T] bool or None -> the unscaled aux loss."""
+        """scores [T, E], topk_idx [T, K], valid [T] bool or None -> the unscaled aux loss.
+
+        Under context parallelism: this rank's share of the loss of the whole sequences, times
+        the CP size (the mean over the CP ranks is the loss).
+        """
+        cp = self.cp_group
+        cp_size = 1 if cp is None else dist.get_world_size(cp)
+
+        def sum_over_cp(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            dist.all_reduce(t, group=cp)
+            return t
+
         if self.aux_loss_type == "seq":
             if batch_size is None or batch_size < 1 or scores.shape[0] % batch_size:
                 raise ValueError(
@@ -121,21 +147,25 @@ class TopKRouter(MegatronModule):
                     f"got {batch_size}; pass the micro-batch size b of the [s, b] layout"
                 )
             seq_shape = (scores.shape[0] // batch_size, batch_size)
-            return sequence_load_balancing_loss(
+            return cp_size * sequence_load_balancing_loss(
                 scores.view(*seq_shape, self.num_experts),  # explicit sizes: s may be 0
                 topk_idx.view(*seq_shape, self.topk),
                 self.num_experts,
                 self.topk,
                 None if valid is None else valid.view(seq_shape),
+                sum_over_ranks=None if cp is None else sum_over_cp,
             )
         if valid is not None:
             scores, topk_idx = scores[valid], topk_idx[valid]
-        counts = None
-        if self.aux_loss_type == "global":
+        counts, num_tokens = None, None
+        group = self.aux_loss_group if self.aux_loss_type == "global" else cp
+        if group is not None and dist.get_world_size(group) > 1:
             counts = count_experts(topk_idx, self.num_experts).to(scores.dtype)  # [E]
-            if self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
-                dist.all_reduce(counts, group=self.aux_loss_group)
-        return load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts)
+            dist.all_reduce(counts, group=group)
+        if cp is not None:
+            num_tokens = sum_over_cp(torch.tensor(float(scores.shape[0]), device=scores.device))
+        loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, num_tokens)
+        return cp_size * loss
 
     def _keep_expert_bias_fp32(self) -> None:
         """model.to(bf16) casts buffers too; bias steps of ~1e-3 would round away in bf16."""

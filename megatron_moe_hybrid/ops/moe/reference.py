@@ -135,15 +135,18 @@ def load_balancing_loss(
     num_experts: int,
     topk: int,
     expert_counts: torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
 
     f_e: fraction of the routed copies that go to expert e (no gradient): counted from
     topk_idx [T, K], or taken from expert_counts [E] when given (e.g. counts all-reduced over
     the data-parallel group for a loss over the global batch).
-    P_e: mean over the T tokens of the score of e, with scores [T, E] normalised per token so
-    that sigmoid scores count like probabilities; for softmax scores this normalisation is the
-    identity, in value and in the gradient reaching the logits. No copies gives 0.
+    P_e: the scores of e summed over the T tokens, divided by num_tokens (default T: the mean;
+    context parallelism passes the count over all CP ranks, so that the ranks' shares add up),
+    with scores [T, E] normalised per token so that sigmoid scores count like probabilities;
+    for softmax scores this normalisation is the identity, in value and in the gradient
+    reaching the logits. No copies gives 0.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be [T, E={num_experts}], got shape {tuple(scores.shape)}")
@@ -152,13 +155,18 @@ def load_balancing_loss(
         raise ValueError(
             f"expert_counts must be [E={num_experts}], got shape {tuple(expert_counts.shape)}"
         )
-    num_tokens = scores.shape[0]
+    if num_tokens is None:
+        num_tokens = scores.shape[0]
     scores = scores.to(_acc_dtype(scores.dtype))
     if expert_counts is None:
         expert_counts = count_experts(topk_idx, num_experts)
     counts = expert_counts.detach().to(scores.dtype)  # [E]
     f = counts / counts.sum().clamp_min(1)  # [E]
-    p = (scores / scores.sum(-1, keepdim=True)).sum(0) / max(num_tokens, 1)  # [E]
+    if isinstance(num_tokens, torch.Tensor):
+        num_tokens = num_tokens.to(scores.dtype).clamp_min(1)
+    else:
+        num_tokens = max(num_tokens, 1)
+    p = (scores / scores.sum(-1, keepdim=True)).sum(0) / num_tokens  # [E]
     return num_experts * (f * p).sum()
 
 
@@ -168,11 +176,15 @@ def sequence_load_balancing_loss(
     num_experts: int,
     topk: int,
     valid: torch.Tensor | None = None,
+    sum_over_ranks=None,
 ) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: load_balancing_loss of each sequence alone,
     averaged over the sequences that hold at least one valid token.
 
     scores [s, b, E], topk_idx [s, b, K], valid [s, b] bool (False = padding, left out).
+    sum_over_ranks: a callable that sums a tensor over the ranks holding the other tokens of the
+    same sequences (context parallelism); the loss is then this rank's share, and the
+    shares add up to the loss of the whole sequences.
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must be [s, b, E={num_experts}], got shape {tuple(scores.shape)}")
@@ -188,8 +200,11 @@ def sequence_load_balancing_loss(
     seq_of_copy = torch.arange(batch, device=topk_idx.device).view(1, batch, 1)  # [1, b, 1]
     bins = seq_of_copy * num_experts + topk_idx  # [s, b, K]: (sequence, expert) bins
     bins = bins.masked_fill(~valid[..., None], batch * num_experts)  # padding to the discard bin
-    counts = count_experts(bins, batch * num_experts).view(batch, num_experts)
-    f = counts.to(scores.dtype) / (num_valid * topk).clamp_min(1)[:, None]  # [b, E]
+    counts = count_experts(bins, batch * num_experts).view(batch, num_experts).to(scores.dtype)
+    if sum_over_ranks is not None:  # [b, E + 1]: one collective for both
+        both = sum_over_ranks(torch.cat([counts, num_valid[:, None]], dim=1))
+        counts, num_valid = both[:, :-1], both[:, -1]
+    f = counts / (num_valid * topk).clamp_min(1)[:, None]  # [b, E]
     normed = scores / scores.sum(-1, keepdim=True) * weight[..., None]  # [s, b, E]
     p = normed.sum(0) / num_valid.clamp_min(1)[:, None]  # [b, E]
     per_seq = num_experts * (f * p).sum(-1)  # [b]; 0 for a sequence of padding only

@@ -1,7 +1,8 @@
 """Top-k sparse attention (DeepSeek-V3.2 DSA): public ops with a backend choice.
 
-Shape legend: B batch, T tokens, S keys (== T), H query heads, G kv groups, D head dim,
-DV value head dim, HI / DI indexer heads / head dim, K top-k. Layout [B, T, H, D].
+Shape legend: B batch, T tokens (queries), S keys (== T unless q_positions [T] places the
+queries among the keys, as under context parallelism), H query heads, G kv groups, D head
+dim, DV value head dim, HI / DI indexer heads / head dim, K top-k. Layout [B, T, H, D].
 
 Each public function takes backend="auto" | a registered name. Backends live in a small
 registry (name -> SparseAttentionBackend); "torch" (reference.py) is the only one today,
@@ -17,6 +18,7 @@ from . import reference
 from .reference import (
     dense_attention,
     dense_masked_attention,
+    indexer_kl_valid_queries,
     indices_to_mask,
     positions_from_cu_seqlens,
 )
@@ -84,8 +86,11 @@ def lightning_indexer(
     causal: bool = True,
     cu_seqlens: Optional[Tensor] = None,
     backend: str = "auto",
+    q_positions: Optional[Tensor] = None,
 ) -> Tensor:
-    return get_op("lightning_indexer", backend)(q_idx, k_idx, weights, causal, cu_seqlens)
+    return get_op("lightning_indexer", backend)(
+        q_idx, k_idx, weights, causal, cu_seqlens, q_positions=q_positions
+    )
 
 
 def lightning_indexer_sparse(
@@ -107,9 +112,10 @@ def indexer_topk(
     causal: bool = True,
     cu_seqlens: Optional[Tensor] = None,
     backend: str = "auto",
+    q_positions: Optional[Tensor] = None,
 ) -> Tensor:
     return get_op("indexer_topk", backend)(
-        q_idx, k_idx, weights, topk, block_size, causal, cu_seqlens
+        q_idx, k_idx, weights, topk, block_size, causal, cu_seqlens, q_positions=q_positions
     )
 
 
@@ -132,8 +138,11 @@ def attention_probs_target(
     causal: bool = True,
     cu_seqlens: Optional[Tensor] = None,
     backend: str = "auto",
+    q_positions: Optional[Tensor] = None,
 ) -> Tensor:
-    return get_op("attention_probs_target", backend)(q, k, indices, scale, causal, cu_seqlens)
+    return get_op("attention_probs_target", backend)(
+        q, k, indices, scale, causal, cu_seqlens, q_positions=q_positions
+    )
 
 
 def indexer_kl_loss(
@@ -155,6 +164,7 @@ __all__ = [
     "dense_attention",
     "dense_masked_attention",
     "get_op",
+    "indexer_kl_valid_queries",
     "indices_to_mask",
     "positions_from_cu_seqlens",
     "register_backend",

@@ -1,9 +1,13 @@
 """Top-k sparse attention (DeepSeek-V3.2 DSA): the plain PyTorch reference.
 
 Shape legend (batch first, the layout of every function here):
-  B batch, T tokens (queries), S keys (the same tokens, S == T), N packed sequences,
-  H query heads, G kv groups (H % G == 0; head h reads group h // R), R = H // G,
-  D q/k head dim, DV value head dim, HI indexer heads, DI indexer head dim, K top-k.
+  B batch, T tokens (queries), S keys, N packed sequences, H query heads, G kv groups
+  (H % G == 0; head h reads group h // R), R = H // G, D q/k head dim, DV value head dim,
+  HI indexer heads, DI indexer head dim, K top-k.
+
+Queries and keys are usually the same tokens (T == S). Under context parallelism a rank's
+T queries are a subset of the S global keys: q_positions [T] gives each query's global key
+index, which the causal mask (s <= q_positions[t]) and the packed-sequence mask use.
 
 Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that tests can
 be exact. The math (indexer, selection, attention, KL loss) is in README.md.
@@ -57,7 +61,8 @@ def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
     cu = cu_seqlens.to(torch.int64)
     _check(
         cu[0].item() == 0 and cu[-1].item() == T and bool((cu.diff() >= 0).all()),
-        f"cu_seqlens must start at 0, end at T={T} and never decrease, got {cu.tolist()}",
+        f"cu_seqlens must start at 0, end at the token count {T} and never decrease, got "
+        f"{cu.tolist()}",
     )
     # right=True puts a token that starts a sequence after empty ones into the non-empty one.
     return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
@@ -69,13 +74,40 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
     return torch.arange(T, device=cu_seqlens.device) - cu_seqlens.to(torch.int64)[seg]
 
 
-def _key_mask(t0: int, t1: int, S: int, causal: bool, seg: Tensor | None, device) -> Tensor:
-    """[t1 - t0, S] bool: True where query t may read key s."""
-    t = torch.arange(t0, t1, device=device)[:, None]
-    s = torch.arange(S, device=device)[None, :]
-    ok = s <= t if causal else torch.ones(t1 - t0, S, dtype=torch.bool, device=device)
+def _query_positions(q_positions: Tensor | None, T: int, S: int, device) -> Tensor:
+    """[T] int64 global key index of each query; arange(T) when None (then T must equal S)."""
+    if q_positions is None:
+        _check(
+            T == S,
+            f"got T={T} queries but S={S} keys: pass q_positions [T] (each query's global key "
+            "index) when the queries are a subset of the keys",
+        )
+        return torch.arange(S, device=device)
+    _check(
+        isinstance(q_positions, Tensor)
+        and tuple(q_positions.shape) == (T,)
+        and not q_positions.is_floating_point()
+        and not q_positions.is_complex(),
+        f"q_positions must be a 1-D integer tensor [T={T}], got "
+        f"{q_positions.dtype} {tuple(q_positions.shape)}"
+        if isinstance(q_positions, Tensor)
+        else f"q_positions must be a Tensor, got {type(q_positions).__name__}",
+    )
+    q_positions = q_positions.to(device=device, dtype=torch.int64)
+    _check(
+        bool(((q_positions >= 0) & (q_positions < S)).all()),
+        f"q_positions must lie in [0, S={S}) (global key indices)",
+    )
+    return q_positions
+
+
+def _key_mask(q_pos: Tensor, S: int, causal: bool, seg: Tensor | None) -> Tensor:
+    """[len(q_pos), S] bool: True where the query at global index q_pos[t] may read key s."""
+    s = torch.arange(S, device=q_pos.device)[None, :]
+    ok = s <= q_pos[:, None] if causal else torch.ones_like(s, dtype=torch.bool)
+    ok = ok.expand(len(q_pos), S)
     if seg is not None:
-        ok = ok & (seg[t0:t1, None] == seg[None, :])
+        ok = ok & (seg[q_pos][:, None] == seg[None, :])
     return ok
 
 
@@ -108,18 +140,18 @@ def apply_rope(x: Tensor, positions: Tensor, rope_dim: int, base: float = 10000.
     return torch.cat([rotated, x[..., rope_dim:]], dim=-1)
 
 
-def _check_indexer_args(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> tuple[int, int]:
+def _check_indexer_args(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> tuple[int, int, int]:
     B, T, HI, DI = _shape(q_idx, "q_idx", "[B, T, HI, DI]")
     _check(
-        tuple(k_idx.shape) == (B, T, DI),
-        f"k_idx must be [B, T, DI] = [{B}, {T}, {DI}] (one key head shared by all indexer "
+        k_idx.dim() == 3 and (k_idx.shape[0], k_idx.shape[2]) == (B, DI),
+        f"k_idx must be [B, S, DI] = [{B}, S, {DI}] (one key head shared by all indexer "
         f"heads), got {tuple(k_idx.shape)}",
     )
     _check(
         tuple(weights.shape) == (B, T, HI),
         f"weights must be [B, T, HI] = [{B}, {T}, {HI}], got {tuple(weights.shape)}",
     )
-    return B, T
+    return B, T, k_idx.shape[1]
 
 
 def _index_scores(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> Tensor:
@@ -136,16 +168,19 @@ def lightning_indexer(
     weights: Tensor,
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
+    q_positions: Tensor | None = None,
 ) -> Tensor:
     """Index scores I[b, t, s] = sum_j weights[b, t, j] * relu(q_idx[b, t, j] . k_idx[b, s]).
 
-    q_idx [B, T, HI, DI], k_idx [B, T, DI], weights [B, T, HI] -> [B, T, S] fp32, -inf where
-    query t may not read key s (s > t when causal; other sequence when cu_seqlens [N + 1]).
+    q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> [B, T, S] fp32, -inf where
+    query t may not read key s (s > q_positions[t] when causal; another sequence when
+    cu_seqlens [N + 1] over the S keys). q_positions [T]: None means arange(T) with T == S.
     """
-    B, T = _check_indexer_args(q_idx, k_idx, weights)
-    seg = _segment_ids(cu_seqlens, B, T)
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    q_pos = _query_positions(q_positions, T, S, q_idx.device)
+    seg = _segment_ids(cu_seqlens, B, S)
     scores = _index_scores(q_idx, k_idx, weights)  # [B, T, S]
-    return scores.masked_fill(~_key_mask(0, T, T, causal, seg, q_idx.device), NEG_INF)
+    return scores.masked_fill(~_key_mask(q_pos, S, causal, seg), NEG_INF)
 
 
 def lightning_indexer_sparse(
@@ -154,14 +189,13 @@ def lightning_indexer_sparse(
     """The index scores at the selected keys only: [B, T, K], -inf where indices == -1.
 
     Equals lightning_indexer(...).gather(-1, indices) without building [B, T, S]; used for the
-    sparse-stage KL loss, where only the selected keys matter.
+    sparse-stage KL loss, where only the selected keys matter. k_idx [B, S, DI], indices
+    [B, T, K] in [-1, S).
     """
-    B, T = _check_indexer_args(q_idx, k_idx, weights)
-    _check_indices(indices, B, T, T)
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_indices(indices, B, T, S)
     dtype = _compute_dtype(q_idx)
-    k_sel = k_idx[
-        torch.arange(B, device=k_idx.device)[:, None, None], indices.clamp(min=0)
-    ]  # [B, T, K, DI]
+    k_sel = _select_keys(k_idx, indices)  # [B, T, K, DI]
     # [B, T, HI, K]
     logits = torch.einsum("bthd,btkd->bthk", q_idx.to(dtype), k_sel.to(dtype)).relu()
     scores = (logits * weights.to(dtype)[..., None]).sum(2)  # [B, T, K]
@@ -195,26 +229,40 @@ def indexer_topk(
     block_size: int = 256,
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
+    q_positions: Tensor | None = None,
 ) -> Tensor:
     """topk_indices(lightning_indexer(...), topk), computed block_size queries at a time.
 
     Only [B, block_size, HI, S] scores are alive at once instead of [B, T, HI, S]. Returns
-    [B, T, topk] int64 (no gradient: selection is not differentiable).
+    [B, T, topk] int64 key indices in [-1, S) (no gradient: selection is not differentiable).
+    q_positions as in lightning_indexer.
     """
-    B, T = _check_indexer_args(q_idx, k_idx, weights)
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
     _check_topk(topk)
     _check(
         isinstance(block_size, int) and block_size > 0,
         f"block_size must be a positive int (queries per block), got {block_size!r}",
     )
-    seg = _segment_ids(cu_seqlens, B, T)
+    q_pos = _query_positions(q_positions, T, S, q_idx.device)
+    seg = _segment_ids(cu_seqlens, B, S)
     blocks = []
     for t0 in range(0, T, block_size):
         t1 = min(t0 + block_size, T)
         scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
-        scores = scores.masked_fill(~_key_mask(t0, t1, T, causal, seg, q_idx.device), NEG_INF)
+        scores = scores.masked_fill(~_key_mask(q_pos[t0:t1], S, causal, seg), NEG_INF)
         blocks.append(topk_indices(scores, topk))
     return torch.cat(blocks, dim=1) if blocks else q_idx.new_empty((B, 0, topk), dtype=torch.int64)
+
+
+def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
+    """x [B, S, *] rows picked by indices [B, T, K] (-1 reads row 0; callers mask it) -> [B, T, K, *].
+
+    index_select on the flattened rows: its backward is one index_add, where advanced
+    indexing's backward sorts every (query, slot) pair first (seconds on a GPU at 8k x 2048).
+    """
+    B, S = x.shape[:2]
+    rows = (indices.clamp(min=0) + torch.arange(B, device=x.device)[:, None, None] * S).reshape(-1)
+    return x.reshape(B * S, *x.shape[2:]).index_select(0, rows).view(*indices.shape, *x.shape[2:])
 
 
 def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:
@@ -236,22 +284,22 @@ def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:
 
 def _check_attention_args(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
     B, T, H, D = _shape(q, "q", "[B, T, H, D]")
-    _, _, G, _ = _shape(k, "k", "[B, T, G, D]")
+    _, S, G, _ = _shape(k, "k", "[B, S, G, D]")
     _check(
-        tuple(k.shape) == (B, T, G, D) and G > 0 and H % G == 0,
-        f"k must be [B, T, G, D] = [{B}, {T}, G, {D}] with H={H} divisible by G, got "
+        tuple(k.shape) == (B, S, G, D) and G > 0 and H % G == 0,
+        f"k must be [B, S, G, D] = [{B}, S, G, {D}] with H={H} divisible by G, got "
         f"{tuple(k.shape)}",
     )
     _check(
-        v.dim() == 4 and tuple(v.shape[:3]) == (B, T, G),
-        f"v must be [B, T, G, DV] = [{B}, {T}, {G}, DV], got {tuple(v.shape)}",
+        v.dim() == 4 and tuple(v.shape[:3]) == (B, S, G),
+        f"v must be [B, S, G, DV] = [{B}, {S}, {G}, DV], got {tuple(v.shape)}",
     )
-    return B, T, H, G, D
+    return B, T, S, H, G, D
 
 
 def _grouped_scores_dense(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """[B, T, G, R, S] fp32 logits of every query head against every key of its group."""
-    B, T, H, G, D = _check_attention_args(q, k, k)
+    B, T, S, H, G, D = _check_attention_args(q, k, k)
     dtype = _compute_dtype(q)
     q_g = q.reshape(B, T, G, H // G, D).to(dtype)
     return torch.einsum("btgrd,bsgd->btgrs", q_g, k.to(dtype)) * scale
@@ -259,12 +307,10 @@ def _grouped_scores_dense(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 def _grouped_scores_sparse(q: Tensor, k: Tensor, indices: Tensor, scale: float) -> Tensor:
     """[B, T, G, R, K] fp32 logits against the gathered keys; -inf in the -1 slots."""
-    B, T, H, G, D = _check_attention_args(q, k, k)
+    B, T, S, H, G, D = _check_attention_args(q, k, k)
     dtype = _compute_dtype(q)
     q_g = q.reshape(B, T, G, H // G, D).to(dtype)
-    k_sel = k[
-        torch.arange(B, device=k.device)[:, None, None], indices.clamp(min=0)
-    ]  # [B, T, K, G, D]
+    k_sel = _select_keys(k, indices)  # [B, T, K, G, D]
     scores = torch.einsum("btgrd,btkgd->btgrk", q_g, k_sel.to(dtype)) * scale
     return scores.masked_fill((indices < 0)[:, :, None, None, :], NEG_INF)
 
@@ -281,23 +327,21 @@ def sparse_attention(
 ) -> tuple[Tensor, Tensor]:
     """Each query attends only to the keys in its row of indices (gathered, no dense mask).
 
-    q [B, T, H, D], k [B, T, G, D], v [B, T, G, DV], indices [B, T, K] (-1 = unused slot; the
-    op does not add causality, the indexer already did) -> o [B, T, H, DV] in q's dtype and
-    lse [B, T, H] fp32. A query with no key gets o = 0, lse = -inf.
+    q [B, T, H, D], k [B, S, G, D], v [B, S, G, DV], indices [B, T, K] in [-1, S) (-1 = unused
+    slot; the op does not add causality, the indexer already did) -> o [B, T, H, DV] in q's
+    dtype and lse [B, T, H] fp32. A query with no key gets o = 0, lse = -inf.
     """
-    B, T, H, G, D = _check_attention_args(q, k, v)
-    _check_indices(indices, B, T, T)
+    B, T, S, H, G, D = _check_attention_args(q, k, v)
+    _check_indices(indices, B, T, S)
     scale = D**-0.5 if scale is None else scale
     probs, lse = _softmax_lse(_grouped_scores_sparse(q, k, indices, scale))  # [B, T, G, R, K]
-    v_sel = v[
-        torch.arange(B, device=v.device)[:, None, None], indices.clamp(min=0)
-    ]  # [B, T, K, G, DV]
+    v_sel = _select_keys(v, indices)  # [B, T, K, G, DV]
     o = torch.einsum("btgrk,btkgd->btgrd", probs, v_sel.to(probs.dtype))
     return o.reshape(B, T, H, -1).to(q.dtype), lse.reshape(B, T, H)
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None):
-    B, T, H, G, D = _check_attention_args(q, k, v)
+    B, T, S, H, G, D = _check_attention_args(q, k, v)
     scale = D**-0.5 if scale is None else scale
     scores = _grouped_scores_dense(q, k, scale)  # [B, T, G, R, S]
     probs, lse = _softmax_lse(scores.masked_fill(~mask[:, :, None, None, :], NEG_INF))
@@ -318,9 +362,9 @@ def dense_masked_attention(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """sparse_attention computed densely over [B, T, S], the selection as a mask: the oracle."""
-    B, T, H, G, D = _check_attention_args(q, k, v)
-    _check_indices(indices, B, T, T)
-    return _masked_attention(q, k, v, indices_to_mask(indices, T), scale)
+    B, T, S, H, G, D = _check_attention_args(q, k, v)
+    _check_indices(indices, B, T, S)
+    return _masked_attention(q, k, v, indices_to_mask(indices, S), scale)
 
 
 def dense_attention(
@@ -330,11 +374,16 @@ def dense_attention(
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
     scale: float | None = None,
+    q_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Full (causal, optionally packed) GQA attention: the dense warm-up stage's main attention."""
-    B, T, H, G, D = _check_attention_args(q, k, v)
-    seg = _segment_ids(cu_seqlens, B, T)
-    mask = _key_mask(0, T, T, causal, seg, q.device).expand(B, T, T)
+    """Full (causal, optionally packed) GQA attention: the dense warm-up stage's main attention.
+
+    q [B, T, H, D], k [B, S, G, D], v [B, S, G, DV]; masks as in lightning_indexer.
+    """
+    B, T, S, H, G, D = _check_attention_args(q, k, v)
+    q_pos = _query_positions(q_positions, T, S, q.device)
+    seg = _segment_ids(cu_seqlens, B, S)
+    mask = _key_mask(q_pos, S, causal, seg).expand(B, T, S)
     return _masked_attention(q, k, v, mask, scale)
 
 
@@ -346,24 +395,44 @@ def attention_probs_target(
     scale: float | None = None,
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
+    q_positions: Tensor | None = None,
 ) -> Tensor:
     """The indexer's KL target p: main attention probabilities summed over heads, L1-normalised.
 
-    indices None (dense warm-up): softmax over every readable key -> [B, T, S].
+    q [B, T, H, D], k [B, S, G, D].
+    indices None (dense warm-up): softmax over every readable key -> [B, T, S] (masks as in
+    lightning_indexer, with q_positions and cu_seqlens over the S keys).
     indices [B, T, K] (sparse stage): softmax over the selected keys -> [B, T, K], aligned with
     indices, 0 in the -1 slots. Detached: the loss trains the indexer, not the main attention.
     """
-    B, T, H, G, D = _check_attention_args(q, k, k)
+    B, T, S, H, G, D = _check_attention_args(q, k, k)
     scale = D**-0.5 if scale is None else scale
     if indices is None:
-        seg = _segment_ids(cu_seqlens, B, T)
-        mask = _key_mask(0, T, T, causal, seg, q.device)  # [T, S]
+        q_pos = _query_positions(q_positions, T, S, q.device)
+        seg = _segment_ids(cu_seqlens, B, S)
+        mask = _key_mask(q_pos, S, causal, seg)  # [T, S]
         scores = _grouped_scores_dense(q, k, scale).masked_fill(~mask[:, None, None, :], NEG_INF)
     else:
-        _check_indices(indices, B, T, T)
+        _check_indices(indices, B, T, S)
         scores = _grouped_scores_sparse(q, k, indices, scale)
     probs = _softmax_lse(scores)[0].sum(dim=(2, 3))  # [B, T, S or K]
     return probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
+def _valid_queries(index_scores: Tensor, target: Tensor) -> Tensor:
+    """[B, T] bool: the query has a readable key and some target mass (it counts in the mean)."""
+    return (target.sum(-1) > 0) & (index_scores > NEG_INF).any(-1)
+
+
+@torch.no_grad()
+def indexer_kl_valid_queries(
+    index_scores: Tensor, attn_probs_target: Tensor, indices: Tensor | None = None
+) -> Tensor:
+    """[B, T] bool: the queries indexer_kl_loss averages over (same arguments)."""
+    if indices is not None:
+        index_scores = index_scores.masked_fill(indices < 0, NEG_INF)
+        attn_probs_target = attn_probs_target.masked_fill(indices < 0, 0.0)
+    return _valid_queries(index_scores, attn_probs_target)
 
 
 def indexer_kl_loss(
@@ -376,7 +445,8 @@ def indexer_kl_loss(
     [B, T, K] aligned with indices [B, T, K] (lightning_indexer_sparse and
     attention_probs_target(..., indices) give exactly these); the -1 slots are ignored. The
     target is detached and L1-normalised here; queries with no key or an all-zero target are
-    left out of the mean.
+    left out of the mean (indexer_kl_valid_queries says which count). Under context
+    parallelism a rank's T queries are a subset of all: scale by its share of the valid queries.
     """
     B, T, X = _shape(index_scores, "index_scores", "[B, T, S or K]")
     _check(
@@ -396,7 +466,7 @@ def indexer_kl_loss(
     dtype = _compute_dtype(index_scores)
     p = attn_probs_target.detach().to(dtype)
     p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-    valid_query = (p.sum(-1) > 0) & (index_scores > NEG_INF).any(-1)  # [B, T]
+    valid_query = _valid_queries(index_scores, p)  # [B, T]
     # Rows left out get finite dummy logits so their log_softmax (and its gradient) is not NaN.
     log_q = torch.log_softmax(index_scores.to(dtype).masked_fill(~valid_query[..., None], 0.0), -1)
     kl = torch.where(p > 0, p * (p.log() - log_q), 0.0).sum(-1)  # [B, T]

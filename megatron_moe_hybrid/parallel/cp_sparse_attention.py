@@ -1,0 +1,153 @@
+"""Top-k sparse attention (DeepSeek-V3.2 DSA) under context parallelism: the layer's core.
+
+Shape legend: B batch (1 when packed), Tl local tokens (this rank's queries), T global tokens
+(every rank's keys), H / G query heads / kv groups, D head dim, DV value head dim, HI / DI
+indexer heads / head dim, K top-k.
+
+A rank keeps its Tl queries and all-gathers, in global order, what every query may read: the
+indexer keys k_idx and the GQA/MQA-shared K and V (one head per group, small next to the
+queries). Query t sits at global index layout.positions()[t], so the causal and packed masks
+compare global indices and top-k returns global key indices into the gathered tensors. The
+gathers are layout.gather, whose backward sums every rank's gradient of a gathered row and
+hands it to the owner: the backward is the mirror of the forward with no code of its own.
+
+Memory per rank: the gathered K, V and indexer keys are O(T) but one head per group; the
+indexer scores live block_size queries at a time ([B, block_size, HI, T]); the sparse stage
+attends over [B, Tl, K] gathered keys. The dense warm-up is dense attention by definition:
+its reference builds [B, Tl, T].
+
+Indexer KL loss: indexer_kl_loss is a mean over the valid queries (those with a key and a
+target). A rank's loss covers its own queries, scaled by its share of the valid queries
+(local count / global count), so the losses summed over the CP ranks equal the CP == 1 loss,
+and so do the gradients. (SparseAttention attaches cp x this share because the trainer
+averages gradients over the CP ranks.)
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megatron_moe_hybrid.ops import sparse_attention as ops
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+
+STAGES = ("sparse", "dense_warmup")
+
+
+def _check_args(q, k, v, q_idx, k_idx, weights, layout, stage, cu_seqlens) -> None:
+    if not isinstance(layout, CPLayout):
+        raise ValueError(f"layout must be a CPLayout, got {type(layout).__name__}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    Tl = layout.local_len
+    B = q.shape[0] if isinstance(q, Tensor) and q.dim() else None
+    # The ops check the remaining dims; here: every input holds this rank's Tl tokens.
+    for name, x, legend in (
+        ("q", q, "[B, Tl, H, D]"),
+        ("k", k, "[B, Tl, G, D]"),
+        ("v", v, "[B, Tl, G, DV]"),
+        ("q_idx", q_idx, "[B, Tl, HI, DI]"),
+        ("k_idx", k_idx, "[B, Tl, DI]"),
+        ("weights", weights, "[B, Tl, HI]"),
+    ):
+        dims = legend.count(",") + 1
+        if not (isinstance(x, Tensor) and x.dim() == dims and tuple(x.shape[:2]) == (B, Tl)):
+            raise ValueError(
+                f"{name} must be {legend} with B={B} (q's batch) and this rank's "
+                f"Tl = layout.local_len = {Tl} tokens, got "
+                f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+            )
+    if cu_seqlens is not None:
+        # Validates the global offsets (ValueError naming cu_seqlens) before any collective,
+        # so a bad call fails on every rank at the same place.
+        ops.positions_from_cu_seqlens(cu_seqlens, layout.seq_len)
+
+
+def _valid_share(loss: Tensor, valid: Tensor, layout: CPLayout) -> Tensor:
+    """loss (a mean over this rank's valid queries) times local count / count over all ranks."""
+    if layout.size == 1:
+        return loss
+    num_local = valid.sum().to(loss.dtype)
+    num_global = num_local.clone()
+    dist.all_reduce(num_global, group=layout.group)
+    return loss * (num_local / num_global.clamp_min(1))
+
+
+def cp_sparse_attention_core(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    *,
+    layout: CPLayout,
+    topk: int,
+    cu_seqlens: Optional[Tensor] = None,
+    stage: str = "sparse",
+    indexer_loss: bool = False,
+    tp_group: Optional[ProcessGroup] = None,
+    block_size: int = 256,
+    backend: str = "auto",
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Attention of this rank's queries over all earlier global tokens.
+
+    q [B, Tl, H, D], k [B, Tl, G, D], v [B, Tl, G, DV] (RoPE applied), q_idx [B, Tl, HI, DI],
+    k_idx [B, Tl, DI], weights [B, Tl, HI]: this rank's tokens in layout order. cu_seqlens
+    [N + 1]: the GLOBAL packed offsets over layout.seq_len tokens (B == 1), the same on every
+    rank. stage "sparse" attends over the indexer's top-k, "dense_warmup" densely.
+
+    Returns o [B, Tl, H, DV] and, when indexer_loss, this rank's share of the indexer KL loss
+    (the target from the detached q and gathered k, summed over tp_group's heads as the layer
+    does; sum over the CP ranks = the CP == 1 loss), else None. Every rank of layout.group
+    must call this with the same stage and indexer_loss: the gathers are collectives.
+    """
+    _check_args(q, k, v, q_idx, k_idx, weights, layout, stage, cu_seqlens)
+    q_pos = layout.positions(q.device)  # [Tl] global index of each local query
+    D = k.shape[-1]
+    # K and V travel in one gather: [B, T, G, D + DV]
+    k_all, v_all = layout.gather(torch.cat([k, v], dim=-1), dim=1).split([D, v.shape[-1]], dim=-1)
+    needs_index_keys = stage == "sparse" or indexer_loss
+    k_idx_all = layout.gather(k_idx, dim=1) if needs_index_keys else None  # [B, T, DI]
+
+    if stage == "sparse":
+        # [B, Tl, K] global key indices; selection is not differentiable.
+        indices = ops.indexer_topk(
+            q_idx.detach(),
+            k_idx_all.detach(),
+            weights.detach(),
+            topk,
+            block_size,
+            cu_seqlens=cu_seqlens,
+            backend=backend,
+            q_positions=q_pos,
+        )
+        o, _ = ops.sparse_attention(q, k_all, v_all, indices, backend=backend)
+    else:
+        indices = None
+        o, _ = ops.dense_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_positions=q_pos)
+    if not indexer_loss:
+        return o, None
+
+    target = ops.attention_probs_target(
+        q.detach(),
+        k_all.detach(),
+        indices,
+        cu_seqlens=cu_seqlens,
+        backend=backend,
+        q_positions=q_pos,
+    )  # [B, Tl, T or K]
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        # Each TP rank holds H / tp heads; the target sums all of them (the loss renormalises).
+        dist.all_reduce(target, group=tp_group)
+    if indices is None:
+        scores = ops.lightning_indexer(
+            q_idx, k_idx_all, weights, cu_seqlens=cu_seqlens, backend=backend, q_positions=q_pos
+        )
+    else:
+        scores = ops.lightning_indexer_sparse(q_idx, k_idx_all, weights, indices, backend=backend)
+    loss = ops.indexer_kl_loss(scores, target, indices, backend=backend)
+    valid = ops.indexer_kl_valid_queries(scores.detach(), target, indices)  # [B, Tl]
+    return o, _valid_share(loss, valid, layout)
