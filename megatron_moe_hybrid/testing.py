@@ -51,13 +51,15 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle: torch's queue would pass tensors as shared memory that vanishes
         # when this process exits.
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -68,8 +70,11 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0) -> list:
-    """Runs fn(rank, world_size, *args) in world_size processes joined by a gloo group.
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0, backend: str = "gloo"
+) -> list:
+    """Runs fn(rank, world_size, *args) in world_size processes joined by a gloo group
+    (backend="nccl": rank r on GPU r, for GPU tests).
 
     fn must be a module-level function; the gloo group is initialised before it runs
     (call init_megatron inside fn for Megatron's parallel_state). Returns the values
@@ -79,7 +84,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300.0
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
         for r in range(world_size)
     ]
     for p in procs:

@@ -35,7 +35,7 @@ def _config(cp, layout, aux_loss_type="micro_batch"):
 CU_SEQLENS = [0, 5, 24, 24, 41, 48]
 
 
-def _run(rank, world, layout, aux_loss_type, packed=False):
+def _run(rank, world, layout, aux_loss_type, packed=False, device="cpu", dtype=torch.float64):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_moe_hybrid.models import build_model
@@ -44,7 +44,7 @@ def _run(rank, world, layout, aux_loss_type, packed=False):
     init_megatron(rank, world, cp=world)
     config = _config(world, layout, aux_loss_type)
     torch.manual_seed(0)
-    model = build_model(config).double()
+    model = build_model(config).to(dtype)
     for m in model.modules():  # a random expert bias takes part in the routing
         if getattr(m, "expert_bias", None) is not None:
             m.expert_bias.normal_()
@@ -53,13 +53,16 @@ def _run(rank, world, layout, aux_loss_type, packed=False):
     labels = torch.randint(0, config.vocab_size, (b, SEQ))
     cp = CPLayout.from_parallel_state(SEQ, layout)
     tokens, labels = cp.shard(tokens, 1), cp.shard(labels, 1)  # [b, s / P]
+    if device == "cuda":
+        torch.backends.cudnn.allow_tf32 = False  # the short conv: exact fp32, as on the CPU
+        model, tokens, labels = model.cuda(), tokens.cuda(), labels.cuda()
     kwargs = {}
     if packed:  # global offsets on every rank (the CP convention)
-        cu = torch.tensor(CU_SEQLENS, dtype=torch.int32)
+        cu = torch.tensor(CU_SEQLENS, dtype=torch.int32, device=tokens.device)
         kwargs["packed_seq_params"] = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ
         )
-    loss = model(tokens, cp.positions().expand_as(tokens), None, labels=labels, **kwargs).mean()
+    loss = model(tokens, cp.positions(tokens.device).expand_as(tokens), None, labels=labels, **kwargs).mean()
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -67,11 +70,11 @@ def _run(rank, world, layout, aux_loss_type, packed=False):
         if world > 1:
             dist.all_reduce(g)
             g = g / world
-        grads[name] = g
+        grads[name] = g.cpu()
     total = loss.detach().clone()
     if world > 1:
         dist.all_reduce(total)
-    return total / world, grads
+    return (total / world).cpu(), grads
 
 
 @pytest.mark.parametrize(
@@ -111,3 +114,17 @@ def test_cp_config_errors_name_the_field():
     for overrides, field in cases:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             config_from_dict(raw, {"parallel.world_size": 4, **overrides})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_cp2_model_equals_cp1_on_gpus(packed):
+    """Over NCCL (the gathers' backward is a reduce-scatter there), fp32 on the GPU."""
+    (ref_loss, ref_grads), = spawn(_run, 1, "zigzag", "micro_batch", packed, "cuda", torch.float32,
+                                   backend="nccl")
+    for loss, grads in spawn(_run, 2, "zigzag", "micro_batch", packed, "cuda", torch.float32, backend="nccl"):
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            scale = max(1.0, ref_grads[name].abs().max().item())
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
