@@ -11,10 +11,12 @@ compare global indices and top-k returns global key indices into the gathered te
 gathers are layout.gather, whose backward sums every rank's gradient of a gathered row and
 hands it to the owner: the backward is the mirror of the forward with no code of its own.
 
-Memory per rank: the gathered K, V and indexer keys are O(T) but one head per group; the
-indexer scores live block_size queries at a time ([B, block_size, HI, T]); the sparse stage
-attends over [B, Tl, K] gathered keys. The dense warm-up is dense attention by definition:
-its reference builds [B, Tl, T].
+Memory per rank: the gathered K, V and indexer keys are O(T) (one head per group) but
+transient: the selections are index_select, whose backward needs the indices only, so what
+autograd keeps is the [B, Tl, K] selected rows, linear in the local length (a test checks
+the saved shapes); the indexer scores live block_size queries at a time ([B, block_size, HI,
+T]). The dense warm-up is dense attention by definition: it keeps the gathered keys and its
+reference builds [B, Tl, T].
 
 Indexer KL loss: indexer_kl_loss is a mean over the valid queries (those with a key and a
 target). A rank's loss covers its own queries, scaled by its share of the valid queries

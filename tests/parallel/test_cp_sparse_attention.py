@@ -458,3 +458,39 @@ def test_cp_layer_equals_single_process(megatron):
                 _assert_close(got["loss"], loss, f"{name} indexer loss")
                 for key, grad in grads.items():
                     assert_close_to_scale(got["grads"][key], grad, 1e-10, f"{name} grad {key}")
+
+
+def _saved_shapes_worker(rank, world, T, topk, stage):
+    """Shapes autograd keeps from one CP sparse forward (with the indexer loss)."""
+    torch.manual_seed(rank)
+    layout = CPLayout(T, world, rank, "zigzag", dist.group.WORLD)
+    Tl, H, G, D, HI, DI = layout.local_len, 4, 1, 8, 2, 8
+    q, k, v = (torch.randn(1, Tl, n, D, requires_grad=True) for n in (H, G, G))
+    q_idx = torch.randn(1, Tl, HI, DI, requires_grad=True)
+    k_idx = torch.randn(1, Tl, DI, requires_grad=True)
+    weights = torch.randn(1, Tl, HI, requires_grad=True)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, loss = cp_sparse_attention_core(
+            q, k, v, q_idx, k_idx, weights, layout=layout, topk=topk, indexer_loss=True, stage=stage
+        )
+    (o.sum() + loss).backward()  # the backward (and its reduce-scatter) runs on every rank
+    return shapes
+
+
+def test_sparse_stage_saves_only_local_rows():
+    """The gathered [B, T, ...] keys are transient: what autograd keeps for the backward is
+    O(local tokens x top-k), so memory per rank stays linear in the local length."""
+    T, topk = 96, 5
+    for shapes in spawn(_saved_shapes_worker, 2, T, topk, "sparse"):
+        assert shapes
+        for shape in shapes:
+            assert T not in shape, shape  # B = G = 1: any global-length tensor has a dim of T
+    # the check sees a gathered tensor when one is kept: the dense warm-up keeps the keys
+    dense = spawn(_saved_shapes_worker, 2, T, topk, "dense_warmup")
+    assert all(any(T in shape for shape in shapes) for shapes in dense)
