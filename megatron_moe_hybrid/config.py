@@ -142,7 +142,7 @@ class MemoryConfig:
     ce_chunk_size: int = 1024  # tokens per chunk of the linear + cross-entropy
     activation_offload: bool = False  # keep selected saved activations in host memory (parallel/offload.py)
     # fnmatch patterns over module paths: the innermost module running when autograd saves a tensor
-    offload_modules: list[str] = field(default_factory=lambda: ["*.mlp.experts"])  # module-path patterns; "*.self_attention" adds attention
+    offload_modules: list[str] = field(default_factory=lambda: ["*.mlp", "*.mlp.*"])  # module-path patterns: the MoE layers; "*.self_attention" adds attention
     offload_fraction: float = 1.0  # offload in the first ceil(fraction x num_layers) layers
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
 
