@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, uses_grouped_mm
+from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul
 
 _LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 EXPERT_ADAPTERS = ("per_expert", "shared")
@@ -295,20 +295,18 @@ class LoRAGroupedExperts(nn.Module):
         return grouped_matmul(u, b.transpose(1, 2), counts) * self.scale  # [N, out]
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-        """x_sorted [N, h] grouped by local expert, tokens_per_expert [E] -> [N, h]."""
-        w1, w2 = self.base.weight1, self.base.weight2
-        counts = tokens_per_expert
-        if not uses_grouped_mm(x_sorted, w1):  # the loop over experts reads host ints once, not per matmul
-            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
-        h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
-        if not self.merged:
-            h1 = h1 + self._adapter(x_sorted, self.lora_A1, self.lora_B1, counts).to(h1.dtype)
-        gate, up = h1.chunk(2, dim=-1)  # [N, F] each
-        act = F.silu(gate) * up
-        out = grouped_matmul(act.to(w2.dtype), w2, counts).to(act.dtype)  # [N, h]
-        if not self.merged:
-            out = out + self._adapter(act, self.lora_A2, self.lora_B2, counts).to(out.dtype)
-        return out
+        """x_sorted [N, h] grouped by local expert, tokens_per_expert [E] -> [N, h].
+
+        The adapters ride into the base module's forward: under FSDP2 a shared adapter leaves
+        the base experts their own sharded unit, gathered by their own forward hooks."""
+        if self.merged:  # the unfused path all the same: merged and unmerged agree to rounding
+            return self.base(x_sorted, tokens_per_expert, lambda x, c: x.new_zeros(()), None)
+        return self.base(
+            x_sorted,
+            tokens_per_expert,
+            lambda x, counts: self._adapter(x, self.lora_A1, self.lora_B1, counts),
+            lambda act, counts: self._adapter(act, self.lora_A2, self.lora_B2, counts),
+        )
 
     def delta_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """s * (B A)^T in the base layout: [E, h, 2F] and [E, F, h] (merge only)."""

@@ -156,6 +156,24 @@ def test_lora_ep2_dp2_equals_single_process(base_dir, corpus, cache_dir, tmp_pat
         assert torch.equal(value, base[base_name]), name
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_shared_expert_adapter_ep2_dp2_equals_single_process(base_dir, corpus, cache_dir, tmp_path, raw_config):
+    """One adapter for all of a rank's experts: a dense parameter beside FSDP-sharded experts
+    (the experts' own forward must gather them), its gradient summed over every rank."""
+    shared = {**_lora_overrides(base_dir), "lora.expert_adapter": "shared"}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "single"), **shared)
+    (single,) = spawn(_train, 1, raw, ov, "finetune")
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **shared, **_layout(4, 2))
+    runs = spawn(_train, 4, raw, ov, "finetune")
+    _assert_losses_close(single["losses"], runs[0]["losses"])
+    assert single["losses"][0] != single["losses"][-1]
+    ref_adapter = load_file(os.path.join(single["adapter"], "adapter_model.safetensors"))
+    got_adapter = load_file(os.path.join(runs[0]["adapter"], "adapter_model.safetensors"))
+    _assert_tensors_close(ref_adapter, got_adapter)
+    assert any("experts" in k for k in got_adapter), sorted(got_adapter)[:5]
+
+
 @pytest.mark.slow
 def test_adapters_only_checkpoint_bf16_base_resumes_exactly(base_dir, corpus, cache_dir, tmp_path, raw_config):
     """bf16 frozen base under FSDP (gathered as fp32 for compute); checkpoints hold adapters only."""

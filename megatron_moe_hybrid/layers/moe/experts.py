@@ -4,10 +4,16 @@ Shape legend: E_local experts on this rank, N rows grouped by expert, h hidden s
 F expert FFN hidden size (config.moe.ffn_hidden_size).
 """
 
+from typing import Callable, Optional
+
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_hybrid.ops.moe.grouped import swiglu_experts
+from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, swiglu_experts, uses_grouped_mm
+
+# (rows [N, in], counts) -> [N, out]: added to a matmul's output (a LoRA adapter)
+Extra = Callable[[torch.Tensor, object], torch.Tensor]
 
 
 class GroupedExperts(MegatronModule):
@@ -44,10 +50,31 @@ class GroupedExperts(MegatronModule):
             param.num_local_experts = num_local_experts
 
     def forward(
-        self, x_sorted: torch.Tensor, tokens_per_local_expert: torch.Tensor | list[int]
+        self,
+        x_sorted: torch.Tensor,
+        tokens_per_local_expert: torch.Tensor | list[int],
+        fc1_extra: Optional[Extra] = None,
+        fc2_extra: Optional[Extra] = None,
     ) -> torch.Tensor:
         """x_sorted [N, h] grouped by local expert, tokens_per_local_expert [E_local] (host ints,
         or a device tensor: the grouped GEMM takes it without a host sync) -> [N, h].
 
-        Rows past sum(tokens_per_local_expert) are padding; their outputs are unspecified."""
-        return swiglu_experts(x_sorted, tokens_per_local_expert, self.weight1, self.weight2)
+        fc1_extra / fc2_extra(rows, counts) are added to the outputs of the two matmuls (LoRA
+        adapters): passed in here, so that the weights are used inside this module's forward,
+        where FSDP2 gathers them. Rows past sum(tokens_per_local_expert) are padding; their
+        outputs are unspecified."""
+        w1, w2 = self.weight1, self.weight2
+        if fc1_extra is None and fc2_extra is None:
+            return swiglu_experts(x_sorted, tokens_per_local_expert, w1, w2)
+        counts = tokens_per_local_expert
+        if not uses_grouped_mm(x_sorted, w1):  # the loop over experts reads host ints once, not per matmul
+            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
+        h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
+        if fc1_extra is not None:
+            h1 = h1 + fc1_extra(x_sorted, counts).to(h1.dtype)
+        gate, up = h1.chunk(2, dim=-1)  # [N, F] each
+        act = F.silu(gate) * up
+        out = grouped_matmul(act.to(w2.dtype), w2, counts).to(act.dtype)  # [N, h]
+        if fc2_extra is not None:
+            out = out + fc2_extra(act, counts).to(out.dtype)
+        return out
