@@ -290,6 +290,11 @@ class LoRAGroupedExperts(nn.Module):
         """x [N, in] -> [N, out]: s * (x A_e^T) B_e^T per expert, or with the one shared A, B."""
         x = self.dropout(x).to(a.dtype)
         if not self.per_expert:
+            # Rows past the counted ones are the static dispatcher's padding and may hold
+            # anything (NaN on the GPU): a dense adapter would carry them into its gradient.
+            total = counts.sum() if torch.is_tensor(counts) else sum(counts)  # no host sync
+            valid = torch.arange(x.shape[0], device=x.device) < total  # [N]
+            x = torch.where(valid[:, None], x, x.new_zeros(()))
             return F.linear(F.linear(x, a), b) * self.scale
         u = grouped_matmul(x, a.transpose(1, 2), counts)  # [N, r]
         return grouped_matmul(u, b.transpose(1, 2), counts) * self.scale  # [N, out]

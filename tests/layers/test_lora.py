@@ -221,6 +221,24 @@ def test_grouped_experts_match_formula(counts, h, f, r, mode):
     assert base.weight1.grad is None or not base.weight1.requires_grad
 
 
+@pytest.mark.parametrize("mode", ["per_expert", "shared"])
+def test_adapter_ignores_padding_rows(mode):
+    """The static dispatcher pads the rows past sum(counts) with whatever memory held (NaN on
+    the H200): no adapter may carry them into its weight gradients."""
+    torch.manual_seed(0)
+    counts = torch.tensor([2, 0, 3])
+    lora = LoRAGroupedExperts(_experts(3, 6, 4), 2, 4.0, expert_adapter=mode)
+    _randomize_(lora)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    padded = torch.cat([x, torch.full((3, 6), float("nan"), dtype=torch.float64)])
+    a, b = lora.lora_A1, lora.lora_B1
+    want = torch.autograd.grad(lora._adapter(x, a, b, counts).sum(), [a, b])
+    out = lora._adapter(padded, a, b, counts)
+    got = torch.autograd.grad(out[:5].sum(), [a, b])  # the padding rows' outputs are never read
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+
 def test_grouped_experts_reject_bad_counts():
     lora = LoRAGroupedExperts(_experts(3, 4, 2), 1, 1.0)
     with pytest.raises(ValueError, match="tokens_per_expert"):
