@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--kinds", default="frozen,lora,lora_shared,full", help="which steps to time (frozen first)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     if "RANK" not in os.environ:
@@ -169,14 +170,14 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     raw = TINY if args.tiny else MODEL
     rows = {}
-    for kind in ("frozen", "lora", "lora_shared", "full"):
+    for kind in args.kinds.split(","):
         try:
             rows[kind] = run(kind, raw, world, rank, device, args.reps, args.warmup)
         except Exception as e:  # an OOM or a failure of one kind is recorded, the others still run
             rows[kind] = {"kind": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         if rank == 0:
             print(rows[kind], flush=True)
-    if rank == 0 and not args.tiny:
+    if rank == 0 and not args.tiny and set(rows) == {"frozen", "lora", "lora_shared", "full"}:
         from common import write_results
 
         shape = f"L8-H2048-E16-K4-F1024-T{raw['training']['seq_length']}-B{raw['training']['micro_batch_size']}-EP{world}-FSDP2-bf16"

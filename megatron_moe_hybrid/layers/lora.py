@@ -292,10 +292,12 @@ class LoRAGroupedExperts(nn.Module):
         if not self.per_expert:
             # Rows past the counted ones are the static dispatcher's padding and may hold
             # anything (NaN on the GPU): a dense adapter would carry them into its gradient.
+            # Their incoming gradients are as unspecified (the grouped GEMM's backward leaves
+            # them): mask the output too, so that no padding row reaches A or B either way.
             total = counts.sum() if torch.is_tensor(counts) else sum(counts)  # no host sync
-            valid = torch.arange(x.shape[0], device=x.device) < total  # [N]
-            x = torch.where(valid[:, None], x, x.new_zeros(()))
-            return F.linear(F.linear(x, a), b) * self.scale
+            valid = (torch.arange(x.shape[0], device=x.device) < total)[:, None]  # [N, 1]
+            out = F.linear(F.linear(torch.where(valid, x, x.new_zeros(())), a), b) * self.scale
+            return torch.where(valid, out, out.new_zeros(()))
         u = grouped_matmul(x, a.transpose(1, 2), counts)  # [N, r]
         return grouped_matmul(u, b.transpose(1, 2), counts) * self.scale  # [N, out]
 
