@@ -376,6 +376,12 @@ class Trainer:
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = t.global_batch_size * t.seq_length / elapsed
         metrics["skipped_steps"] = self.skipped
+        if self.config.memory.activation_offload:  # this step's share of the running totals
+            stats = self.activation_offload.stats()
+            seen_bytes, seen_stall = getattr(self, "_offload_seen", (0, 0.0))
+            metrics["offload_bytes"] = stats["bytes"] - seen_bytes
+            metrics["offload_stall_ms"] = stats["stall_ms"] - seen_stall
+            self._offload_seen = (stats["bytes"], stats["stall_ms"])
         metrics.update(self.dataset.data_stats)  # records dropped under training.bad_data: skip
         self.step += 1
         return metrics

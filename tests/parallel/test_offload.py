@@ -334,9 +334,10 @@ def _train_worker(rank, world_size, raw, overrides):
                                         "training.output_dir": f"{overrides['training.output_dir']}-{on}"})
         init_distributed(config)
         trainer = Trainer(config)
-        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        metrics = [trainer.train_step() for _ in range(3)]
+        losses = [m["loss"] for m in metrics]
         stats = trainer.activation_offload.stats() if on else None
-        runs[on] = {"losses": losses, "stats": stats,
+        runs[on] = {"losses": losses, "stats": stats, "offload_bytes": [m.get("offload_bytes") for m in metrics],
                     "weights": {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}}
     ps.destroy_model_parallel()
     return runs
@@ -358,6 +359,9 @@ def test_trainer_with_offload_gives_the_same_losses(tmp_path):
     }
     (runs,) = spawn(_train_worker, 1, raw, overrides)
     off, on = runs[False], runs[True]
+    # the metrics log each step's offloaded bytes; the three steps add up to the running total
+    assert off["offload_bytes"] == [None] * 3
+    assert all(b > 0 for b in on["offload_bytes"]) and sum(on["offload_bytes"]) == on["stats"]["bytes"]
     assert on["losses"] == off["losses"]  # bitwise
     assert on["weights"].keys() == off["weights"].keys()
     for name in off["weights"]:
