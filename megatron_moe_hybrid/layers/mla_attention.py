@@ -12,11 +12,14 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
       [k_nope N | v V]; the R rope channels are one key head shared by all heads.
   RoPE on the R channels in DeepSeek's interleaved-pair form, output de-interleaved as HF writes
   it ([rotated evens | rotated odds]): q and k are permuted alike, so q . k is unchanged.
-  indexer (no gradient, as in HF): q from the q latent [HI, DI], k = LayerNorm(x @ wk) [DI]
+  indexer (no gradient from the main loss, as in HF): q from the q latent [HI, DI], k = LayerNorm(x @ wk) [DI]
   shared by its heads, rotate-half RoPE on their first R channels; score[t, s] =
   sum_j w[t, j] * HI^-0.5 * relu(q[t, j] . k[s] * DI^-0.5), w = x @ weights_proj; the top-K
   causal keys per query are kept.
   softmax((N + R)^-0.5 q . k) over the kept keys, times v -> linear_proj.
+  Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
+  KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
+  indexer reads detached inputs), attached like the MoE aux loss; last_indexer_loss keeps it.
 Config: heads = model.num_attention_heads; dims and rope_theta from the mla group; topk,
 index_n_heads and index_head_dim from sparse_attention. Default RoPE only: HF's yarn mscale
 applies to other rope types, which this layer does not implement.
@@ -28,6 +31,7 @@ from typing import Mapping, Optional, Union
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 
@@ -139,6 +143,8 @@ class MLAttention(MegatronModule):
         self.rope_theta = mla.rope_theta
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5
         self.topk = sa.topk
+        self.indexer_loss_coeff = sa.indexer_loss_coeff
+        self.last_indexer_loss = torch.zeros(())
         self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
         self.backend = sa.backend
         dtype, h, H = config.params_dtype, config.hidden_size, self.num_heads
@@ -168,15 +174,11 @@ class MLAttention(MegatronModule):
         mods = (self.linear_index_q, self.linear_index_k, self.index_k_norm, self.linear_index_weights)
         return [p for m in mods for p in m.parameters()]
 
-    @torch.no_grad()
-    def index_topk(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, readable: Tensor) -> Tensor:
-        """[B, T, K] int64 key indices per query, -1 where the pick is not readable.
+    def index_scores(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """[B, T, S] fp32 indexer scores sum_j w[t, j] relu(q[t, j] . k[s]) (no mask).
 
-        x [B, T, h], q_latent [B, T, Q or h], readable [B or 1, T, S] bool. The op order copies
-        DeepseekV32Indexer (scores in fp32, the same matmuls, torch.topk over [B, T, S]) so that
-        exact ties (several keys whose relu'd logits are all 0) resolve as HF resolves them.
-        """
-        B, T, _ = x.shape
+        x [B, T, h], q_latent [B, T, Q or h]. The op order copies DeepseekV32Indexer (scores in
+        fp32, the same matmuls) so that exact ties resolve as HF resolves them."""
         HI, DI, R = self.index_heads, self.index_dim, self.rope_dim
         q = self.linear_index_q(q_latent)[0].unflatten(-1, (HI, DI))  # [B, T, HI, DI]
         k = self.index_k_norm(self.linear_index_k(x)[0]).unsqueeze(2)  # [B, T, 1, DI]
@@ -184,7 +186,13 @@ class MLAttention(MegatronModule):
         k = torch.cat([rope_half(k[..., :R], cos, sin), k[..., R:]], dim=-1).squeeze(2)  # [B, S, DI]
         logits = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * DI**-0.5  # [B, T, HI, S]
         w = self.linear_index_weights(x)[0].float() * HI**-0.5  # [B, T, HI]
-        scores = torch.matmul(w.unsqueeze(-2), logits.relu()).squeeze(-2)  # [B, T, S]
+        return torch.matmul(w.unsqueeze(-2), logits.relu()).squeeze(-2)  # [B, T, S]
+
+    @torch.no_grad()
+    def index_topk(self, scores: Tensor, readable: Tensor) -> Tensor:
+        """[B, T, K] int64 key indices per query (torch.topk over [B, T, S], as HF), -1 where
+        the pick is not readable. scores [B, T, S] from index_scores, readable [B or 1, T, S]."""
+        B, T, _ = scores.shape
         scores = scores.masked_fill(~readable, float("-inf"))
         indices = scores.topk(min(self.topk, T), dim=-1).indices  # [B, T, K]
         # Early queries have fewer than K readable keys: their extra picks are dropped here.
@@ -227,9 +235,22 @@ class MLAttention(MegatronModule):
         k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, R], shared by the heads
         k = torch.cat([k_nope, k_rope.expand(-1, -1, H, -1)], dim=-1)  # [B, S, H, N + R]
 
-        indices = self.index_topk(x, q_latent, cos, sin, readable)  # [B, T, K]
+        train_indexer = self.indexer_loss_coeff > 0 and self.training and torch.is_grad_enabled()
+        # The indexer learns only from its KL loss: its inputs are cut off from the main model.
+        with torch.set_grad_enabled(train_indexer):
+            scores = self.index_scores(x.detach(), q_latent.detach(), cos, sin)  # [B, T, S]
+        indices = self.index_topk(scores, readable)  # [B, T, K]
         o, _ = ops.sparse_attention(q, k, v, indices, scale=self.scale, backend=self.backend)  # [B, T, H, V]
-        return self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h], None
+        output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
+        if train_indexer:
+            # DSA's sparse stage: KL(p || softmax(I)) over the selected keys, p the main attention
+            # summed over heads (detached).
+            target = ops.attention_probs_target(q.detach(), k.detach(), indices, scale=self.scale)
+            selected = scores.gather(-1, indices.clamp(min=0))  # [B, T, K]
+            loss = ops.indexer_kl_loss(selected, target, indices, backend=self.backend)
+            self.last_indexer_loss = loss.detach()
+            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)
+        return output, bias
 
 
 def _positions_and_mask(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Tensor]:

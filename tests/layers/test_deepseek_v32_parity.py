@@ -150,7 +150,7 @@ def our_selection(ours: MLAttention, x_bsh) -> list[list[set]]:
     positions, readable = _positions_and_mask(None, s, b, x_bsh.device)
     cos, sin = rope_cos_sin(positions, ours.rope_dim, ours.rope_theta, x_bsh.dtype)
     q_latent = ours.q_layernorm(ours.linear_q_down_proj(x_bsh)[0])
-    idx = ours.index_topk(x_bsh, q_latent, cos, sin, readable)
+    idx = ours.index_topk(ours.index_scores(x_bsh, q_latent, cos, sin), readable)
     return [[set(idx[i, t].tolist()) - {-1} for t in range(s)] for i in range(b)]
 
 
@@ -336,3 +336,62 @@ def test_model_with_mla_layers_trains_on_cpu():
             assert p.grad is None, name
         else:
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_mla_indexer_loss_trains_only_the_indexer():
+    """sparse_attention.indexer_loss_coeff > 0: the indexer gets gradients, and the output, the
+    input gradient and every other weight's gradient stay bitwise those of coeff = 0."""
+    shape, (b, s) = SHAPES[0], (2, 23)
+    hf, _ = hf_attention(shape, TOPK["sparse"], F64, seed=5)
+    ours = our_attention(shape, TOPK["sparse"], F64)
+    load_hf_deepseek_v32_attention(ours, hf.state_dict())
+    x = torch.randn(s, b, shape.hidden, dtype=F64)
+    dy = torch.randn(s, b, shape.hidden, dtype=F64)
+    runs = {}
+    for coeff in (0.0, 0.5):
+        ours.indexer_loss_coeff = coeff
+        ours.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y, _ = ours(xi, attention_mask=None)
+        (y * dy).sum().backward()
+        runs[coeff] = (y.detach(), xi.grad, {n: p.grad for n, p in ours.named_parameters()})
+    (y0, gx0, g0), (y1, gx1, g1) = runs[0.0], runs[0.5]
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    for name in OUR_TO_HF:
+        assert torch.equal(g0[name], g1[name]), name
+    for name in INDEXER:
+        assert g0[name] is None, name
+        assert g1[name] is not None and torch.isfinite(g1[name]).all() and g1[name].abs().sum() > 0, name
+    assert ours.last_indexer_loss > 0
+
+
+def test_mla_indexer_loss_is_kl_to_hf_attention():
+    """last_indexer_loss = mean over queries of KL(p || softmax(I over the kept keys)), with p
+    HF's own sparse attention weights summed over heads and I our indexer scores (whose
+    selection equals HF's, test_mla_matches_hf)."""
+    from megatron_moe_hybrid.layers.mla_attention import _positions_and_mask, rope_cos_sin
+
+    shape, (b, s), topk = SHAPES[0], (2, 19), TOPK["sparse"]
+    hf, rotary = hf_attention(shape, topk, F64, seed=9)
+    ours = our_attention(shape, topk, F64)
+    load_hf_deepseek_v32_attention(ours, hf.state_dict())
+    ours.indexer_loss_coeff = 1.0
+    x = torch.randn(b, s, shape.hidden, dtype=F64)
+    ours(x.transpose(0, 1).clone().requires_grad_(), attention_mask=None)
+
+    with torch.no_grad():
+        hf.config._attn_implementation = "eager"
+        positions = torch.arange(s)[None].expand(b, s)
+        cos, sin = rotary(x, positions)
+        mask = torch.full((s, s), torch.finfo(F64).min, dtype=F64).triu(1).expand(b, 1, s, s)
+        weights = hf(x, (cos, sin), mask, position_ids=positions)[1]  # [b, H, s, s], 0 off the selection
+        p = weights.sum(1)
+        p = p / p.sum(-1, keepdim=True)  # [b, s, s]
+        pos, readable = _positions_and_mask(None, s, b, x.device)
+        c, sn = rope_cos_sin(pos, ours.rope_dim, ours.rope_theta, F64)
+        scores = ours.index_scores(x, ours.q_layernorm(ours.linear_q_down_proj(x)[0]), c, sn)
+        kept = p > 0
+        log_q = scores.masked_fill(~kept, float("-inf")).log_softmax(-1)
+        kl = torch.where(kept, p * (p.clamp_min(1e-300).log() - log_q), torch.zeros_like(p)).sum(-1)
+    # the indexer scores in fp32, as HF's indexer computes them
+    torch.testing.assert_close(ours.last_indexer_loss.double(), kl.mean(), rtol=1e-5, atol=1e-7)
