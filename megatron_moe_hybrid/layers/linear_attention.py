@@ -17,13 +17,13 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
 from megatron_moe_hybrid.ops.linear_attention import gated_delta_rule, simple_gla
-from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_linear_attention import (
     conv_halo,
     cp_gated_delta_rule,
@@ -175,7 +175,7 @@ class LinearAttention(MegatronModule):
         if kwargs.get("inference_context") is not None:
             raise NotImplementedError("LinearAttention keeps no state cache for decoding")
         cu_seqlens = _cu_seqlens(packed_seq_params, hidden_states)
-        layout = _cp_layout(self.config, hidden_states)
+        layout = local_layout(hidden_states.shape[0], getattr(self.config, "cp_layout", "zigzag"))
         proj, _ = self.in_proj(hidden_states)  # [s, b, D]
         proj = proj.transpose(0, 1)  # [B, T, D]
         q, k, v, z, *logits = proj.split(self.split_sizes, dim=-1)
@@ -269,18 +269,6 @@ def _check_config(la, tp: int) -> None:
             f"linear_attention.conv_kernel_size: expected >= 0 (0 disables the conv), "
             f"got {la.conv_kernel_size}"
         )
-
-
-def _cp_layout(config, hidden_states: Tensor) -> Optional[CPLayout]:
-    """The context-parallel layout of hidden_states' [s, b, h] local tokens; None when CP is off
-    (or parallel_state is not initialised), which keeps the single-device path untouched."""
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    size = parallel_state.get_context_parallel_world_size()
-    if size == 1:
-        return None
-    kind = getattr(config, "cp_layout", "zigzag")
-    return CPLayout.from_parallel_state(seq_len=hidden_states.shape[0] * size, kind=kind)
 
 
 def _cu_seqlens(packed_seq_params, hidden_states: Tensor) -> Optional[Tensor]:

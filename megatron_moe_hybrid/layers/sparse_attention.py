@@ -29,7 +29,7 @@ from torch import Tensor
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
-from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
 
 STAGES = ("sparse", "dense_warmup")
@@ -135,17 +135,6 @@ class SparseAttention(MegatronModule):
         ):
             yield from module.parameters()
 
-    def _cp_layout(self, s: int) -> Optional[CPLayout]:
-        """This rank's context-parallel layout, or None when CP is off (or parallel_state is not
-        initialised): then the single-device path runs exactly as before."""
-        if not parallel_state.model_parallel_is_initialized():
-            return None
-        cp_size = parallel_state.get_context_parallel_world_size()
-        if cp_size <= 1:
-            return None
-        kind = getattr(self.config, "cp_layout", "zigzag")
-        return CPLayout.from_parallel_state(seq_len=s * cp_size, kind=kind)
-
     @staticmethod
     def _positions(
         packed_seq_params, s: int, b: int, device, layout: Optional[CPLayout] = None
@@ -208,7 +197,7 @@ class SparseAttention(MegatronModule):
         """
         s, b, _ = hidden_states.shape
         backend = self.sa.backend
-        layout = self._cp_layout(s)
+        layout = local_layout(s, getattr(self.config, "cp_layout", "zigzag"))
         positions, cu_seqlens = self._positions(
             packed_seq_params, s, b, hidden_states.device, layout
         )

@@ -118,6 +118,16 @@ class CPLayout:
     def piece_range(self, piece: int) -> tuple[int, int]:
         return piece * self.piece_len, (piece + 1) * self.piece_len
 
+    def rank_order_index(self) -> Tensor:
+        """[NP] int64: row p is where global piece p sits in a rank-order all-gather of every
+        rank's pieces (rank r's slots at rows r * pieces-per-rank + slot)."""
+        index = [0] * self.num_pieces
+        for r in range(self.size):
+            pieces = self.rank_pieces(r)
+            for slot, p in enumerate(pieces):
+                index[p] = r * len(pieces) + slot
+        return torch.tensor(index)
+
     def positions(self, device=None) -> Tensor:
         """[Tl] int64 global index of each local token."""
         return torch.cat(
@@ -146,12 +156,8 @@ class CPLayout:
         if self.size == 1:
             return x
         xs = all_gather(x.movedim(dim, 0), self.group)  # [P * Tl, ...] in rank order
-        pieces = xs.unflatten(0, (self.size, -1, self.piece_len))  # [P, pieces/rank, L, ...]
-        order = [None] * self.num_pieces
-        for r in range(self.size):
-            for slot, p in enumerate(self.rank_pieces(r)):
-                order[p] = pieces[r, slot]
-        return torch.cat(order, dim=0).movedim(0, dim)
+        pieces = xs.unflatten(0, (self.num_pieces, self.piece_len))  # [NP, L, ...] in rank order
+        return pieces[self.rank_order_index().to(xs.device)].flatten(0, 1).movedim(0, dim)
 
     def local_segments(self, cu_seqlens: Optional[Tensor]) -> "LocalSegments":
         """Cuts the global packed sequences (cu_seqlens [N + 1] over T, or None: one sequence
@@ -198,6 +204,16 @@ class CPLayout:
             return None
         cu = cu_seqlens.to(device=positions.device, dtype=torch.int64)
         return torch.searchsorted(cu[1:], positions, right=True)
+
+
+def local_layout(local_len: int, kind: str = "zigzag") -> Optional[CPLayout]:
+    """The layout of a layer's local_len tokens under Megatron's context-parallel group, or None
+    when CP is off or parallel_state is not initialised (the single-device path then runs)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return None
+    return CPLayout.from_parallel_state(local_len * ps.get_context_parallel_world_size(), kind)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def conv_halo(x: Tensor, layout: CPLayout, width: int, cu_seqlens: Optional[Tens
         return x.new_zeros(NPL, B, 0, C)
     n = min(width, L)  # a piece shorter than the halo lends all of itself
     tails = x.unflatten(1, (NPL, L))[:, :, L - n :].movedim(1, 0)  # [NPL, B, n, C]
-    tails = all_gather(tails.contiguous(), layout.group)[_rank_order_index(layout)]  # [NP, B, n, C]
+    tails = all_gather(tails.contiguous(), layout.group)[layout.rank_order_index()]  # [NP, B, n, C]
     # [B, width + NP * n, C]: the tails in global order after `width` zero rows for token 0
     history = torch.cat([x.new_zeros(B, width, C), tails.movedim(0, 1).flatten(1, 2)], dim=1)
     starts = torch.tensor([layout.piece_range(p)[0] for p in layout.rank_pieces()])  # [NPL]
@@ -146,16 +146,6 @@ def conv_halo(x: Tensor, layout: CPLayout, width: int, cu_seqlens: Optional[Tens
         # rank's graph, so every rank runs its backward, a collective.
         halos.append(history[:, p * n : p * n + width] * keep)
     return torch.stack(halos)
-
-
-def _rank_order_index(layout: CPLayout) -> Tensor:
-    """[NP]: the row of a rank-order all-gather of per-piece rows that holds global piece p."""
-    index = [0] * layout.num_pieces
-    for r in range(layout.size):
-        pieces = layout.rank_pieces(r)
-        for slot, p in enumerate(pieces):
-            index[p] = r * len(pieces) + slot
-    return torch.tensor(index)
 
 
 def _check(q, k, v, g, beta, layout, initial_state, cu_seqlens) -> None:
@@ -232,7 +222,7 @@ def _cp_run(
         rows.append(_sequence_end_rows(states, segs, layout, cu_seqlens))  # [N, H, K, V + K]
     gathered = all_gather(torch.cat(rows), layout.group).unflatten(0, (layout.size, -1))
     by_piece = gathered[:, : NPL * B].unflatten(1, (NPL, B)).flatten(0, 1)  # [P * NPL, B, H, K, V + K]
-    by_piece = by_piece[_rank_order_index(layout)]  # [NP, B, H, K, V + K] in global order
+    by_piece = by_piece[layout.rank_order_index()]  # [NP, B, H, K, V + K] in global order
     s_in = [s_loc.new_zeros(B, H, K, V)]  # the state entering global piece 0, 1, ...
     for p in range(layout.num_pieces - 1):
         s_out0, M_p = by_piece[p].split([V, K], dim=-1)

@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_moe_hybrid.layers.sparse_attention import SparseAttention, SparseAttentionSubmodules
 from megatron_moe_hybrid.ops import sparse_attention as sa
 from megatron_moe_hybrid.ops.sparse_attention import reference
-from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
 from megatron_moe_hybrid.testing import assert_close_to_scale, init_megatron, spawn, teardown
 
@@ -397,7 +397,7 @@ def _cp_worker(rank, world, cases_by_cp, state, inputs_by_cp):
         for case, (x, grad_out) in zip(cases, inputs_by_cp[P]):
             layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"])
             layout = CPLayout.from_parallel_state(case["T"], case["kind"])
-            assert layer._cp_layout(layout.local_len) == layout
+            assert local_layout(layout.local_len, layer.config.cp_layout) == layout
             # The trainer's convention: each rank's loss is P x its share of the global loss
             # (the mean over its own tokens) and the gradients are averaged over the CP ranks.
             out, x_grad, grads, loss = run_layer(
@@ -442,7 +442,7 @@ def test_cp_layer_equals_single_process(megatron):
     for P in cases:
         for case, (x, grad_out) in zip(cases[P], inputs[P]):
             layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"])
-            assert layer._cp_layout(case["T"]) is None  # parallel_state at CP == 1: the old path
+            assert local_layout(case["T"], layer.config.cp_layout) is None  # CP == 1: the old path
             expected[P].append(run_layer(layer, x, grad_out, case["cu"]))
 
     results = spawn(_cp_worker, 4, cases, state, inputs)

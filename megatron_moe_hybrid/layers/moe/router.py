@@ -101,13 +101,18 @@ class TopKRouter(MegatronModule):
             self.routed_scaling_factor,
         )
         valid = None if padding_mask is None else ~padding_mask  # [T]
-        aux_loss = self._aux_loss(scores, topk_idx, valid, batch_size)
+        # Under CP: this rank's counted tokens (a device scalar: no host sync) and, once, their sum
+        # over the CP group, shared by the aux loss and the z-loss.
+        n_local = n_cp = None
+        if self.cp_group is not None:
+            n_local = (torch.tensor(x.shape[0]) if valid is None else valid.sum()).to(scores.device, scores.dtype)
+        aux_loss, n_cp = self._aux_loss(scores, topk_idx, valid, batch_size, n_local)
         z_loss = router_z_loss(logits if valid is None else logits[valid])
         if self.cp_group is not None and self.z_loss_coeff:  # cp x this rank's share, as the aux loss
-            n = torch.tensor(float(x.shape[0] if valid is None else valid.sum()), device=x.device)
-            n_all = n.clone()
-            dist.all_reduce(n_all, group=self.cp_group)
-            z_loss = z_loss * (n / n_all.clamp_min(1)) * dist.get_world_size(self.cp_group)
+            if n_cp is None:
+                n_cp = n_local.clone()
+                dist.all_reduce(n_cp, group=self.cp_group)
+            z_loss = z_loss * (n_local / n_cp.clamp_min(1)) * dist.get_world_size(self.cp_group)
         self.last_aux_loss = aux_loss.detach().float()
         self.last_z_loss = z_loss.detach().float()
 
@@ -126,11 +131,13 @@ class TopKRouter(MegatronModule):
         topk_idx: torch.Tensor,
         valid: torch.Tensor | None,
         batch_size: int | None,
-    ) -> torch.Tensor:
-        """scores [T, E], topk_idx [T, K], valid [T] bool or None -> the unscaled aux loss.
+        n_local: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """scores [T, E], topk_idx [T, K], valid [T] bool or None -> (the unscaled aux loss, the
+        counted tokens summed over the CP group when it was needed here, else None).
 
-        Under context parallelism: this rank's share of the loss of the whole sequences, times
-        the CP size (the mean over the CP ranks is the loss).
+        Under context parallelism (n_local: this rank's counted tokens): this rank's share of
+        the loss of the whole sequences, times the CP size (the mean over the CP ranks is the loss).
         """
         cp = self.cp_group
         cp_size = 1 if cp is None else dist.get_world_size(cp)
@@ -147,7 +154,7 @@ class TopKRouter(MegatronModule):
                     f"got {batch_size}; pass the micro-batch size b of the [s, b] layout"
                 )
             seq_shape = (scores.shape[0] // batch_size, batch_size)
-            return cp_size * sequence_load_balancing_loss(
+            loss = sequence_load_balancing_loss(
                 scores.view(*seq_shape, self.num_experts),  # explicit sizes: s may be 0
                 topk_idx.view(*seq_shape, self.topk),
                 self.num_experts,
@@ -155,17 +162,21 @@ class TopKRouter(MegatronModule):
                 None if valid is None else valid.view(seq_shape),
                 sum_over_ranks=None if cp is None else sum_over_cp,
             )
+            return cp_size * loss, None
         if valid is not None:
             scores, topk_idx = scores[valid], topk_idx[valid]
-        counts, num_tokens = None, None
-        group = self.aux_loss_group if self.aux_loss_type == "global" else cp
-        if group is not None and dist.get_world_size(group) > 1:
+        counts = n_cp = None
+        if self.aux_loss_type == "global" and self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
             counts = count_experts(topk_idx, self.num_experts).to(scores.dtype)  # [E]
-            dist.all_reduce(counts, group=group)
+            dist.all_reduce(counts, group=self.aux_loss_group)
         if cp is not None:
-            num_tokens = sum_over_cp(torch.tensor(float(scores.shape[0]), device=scores.device))
-        loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, num_tokens)
-        return cp_size * loss
+            if counts is None:  # the micro-batch's load and token count in one collective: [E + 1]
+                both = sum_over_cp(torch.cat([count_experts(topk_idx, self.num_experts).to(scores.dtype), n_local[None]]))
+                counts, n_cp = both[:-1], both[-1]
+            else:
+                n_cp = sum_over_cp(n_local)
+        loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, n_cp)
+        return cp_size * loss, n_cp
 
     def _keep_expert_bias_fp32(self) -> None:
         """model.to(bf16) casts buffers too; bias steps of ~1e-3 would round away in bf16."""
