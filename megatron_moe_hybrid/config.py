@@ -94,6 +94,17 @@ class MLAConfig:
     qk_rope_head_dim: int = 16  # interleaved RoPE; the indexer rotates this many of its channels
     v_head_dim: int = 32
     rope_theta: float = 10000.0
+    # RoPE scaling as transformers' rope_parameters: "default", or "yarn" (DeepSeek-V3 / V3.2
+    # checkpoints: factor 40, original 4096, beta 32 / 1, mscale and mscale_all_dim 1).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: unset (HF's None)
+    rope_mscale_all_dim: float = 0.0  # > 0 also scales the softmax by mscale(factor, this)^2
+    rope_attention_factor: Optional[float] = None  # cos/sin scale; None: derived from the mscales
+    rope_truncate: bool = True
 
 
 @dataclass
@@ -428,6 +439,18 @@ def _validate(c: HybridMoEConfig) -> None:
     )
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta"):
         _positive(getattr(mla, name), f"mla.{name}")
+    _require(
+        mla.rope_type in ("default", "yarn"),
+        "mla.rope_type",
+        f"{mla.rope_type!r} is not 'default' or 'yarn' (the RoPE scalings MLA implements)",
+    )
+    if mla.rope_type == "yarn":
+        for name in ("rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow"):
+            _positive(getattr(mla, name), f"mla.{name}")
+        for name in ("rope_mscale", "rope_mscale_all_dim"):
+            _require(getattr(mla, name) >= 0, f"mla.{name}", f"must be >= 0 (0: unset), got {getattr(mla, name)!r}")
+        if mla.rope_attention_factor is not None:
+            _positive(mla.rope_attention_factor, "mla.rope_attention_factor")
     _require(
         mla.qk_rope_head_dim % 2 == 0,
         "mla.qk_rope_head_dim",

@@ -258,6 +258,18 @@ def _qwen3_next_config(config) -> dict:
     }  # fmt: skip
 
 
+def _mla_rope_parameters(mla) -> dict:
+    """mla.rope_* -> HF's rope_parameters (the inverse of import_hf_config's _mla_rope)."""
+    if mla.rope_type == "default":
+        return {"rope_type": "default", "rope_theta": mla.rope_theta}
+    rope = {"rope_type": "yarn", "rope_theta": mla.rope_theta}
+    for key, field in import_hf_config._YARN_FIELDS.items():
+        value = getattr(mla, field)
+        if value is not None and not (field in ("rope_mscale", "rope_mscale_all_dim") and value == 0):
+            rope[key] = value
+    return rope
+
+
 def _deepseek_v32_config(config) -> dict:
     m, mla, sa = config.moe, config.mla, config.sparse_attention
     return {
@@ -267,7 +279,7 @@ def _deepseek_v32_config(config) -> dict:
         "qk_nope_head_dim": mla.qk_nope_head_dim,
         "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": mla.rope_theta},
+        "rope_parameters": _mla_rope_parameters(mla),
         "index_topk": sa.topk,
         "index_n_heads": sa.index_n_heads,
         "index_head_dim": sa.index_head_dim,

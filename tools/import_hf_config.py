@@ -126,6 +126,41 @@ def import_qwen3_next(hf: dict) -> Importer:
     return imp
 
 
+# HF rope_parameters key -> our mla field, for rope_type "yarn"
+_YARN_FIELDS = {
+    "factor": "rope_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor", "truncate": "rope_truncate",
+}  # fmt: skip
+
+
+def _mla_rope(imp: Importer) -> None:
+    """rope_parameters (or the older rope_scaling + rope_theta) -> mla.rope_*; yarn is exact."""
+    hf = imp.hf
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    imp.used.add("rope_scaling")
+    imp.notes = [n for n in imp.notes if not n.startswith(("rope_parameters=", "rope_theta="))]
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if theta is not None:
+        imp.out["mla"]["rope_theta"] = theta
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return
+    if rope_type != "yarn":
+        imp.notes.append(f"rope_parameters={rope!r}: RoPE scaling {rope_type!r} is not supported (default and yarn are); plain RoPE")
+        return
+    imp.out["mla"]["rope_type"] = "yarn"
+    for key, field in _YARN_FIELDS.items():
+        if rope.get(key) is not None:
+            imp.out["mla"][field] = rope[key]
+    if rope.get("factor") is None and hf.get("max_position_embeddings") and rope.get("original_max_position_embeddings"):
+        # HF's rule for a missing factor
+        imp.out["mla"]["rope_factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    extra = sorted(set(rope) - set(_YARN_FIELDS) - {"rope_type", "type", "rope_theta"})
+    if extra:
+        imp.notes.append(f"rope_parameters: {', '.join(extra)} not mapped (yarn takes {', '.join(_YARN_FIELDS)})")
+
+
 def import_deepseek_v32(hf: dict) -> Importer:
     imp = Importer(hf)
     _common_model(imp)
@@ -136,12 +171,7 @@ def import_deepseek_v32(hf: dict) -> Importer:
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         imp.take(key, "mla", key)
     imp.used.update({"qk_head_dim", "head_dim"})  # derived: nope + rope, and rope
-    rope = hf.get("rope_parameters") or {}
-    imp.notes = [n for n in imp.notes if not n.startswith("rope_parameters=")]
-    if "rope_theta" in rope:
-        imp.out["mla"]["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        imp.notes.append(f"rope_parameters={rope!r}: RoPE scaling ({rope['rope_type']}) is not supported; plain RoPE")
+    _mla_rope(imp)
     imp.take("index_n_heads", "sparse_attention", "index_n_heads")
     imp.take("index_head_dim", "sparse_attention", "index_head_dim")
     imp.take("index_topk", "sparse_attention", "topk")

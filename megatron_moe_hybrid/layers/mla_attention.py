@@ -20,11 +20,13 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
   Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
   KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
   indexer reads detached inputs), attached like the MoE aux loss; last_indexer_loss keeps it.
-Config: heads = model.num_attention_heads; dims and rope_theta from the mla group; topk,
-index_n_heads and index_head_dim from sparse_attention. Default RoPE only: HF's yarn mscale
-applies to other rope types, which this layer does not implement.
+Config: heads = model.num_attention_heads; dims, rope_theta and the RoPE scaling (mla.rope_type
+"default" or "yarn", as HF's _compute_yarn_parameters: ramped inverse frequencies, cos/sin times
+the attention factor, and with rope_mscale_all_dim the softmax scale times mscale^2) from the
+mla group; topk, index_n_heads and index_head_dim from sparse_attention.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
@@ -72,12 +74,51 @@ class DeepseekRMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, rope_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(mla) -> tuple[Tensor, float, float]:
+    """(inv_freq [R / 2] fp32, cos/sin factor, softmax-scale factor) for the mla config group.
+
+    "yarn" follows transformers' _compute_yarn_parameters op for op (fp32), so converted
+    DeepSeek-V3.2 checkpoints keep their logits: frequencies below the beta_slow..beta_fast
+    rotation band are divided by the factor, those above are kept, a linear ramp in between."""
+    R, base = mla.qk_rope_head_dim, mla.rope_theta
+    pos_freqs = base ** (torch.arange(0, R, 2).to(dtype=torch.float) / R)  # [R / 2]
+    if mla.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0, 1.0
+    factor, mscale, mscale_all_dim = mla.rope_factor, mla.rope_mscale, mla.rope_mscale_all_dim
+    attention_factor = mla.rope_attention_factor
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        original = mla.rope_original_max_position_embeddings
+        return (R * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(mla.rope_beta_fast), correction_dim(mla.rope_beta_slow)
+    if mla.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = torch.clamp((torch.arange(R // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by the factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    softmax_factor = _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return inv_freq, attention_factor, softmax_factor
+
+
+def rope_cos_sin(
+    positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """[B or 1, T, R / 2] cos and sin, computed in fp32 exactly as DeepseekV32RotaryEmbedding."""
-    arange = torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device)
-    inv_freq = 1.0 / (theta ** (arange / rope_dim))  # [R / 2]
     freqs = positions.float()[..., None] * inv_freq
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -141,7 +182,10 @@ class MLAttention(MegatronModule):
         self.q_lora_rank, self.kv_lora_rank = mla.q_lora_rank, mla.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.rope_theta = mla.rope_theta
-        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        # Not a buffer: model.to(bf16) would round the frequencies; one fp32 copy per device.
+        inv_freq, self.rope_attention_factor, softmax_factor = rope_frequencies(mla)
+        self._inv_freq = {inv_freq.device: inv_freq}
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_factor
         self.topk = sa.topk
         self.indexer_loss_coeff = sa.indexer_loss_coeff
         self.last_indexer_loss = torch.zeros(())
@@ -218,7 +262,10 @@ class MLAttention(MegatronModule):
         H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
         positions, readable = _positions_and_mask(packed_seq_params, s, b, hidden_states.device)
         x = hidden_states.transpose(0, 1)  # [B, T, h]
-        cos, sin = rope_cos_sin(positions, R, self.rope_theta, x.dtype)  # [1, T, R / 2]
+        if positions.device not in self._inv_freq:
+            self._inv_freq[positions.device] = next(iter(self._inv_freq.values())).to(positions.device)
+        inv_freq = self._inv_freq[positions.device]
+        cos, sin = rope_cos_sin(positions, inv_freq, x.dtype, self.rope_attention_factor)  # [1, T, R / 2]
 
         if self.q_lora_rank is None:
             q_latent = x

@@ -59,18 +59,39 @@ class Shape:
     index_heads: int
     index_dim: int
     theta: float = 10000.0
+    yarn: tuple = ()  # (factor, mscale, mscale_all_dim, original_max_position_embeddings)
 
     @property
     def id(self) -> str:
+        yarn = "-yarn" + "_".join(f"{x:g}" for x in self.yarn) if self.yarn else ""
         return (
             f"h{self.hidden}-H{self.heads}-Q{self.q_lora}-C{self.kv_lora}-N{self.nope}-R{self.rope}-V{self.v}"
-            f"-HI{self.index_heads}-DI{self.index_dim}-theta{self.theta:g}"
+            f"-HI{self.index_heads}-DI{self.index_dim}-theta{self.theta:g}{yarn}"
         )
+
+    def hf_rope(self) -> dict:
+        if not self.yarn:
+            return {"rope_type": "default", "rope_theta": self.theta}
+        factor, mscale, mscale_all_dim, original = self.yarn
+        return {"rope_type": "yarn", "rope_theta": self.theta, "factor": factor, "mscale": mscale,
+                "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": original,
+                "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+
+    def our_rope(self) -> dict:
+        if not self.yarn:
+            return {"rope_theta": self.theta}
+        factor, mscale, mscale_all_dim, original = self.yarn
+        return {"rope_theta": self.theta, "rope_type": "yarn", "rope_factor": factor, "rope_mscale": mscale,
+                "rope_mscale_all_dim": mscale_all_dim, "rope_original_max_position_embeddings": original}  # fmt: skip
 
 
 SHAPES = [
     Shape(64, 4, 16, 16, 8, 8, 16, 4, 16),
     Shape(48, 3, 24, 8, 16, 4, 8, 2, 8, theta=5e5),  # H x (N + R) != hidden, V != N + R
+    # DeepSeek-V3.2's yarn (factor 40), with mscale != mscale_all_dim so that both the cos/sin
+    # factor and the softmax factor differ from 1, and a short original length so the ramp
+    # crosses the 8 rope channels (kept, ramped and divided frequencies all occur)
+    Shape(64, 4, 16, 16, 8, 8, 16, 4, 16, yarn=(40.0, 1.0, 0.8, 64)),
 ]
 BT = [(2, 37), (1, 13), (2, 1)]
 TOPK = {"dense": 64, "sparse": 5}  # dense: top-k >= T, every causal key kept
@@ -81,7 +102,7 @@ def hf_config(shape: Shape, topk: int, cls=DeepseekV32Config, **extra):
         hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
         q_lora_rank=shape.q_lora, kv_lora_rank=shape.kv_lora, qk_nope_head_dim=shape.nope,
         qk_rope_head_dim=shape.rope, v_head_dim=shape.v, attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.theta}, **extra,
+        rope_parameters=shape.hf_rope(), **extra,
     )  # fmt: skip
     if cls is DeepseekV32Config:
         hc.index_topk, hc.index_n_heads, hc.index_head_dim = topk, shape.index_heads, shape.index_dim
@@ -111,7 +132,7 @@ def our_attention(shape: Shape, topk: int, dtype) -> MLAttention:
     )  # fmt: skip
     cfg.mla = MLAConfig(
         q_lora_rank=shape.q_lora, kv_lora_rank=shape.kv_lora, qk_nope_head_dim=shape.nope,
-        qk_rope_head_dim=shape.rope, v_head_dim=shape.v, rope_theta=shape.theta,
+        qk_rope_head_dim=shape.rope, v_head_dim=shape.v, **shape.our_rope(),
     )  # fmt: skip
     cfg.sparse_attention = SparseAttentionConfig(
         topk=topk, index_n_heads=shape.index_heads, index_head_dim=shape.index_dim
@@ -148,7 +169,8 @@ def our_selection(ours: MLAttention, x_bsh) -> list[list[set]]:
 
     b, s, _ = x_bsh.shape
     positions, readable = _positions_and_mask(None, s, b, x_bsh.device)
-    cos, sin = rope_cos_sin(positions, ours.rope_dim, ours.rope_theta, x_bsh.dtype)
+    inv_freq = next(iter(ours._inv_freq.values()))
+    cos, sin = rope_cos_sin(positions, inv_freq, x_bsh.dtype, ours.rope_attention_factor)
     q_latent = ours.q_layernorm(ours.linear_q_down_proj(x_bsh)[0])
     idx = ours.index_topk(ours.index_scores(x_bsh, q_latent, cos, sin), readable)
     return [[set(idx[i, t].tolist()) - {-1} for t in range(s)] for i in range(b)]
@@ -307,8 +329,12 @@ def _tiny_raw(pattern: str, num_layers: int) -> dict:
         ({"mla.qk_rope_head_dim": 7}, "mla.qk_rope_head_dim"),
         ({"mla.qk_rope_head_dim": 32}, "mla.qk_rope_head_dim"),  # wider than index_head_dim 16
         ({"mla.rope_theta": -1.0}, "mla.rope_theta"),
+        ({"mla.rope_type": "longrope"}, "mla.rope_type"),
+        ({"mla.rope_type": "yarn", "mla.rope_factor": 0.0}, "mla.rope_factor"),
+        ({"mla.rope_type": "yarn", "mla.rope_mscale_all_dim": -1.0}, "mla.rope_mscale_all_dim"),
     ],
-    ids=["q-rank-zero", "kv-rank-zero", "rope-odd", "rope-wider-than-indexer", "theta-negative"],
+    ids=["q-rank-zero", "kv-rank-zero", "rope-odd", "rope-wider-than-indexer", "theta-negative", "rope-type",
+         "yarn-factor", "yarn-mscale"],
 )
 def test_config_validates_mla(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -388,7 +414,7 @@ def test_mla_indexer_loss_is_kl_to_hf_attention():
         p = weights.sum(1)
         p = p / p.sum(-1, keepdim=True)  # [b, s, s]
         pos, readable = _positions_and_mask(None, s, b, x.device)
-        c, sn = rope_cos_sin(pos, ours.rope_dim, ours.rope_theta, F64)
+        c, sn = rope_cos_sin(pos, next(iter(ours._inv_freq.values())), F64, ours.rope_attention_factor)
         scores = ours.index_scores(x, ours.q_layernorm(ours.linear_q_down_proj(x)[0]), c, sn)
         kept = p > 0
         log_q = scores.masked_fill(~kept, float("-inf")).log_softmax(-1)

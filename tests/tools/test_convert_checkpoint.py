@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import yaml
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -349,7 +350,7 @@ def ds_config(index_topk: int = 64, **extra) -> DeepseekV32Config:
         index_n_heads=4, index_head_dim=16, index_topk=index_topk, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=96,
         vocab_size=VOCAB, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32", **extra,
+        dtype="float32", **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **extra},
     )  # fmt: skip
     hc._attn_implementation = "eager"
     return hc
@@ -368,9 +369,9 @@ def perturb_ds(module: torch.nn.Module) -> None:
                 buf.normal_(0.0, 0.1)
 
 
-def random_ds_model(seed: int, index_topk: int = 64) -> DeepseekV32ForCausalLM:
+def random_ds_model(seed: int, index_topk: int = 64, **extra) -> DeepseekV32ForCausalLM:
     torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(ds_config(index_topk)).float().eval()
+    model = DeepseekV32ForCausalLM(ds_config(index_topk, **extra)).float().eval()
     perturb_ds(model)
     return model
 
@@ -384,6 +385,23 @@ DS_PARITY = [("alltoall", 2, 37, 64), ("static", 1, 1, 64), ("alltoall", 2, 29, 
 def test_converted_deepseek_v32_matches_hf_logits(tmp_path, dispatcher, b, s, index_topk):
     """index_topk >= T is dense causal MLA; 5 < T makes the indexer drop keys in both models."""
     check_parity(random_ds_model(seed=s, index_topk=index_topk), tmp_path, dispatcher, b, s)
+
+
+# DeepSeek-V3.2's released config: yarn, factor 40 over 4096 (here a short original length so
+# that the ramp crosses the 8 rope channels; mscale != mscale_all_dim so both factors matter).
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+
+
+def test_converted_deepseek_v32_with_yarn_matches_hf_logits(tmp_path):
+    hf = random_ds_model(seed=11, index_topk=5, rope_parameters=dict(YARN))
+    check_parity(hf, tmp_path, "alltoall", 2, 29)
+    config = yaml.safe_load(open(tmp_path / "ours" / "config.yaml"))
+    assert config["mla"]["rope_type"] == "yarn" and config["mla"]["rope_factor"] == 40.0
+    # and back: the HF config written by ours-to-hf says the same RoPE
+    back = convert.ours_to_hf(str(tmp_path / "ours"), str(tmp_path / "hf_back"), progress=False)
+    rope = json.load(open(os.path.join(back, "config.json")))["rope_parameters"]
+    assert {k: rope[k] for k in YARN} == YARN
 
 
 def test_deepseek_v32_norms_and_router_copy_as_they_are(tmp_path):

@@ -59,6 +59,25 @@ def test_deepseek_v32_small():
     assert c.moe.routed_scaling_factor == hf["routed_scaling_factor"] and c.moe.norm_topk_prob == hf["norm_topk_prob"]
 
 
+def test_deepseek_v32_release_yarn_maps_exactly():
+    """The released DeepSeek-V3.2 config.json writes yarn in the older rope_scaling form."""
+    hf = {"model_type": "deepseek_v32", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+          "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "vocab_size": 512,
+          "index_n_heads": 4, "index_head_dim": 16, "index_topk": 64, "rope_theta": 10000,
+          "max_position_embeddings": 163840,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"}}  # fmt: skip
+    ours, unmapped = tool.import_hf_config(hf)
+    m = config_from_dict(ours, {"parallel.world_size": 1}).mla
+    assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position_embeddings) == ("yarn", 10000, 40, 4096)
+    assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim) == (32, 1, 1.0, 1.0)
+    assert not any("rope" in line for line in unmapped)
+    hf["rope_scaling"] = {"type": "longrope", "factor": 4.0}
+    _, unmapped = tool.import_hf_config(hf)
+    assert any("'longrope' is not supported" in line for line in unmapped)
+
+
 def test_unknown_architecture_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="model_type: unknown architecture 'llama'"):
         tool.import_hf_config({"model_type": "llama"})
