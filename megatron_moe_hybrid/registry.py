@@ -73,7 +73,7 @@ ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 LORA_TARGETS = (
     "linear_attention",  # in_proj / out_proj of the linear-attention layers
-    "sparse_attention",  # qkv / output projections of the sparse-attention layers
+    "sparse_attention",  # qkv / output projections of the sparse-attention layers (S; M: MLA's q/kv down/up, output)
     "full_attention",  # q (+ gate) / k / v / output projections of the gated full-attention layers (A)
     "indexer",  # the lightning indexer's projections
     "experts",  # the grouped routed experts (per-expert adapters)

@@ -210,12 +210,17 @@ def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
     lin = rank * (h + 2 * qk + 2 * v + logits * la.num_v_heads) + rank * (v + h)
     heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
     sparse = rank * (h + (heads + 2 * groups) * d) + rank * (heads * d + h)
+    m = c.mla  # M: MLA's q (down, up; or plain), kv down / up and output projections
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = rank * (h + m.q_lora_rank) + rank * (m.q_lora_rank + heads * qk) if m.q_lora_rank else rank * (h + heads * qk)
+    mla = q + rank * (h + m.kv_lora_rank + m.qk_rope_head_dim)
+    mla += rank * (m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim)) + rank * (heads * m.v_head_dim + h)
     F = c.moe.ffn_hidden_size
     experts = c.moe.num_experts * rank * ((h + 2 * F) + (F + h))
     n = 0
     # gated full attention (A) is not a default LoRA target: lora.targets "full_attention" adds it
     for i in range(c.num_layers):
-        n += {"L": lin, "S": sparse}.get(c.layer_kind(i), 0)
+        n += {"L": lin, "S": sparse, "M": mla}.get(c.layer_kind(i), 0)
         if c.is_moe_layer(i):
             n += experts
     return n

@@ -344,6 +344,7 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
 
     from megatron_moe_hybrid.layers.gated_attention import GatedAttention
     from megatron_moe_hybrid.layers.linear_attention import LinearAttention
+    from megatron_moe_hybrid.layers.mla_attention import MLAttention
     from megatron_moe_hybrid.layers.moe.experts import GroupedExperts
     from megatron_moe_hybrid.layers.moe.moe_layer import MoELayer
     from megatron_moe_hybrid.layers.sparse_attention import SparseAttention
@@ -357,7 +358,7 @@ def _target_of(path: str, module: nn.Module, parents: list[nn.Module]) -> str | 
             return "linear_attention"
         if isinstance(parent, GatedAttention):
             return "full_attention"
-        if isinstance(parent, SparseAttention):
+        if isinstance(parent, (SparseAttention, MLAttention)):  # M is DSA sparse attention in MLA form
             return "indexer" if "index" in path.rsplit(".", 1)[-1].lower() else "sparse_attention"
         if isinstance(parent, MoELayer):
             return "shared_expert" if "shared" in path.lower() else None

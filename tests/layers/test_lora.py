@@ -446,3 +446,32 @@ def test_full_attention_target_adapts_the_gated_attention_layers():
     loss.backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all(".lora_" in n for n in grads)
+
+
+def test_mla_layers_take_sparse_attention_and_indexer_targets():
+    """Pattern letter M (DeepSeek-V3.2 MLA + indexer): the default targets adapt MLA's q/kv
+    down/up and output projections, "indexer" its indexer; B = 0 starts at the base, only the
+    adapters train, and merging gives the adapted logits."""
+    from megatron_moe_hybrid.models import build_model
+
+    config = _tiny(**{"model.pattern": "LLLM", "sparse_attention.index_head_dim": 16})
+    torch.manual_seed(0)
+    model = build_model(config).eval().double()
+    ref = _logits(model, config).detach()
+    paths = apply_lora(model, ["sparse_attention", "indexer"], 4, 8.0)
+    mla = [p.rsplit(".", 1)[1] for p in paths if p.startswith("decoder.layers.3.")]
+    assert mla == ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+                   "linear_index_q", "linear_index_k", "linear_index_weights"]
+    torch.testing.assert_close(_logits(model, config), ref, rtol=1e-12, atol=1e-12)
+    _randomize_(model, 0.05)
+    loss = _logits(model, config).float().pow(2).mean()
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all(".lora_" in n for n in grads)
+    # the main loss reaches the MLA adapters, not the indexer's (top-k is discrete)
+    assert any("linear_kv_up_proj.lora_" in n for n in grads)
+    assert not any("linear_index" in n for n in grads)
+    with torch.no_grad():
+        adapted = _logits(model, config)
+        assert merge(model) == len(paths)
+        torch.testing.assert_close(_logits(model, config), adapted, rtol=1e-10, atol=1e-10)

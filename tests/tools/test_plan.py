@@ -58,13 +58,15 @@ def test_parameter_count_equals_built_model(overrides):
     assert counted["routed_experts"] == experts
 
 
-def test_lora_parameter_count_equals_adapters():
+@pytest.mark.parametrize("overrides", [{}, {"model.pattern": "LLLM"}, {"model.pattern": "LLLM", "mla.q_lora_rank": None}],
+                         ids=["LLLS", "LLLM", "LLLM-plain-q"])
+def test_lora_parameter_count_equals_adapters(overrides):
     from megatron_moe_hybrid.layers.lora import apply_lora
     from megatron_moe_hybrid.models import build_model
 
     with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
-    config = config_from_dict(raw, {"parallel.world_size": 1})
+    config = config_from_dict(raw, {"parallel.world_size": 1, **overrides})
     model = build_model(config)
     apply_lora(model, ["linear_attention", "sparse_attention", "experts"], 4, 8.0)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
