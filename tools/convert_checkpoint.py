@@ -1,12 +1,14 @@
 """Convert Hugging Face Qwen3-Next or DeepSeek-V3.2 safetensors to our checkpoint format, and back.
 
-    python tools/convert_checkpoint.py hf-to-ours --hf Qwen3-Next-80B-A3B --out runs/q3n
+    python tools/convert_checkpoint.py hf-to-ours --hf Qwen3-Next-80B-A3B --out runs/q3n [--format dcp]
     python tools/convert_checkpoint.py ours-to-hf --ckpt runs/q3n --out q3n_hf [--max-shard-gb 5]
 
 hf-to-ours writes a run directory: <out>/config.yaml (tools/import_hf_config.py's mapping) and
-<out>/checkpoints/step_00000000/ (training/checkpoint.py's format), so `training.init_from: <out>`
-loads it under any expert-parallel size. ours-to-hf takes such a directory (or any checkpoint of
-ours) and writes config.json + model.safetensors (or shards with an index) that transformers'
+<out>/checkpoints/step_00000000/ (training/checkpoint.py's format), or with --format dcp
+<out>/dcp/, a torch.distributed.checkpoint whose experts are one [E, ...] tensor per weight
+(training/dist_checkpoint.py); either way `training.init_from: <out>` loads it under any
+expert-parallel size, each rank reading its share. ours-to-hf takes such a directory (or any
+checkpoint of ours) and writes config.json + model.safetensors (or shards with an index) that transformers'
 Qwen3NextForCausalLM / DeepseekV32ForCausalLM.from_pretrained loads. The family follows the HF
 config's model_type one way and our model.pattern the other (M layers: DeepSeek-V3.2).
 
@@ -608,9 +610,16 @@ class _SingleProcess:
             teardown()
 
 
-def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> str:
+FORMATS = ("safetensors", "dcp")
+
+
+def hf_to_ours(
+    hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, progress: bool = True, fmt: str = "safetensors"
+) -> str:
     """HF Qwen3-Next or DeepSeek-V3.2 (config.json + safetensors) -> a run directory of ours;
-    returns its path.
+    returns its path. fmt "safetensors": our checkpoint (experts by global index); "dcp": a
+    torch.distributed.checkpoint under <out>/dcp (experts one [E, ...] tensor). Both load
+    under any expert-parallel size (training.init_from).
 
     The model is built in `dtype` (float32 holds bf16/fp16 checkpoints exactly); a tensor wider
     than `dtype` is refused rather than rounded (the router's, held in fp32, excepted).
@@ -621,6 +630,8 @@ def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, pr
 
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype: {dtype} is not one of {', '.join(_DTYPE_NAMES.values())}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: {fmt!r} is not one of {', '.join(FORMATS)}")
     config_path = os.path.join(hf_dir, HF_CONFIG)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path}: missing; hf_dir must hold a transformers config.json")
@@ -689,7 +700,12 @@ def hf_to_ours(hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, pr
         def write(tmp):
             meta = {"mode": "converted", "source": os.path.abspath(hf_dir), "source_format": f"hf:{model_type}",
                     "config": config.to_dict()}  # fmt: skip
-            save_checkpoint(tmp, 0, model, {}, meta, keep=1)
+            if fmt == "dcp":
+                from megatron_moe_hybrid.training.dist_checkpoint import DIR, save_dist_checkpoint
+
+                save_dist_checkpoint(os.path.join(tmp, DIR), model, meta)
+            else:
+                save_checkpoint(tmp, 0, model, {}, meta, keep=1)
             header = [f"# converted from {os.path.abspath(hf_dir)} ({model_type})"]
             header += [f"# not mapped exactly: {line}" for line in unmapped]
             if skipped:
@@ -788,7 +804,10 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: must be > 0 (or None for one file), got {max_shard_bytes}")
     _sibling_tmp(out_dir)  # refuse a non-empty out_dir before any work
-    reader = OursReader(ckpt_dir)
+    from megatron_moe_hybrid.training.dist_checkpoint import DistCheckpointReader, find_dist_checkpoint
+
+    dist_dir = find_dist_checkpoint(ckpt_dir)
+    reader = OursReader(ckpt_dir) if dist_dir is None else DistCheckpointReader(dist_dir)
     config = _read_our_config(reader)
     hf_config = export_hf_config(config)
     expected = hf_shapes(config)
@@ -842,15 +861,17 @@ def main(argv=None) -> int:
     a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     a.add_argument("--out", required=True, help="new run directory (config.yaml + checkpoints/)")
     a.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_NAMES.values()))
+    a.add_argument("--format", default="safetensors", choices=FORMATS,
+                   help="safetensors: our checkpoint format; dcp: torch.distributed.checkpoint (resharding on load)")
     b = sub.add_parser("ours-to-hf", help="our checkpoint -> HF config.json + safetensors")
-    b.add_argument("--ckpt", required=True, help="a checkpoint dir, or a run dir (its newest checkpoint)")
+    b.add_argument("--ckpt", required=True, help="a checkpoint dir, a run dir (its newest checkpoint or its dcp/)")
     b.add_argument("--out", required=True, help="new directory for the HF files")
     b.add_argument("--max-shard-gb", type=float, default=None, help="split into shards of at most this size")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-ours":
             dtype = {v: k for k, v in _DTYPE_NAMES.items()}[args.dtype]
-            out = hf_to_ours(args.hf, args.out, dtype=dtype)
+            out = hf_to_ours(args.hf, args.out, dtype=dtype, fmt=args.format)
         else:
             shard = None if args.max_shard_gb is None else int(args.max_shard_gb * 2**30)
             out = ours_to_hf(args.ckpt, args.out, max_shard_bytes=shard)

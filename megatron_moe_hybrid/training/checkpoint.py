@@ -295,8 +295,14 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     """Loads this rank's share of the weights; returns the names of model tensors not found.
 
     strict=True raises if a tensor is missing or has the wrong shape; strict=False (e.g. a
-    base checkpoint loaded under LoRA) only allows *missing* names.
+    base checkpoint loaded under LoRA) only allows *missing* names. A dist checkpoint
+    (training/dist_checkpoint.py, or a run directory holding one) reshards as it loads.
     """
+    from .dist_checkpoint import find_dist_checkpoint, load_dist_checkpoint
+
+    dist_dir = find_dist_checkpoint(path)
+    if dist_dir is not None:
+        return load_dist_checkpoint(dist_dir, model, strict=strict)
     path = resolve_checkpoint(path)
     meta = verify_files(path)
     ep_rank, _, _ = _ep_info()

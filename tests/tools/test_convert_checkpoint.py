@@ -243,6 +243,78 @@ def test_converted_checkpoint_loads_under_ep2(tmp_path):
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOL, rtol=0)
 
 
+# The torch.distributed.checkpoint format (hf-to-ours --format dcp): experts as one [E, ...]
+# tensor, resharded over expert-parallel ranks as they load.
+
+
+@pytest.mark.distributed
+def test_dcp_checkpoint_matches_hf_and_reshards_under_ep2(tmp_path):
+    hf = random_hf_model(seed=14)
+    out = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "ours"), progress=False, fmt="dcp")
+    assert sorted(os.listdir(out)) == ["config.yaml", "dcp"]
+    ids = tokens(2, 19, seed=15)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(our_logits(our_model(out), ids), expected, atol=LOGIT_TOL, rtol=0)
+    assert expected.std() > 100 * LOGIT_TOL
+    whole = {n: p.detach() for n, p in our_model(out).named_parameters()}
+    for rank, (experts, logits) in enumerate(spawn(_ep2_worker, 2, out, ids)):
+        assert len(experts) == 8
+        for name, local in experts.items():
+            assert local.shape[0] == 4
+            assert torch.equal(local, whole[name][4 * rank : 4 * (rank + 1)]), (rank, name)
+        torch.testing.assert_close(logits, expected, atol=LOGIT_TOL, rtol=0)
+
+
+def _ep2_save_worker(rank, world_size, run_dir, dst):
+    """Loads the EP1 checkpoint as EP2, then saves it again from the two ranks."""
+    from megatron_moe_hybrid.training.dist_checkpoint import save_dist_checkpoint
+
+    init_megatron(rank, world_size, ep=2)
+    overrides = {"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, "moe.dispatcher": "alltoall"}
+    save_dist_checkpoint(dst, our_model(run_dir, **overrides), {"config": None})
+    return True
+
+
+@pytest.mark.distributed
+def test_dcp_saved_from_ep2_equals_ep1_and_exports_to_hf(tmp_path):
+    """EP1 -> load as EP2 -> save from 2 ranks -> every tensor equal; ours-to-hf reads a dcp run."""
+    import shutil
+
+    from megatron_moe_hybrid.training.dist_checkpoint import DistCheckpointReader
+
+    hf = random_hf_model(seed=16)
+    src_dir = save_hf(hf, tmp_path / "hf")
+    out = convert.hf_to_ours(src_dir, str(tmp_path / "ours"), progress=False, fmt="dcp")
+    resaved = tmp_path / "ep2" / "dcp"
+    os.makedirs(resaved.parent)
+    shutil.copy(os.path.join(out, "config.yaml"), resaved.parent / "config.yaml")
+    assert spawn(_ep2_save_worker, 2, out, str(resaved)) == [True, True]
+    a, b = DistCheckpointReader(os.path.join(out, "dcp")), DistCheckpointReader(str(resaved))
+    assert sorted(a.keys()) == sorted(b.keys()) and any(".expert7" in k for k in a.keys())
+    for key in a.keys():
+        assert torch.equal(a.get(key), b.get(key)), key
+    exported = convert.ours_to_hf(str(resaved.parent), str(tmp_path / "hf2"), progress=False)
+    before, after = hf_tensors(src_dir), hf_tensors(exported)
+    assert sorted(before) == sorted(after)
+    for name, w in before.items():
+        if name.endswith(ZERO_CENTERED):
+            assert torch.equal(1.0 + after[name], 1.0 + w), name
+        else:
+            assert torch.equal(after[name], w), name
+
+
+def test_dcp_load_names_a_wrong_shape(tmp_path):
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.checkpoint import CheckpointError, load_model_weights
+
+    out = convert.hf_to_ours(save_hf(random_hf_model(seed=17), tmp_path / "hf"), str(tmp_path / "ours"),
+                             progress=False, fmt="dcp")  # fmt: skip
+    config = load_config(os.path.join(out, "config.yaml"), {"parallel.world_size": 1, "moe.num_experts": 4})
+    with pytest.raises(CheckpointError, match=r"tensor decoder\.layers\.\d\.mlp\.\w+\.weight\d? has global shape \(8"):
+        load_model_weights(out, build_model(config))
+
+
 @pytest.fixture
 def hf_dir(tmp_path):
     return save_hf(random_hf_model(seed=12), tmp_path / "hf")

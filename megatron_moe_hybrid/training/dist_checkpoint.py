@@ -1,0 +1,193 @@
+"""Model weights as a torch.distributed.checkpoint (DCP) directory that reshards on load.
+
+Every tensor is saved with its global shape, so the checkpoint loads under any parallel layout:
+routed experts are one [E, ...] tensor per weight, a DTensor sharded over the expert-parallel
+group by global expert offset (a TP1/EP1 checkpoint loads as EP2 and back); tensor-parallel
+weights (Megatron's `tensor_model_parallel` / `partition_dim` attributes) are sharded over the
+tensor-parallel group along their partition dim; the rest is replicated (DCP writes one copy).
+This is torchtitan's layout. Megatron-Core's own dist_checkpointing "torch_dist" writer wraps
+the same DCP files but needs CUDA (its async writer synchronises the device), so we call DCP.
+
+    save_dist_checkpoint(path, model)            all ranks; written atomically (tmp, rename)
+    load_dist_checkpoint(path, model)            all ranks; each reads only its own shards
+    DistCheckpointReader(path).get(key)          one tensor at a time, in the global naming of
+                                                 training/checkpoint.py (experts: `<name>.expert<g>`)
+"""
+
+import json
+import os
+import shutil
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor, Shard
+
+from .checkpoint import CheckpointError, _expert_params
+
+META_FILE = "mmh_meta.json"  # ours, beside DCP's .metadata: what wrote it, which tensors are experts
+
+
+DIR = "dcp"  # a run directory's dist checkpoint (tools/convert_checkpoint.py hf-to-ours --format dcp)
+
+
+def is_dist_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, META_FILE))
+
+
+def find_dist_checkpoint(path: str) -> Optional[str]:
+    """path itself, or the run directory's dcp/ inside it, if it is a dist checkpoint; else None."""
+    for d in (path, os.path.join(path, DIR)):
+        if is_dist_checkpoint(d):
+            return d
+    return None
+
+
+def _mesh(group, device: torch.device):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _dcp_state_dict(model: torch.nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """{name: DTensor (sharded over EP or TP) or Tensor (replicated)} viewing this rank's share of
+    the model's tensors (or of `tensors`: the same names and local shapes)."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("model: FSDP2-sharded parameters; save or load a dist checkpoint before fully_shard")
+    from megatron.core import parallel_state as ps
+
+    parallel = dist.is_initialized() and ps.model_parallel_is_initialized()
+    ep_size = ps.get_expert_model_parallel_world_size() if parallel else 1
+    tp_size = ps.get_tensor_model_parallel_world_size() if parallel else 1
+    experts = _expert_params(model)
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        data = tensor.detach() if tensors is None else tensors[name]
+        p = params.get(name)
+        if name in experts and ep_size > 1:  # [E_local, ...] rows ep_rank * E_local ... of [E, ...]
+            data = DTensor.from_local(data, _mesh(ps.get_expert_model_parallel_group(), data.device), [Shard(0)],
+                                      run_check=False)  # fmt: skip
+        elif p is not None and getattr(p, "tensor_model_parallel", False) and tp_size > 1:
+            data = DTensor.from_local(data, _mesh(ps.get_tensor_model_parallel_group(), data.device),
+                                      [Shard(p.partition_dim)], run_check=False)  # fmt: skip
+        out[name] = data
+    return out
+
+
+def save_dist_checkpoint(path: str, model: torch.nn.Module, meta: Optional[dict[str, Any]] = None) -> str:
+    """Writes the model into a new directory `path` (refused if it exists); nothing partial is
+    left after an error: the ranks write into a sibling temporary directory that rank 0 renames."""
+    path = os.path.abspath(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if os.path.exists(path):
+        raise ValueError(f"{path}: exists; a dist checkpoint is written into a new directory")
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        dcp.save(_dcp_state_dict(model), storage_writer=FileSystemWriter(tmp))
+        if rank == 0:
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump({"format": "torch.distributed.checkpoint", "expert_tensors": sorted(_expert_params(model)),
+                           **(meta or {})}, f, indent=1)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            os.replace(tmp, path)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def _stored(path: str) -> dict[str, Any]:
+    """{name: TensorStorageMetadata (size, properties.dtype)} of a DCP directory."""
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def load_dist_checkpoint(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
+    """Loads this rank's share of every model tensor; returns the names the checkpoint lacks
+    (strict=True raises on any). Global shapes are checked before anything is read."""
+    if not is_dist_checkpoint(path):
+        raise CheckpointError(f"{path}: not a dist checkpoint of ours (no .metadata and {META_FILE})")
+    stored = _stored(path)
+    state = model.state_dict()
+    # Read in the stored dtype (DCP copies bytes), then cast into the model.
+    buffers = {
+        name: torch.empty_like(t, dtype=stored[name].properties.dtype) if name in stored else t
+        for name, t in state.items() if isinstance(t, torch.Tensor)
+    }  # fmt: skip
+    wanted = _dcp_state_dict(model, buffers)
+    missing = sorted(k for k in wanted if k not in stored)
+    if missing and strict:
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for key, t in wanted.items():
+        if key in stored and tuple(stored[key].size) != tuple(t.shape):
+            raise CheckpointError(
+                f"{path}: tensor {key} has global shape {tuple(stored[key].size)}, the model expects {tuple(t.shape)}"
+            )
+    request = {k: v for k, v in wanted.items() if k not in missing}
+    dcp.load(request, storage_reader=FileSystemReader(path))
+    with torch.no_grad():
+        for key in request:
+            state[key].copy_(buffers[key].to(state[key].dtype))
+    return missing
+
+
+class DistCheckpointReader:
+    """Whole tensors of a dist checkpoint by our global names, read one at a time (experts:
+    the stacked [E, ...] tensor of the last name asked for is kept, so a layer's experts are
+    read once)."""
+
+    def __init__(self, path: str):
+        if not is_dist_checkpoint(path):
+            raise ValueError(f"{path}: not a dist checkpoint of ours (no .metadata and {META_FILE})")
+        self.dir = path
+        self.stored = _stored(path)
+        meta_path = os.path.join(path, META_FILE)
+        self.meta = {}
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+        self.expert_names = set(self.meta.get("expert_tensors", []))
+        self.file_of = {k: ".metadata" for k in self.keys()}  # as OursReader: every key it can give
+        self._cached: tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+
+    def keys(self) -> list[str]:
+        out = []
+        for name, sh in self.stored.items():
+            if name in self.expert_names:
+                out += [f"{name}.expert{e}" for e in range(sh.size[0])]
+            else:
+                out.append(name)
+        return out
+
+    def _whole(self, name: str) -> torch.Tensor:
+        if self._cached[0] != name:
+            sh = self.stored[name]
+            want = {name: torch.empty(tuple(sh.size), dtype=sh.properties.dtype)}
+            with warnings.catch_warnings():  # "assuming ... a single process": it is one
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(want, storage_reader=FileSystemReader(self.dir), no_dist=True)
+            self._cached = (name, want[name])
+        return self._cached[1]
+
+    def get(self, key: str) -> torch.Tensor:
+        base, _, expert = key.rpartition(".expert")
+        if base in self.expert_names and expert.isdigit():
+            return self._whole(base)[int(expert)]
+        if key not in self.stored:
+            raise ValueError(f"{self.dir}: tensor {key!r} is missing from the checkpoint")
+        return self._whole(key)
