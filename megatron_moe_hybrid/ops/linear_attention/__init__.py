@@ -5,28 +5,35 @@ N sequences (B, or the number of cu_seqlens segments). Layout [B, T, H, D] as in
 flash-linear-attention; see reference.py for the math and README.md for the chunked form.
 
 Backends register themselves per op with register_backend; "auto" picks the registered
-backend of highest priority whose `supports(q)` is true. Today "torch" (the chunked
-reference, which "auto" picks) and "torch_recurrent" (token by token, for checking) exist.
+backend of highest priority whose `supports(q)` is true: "triton" (triton_chunk.py, fused
+chunk kernels) for CUDA tensors it handles, else "torch" (the chunked reference in
+reference.py); "torch_recurrent" (token by token) is there for checking. Every backend takes
+grouped value heads (v, g, beta with HV heads, a multiple of q/k's H; value head h reads q/k
+head h // (HV // H)); the torch ones repeat q and k.
+
+chunk_gated_delta_rule and chunk_simple_gla have flash-linear-attention's signatures, so that
+its users switch by changing the import; reference.chunk_gated_delta_rule /
+reference.chunk_simple_gla are the plain PyTorch forms.
 """
 
+import functools
+import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
+import torch
 from torch import Tensor
 
-from .reference import (
-    chunk_gated_delta_rule,
-    chunk_simple_gla,
-    recurrent_gated_delta_rule,
-    recurrent_simple_gla,
-)
+from . import reference
+from .reference import recurrent_gated_delta_rule, recurrent_simple_gla
 
 __all__ = [
     "Backend",
     "chunk_gated_delta_rule",
     "chunk_simple_gla",
     "gated_delta_rule",
+    "l2norm",
     "recurrent_gated_delta_rule",
     "recurrent_simple_gla",
     "register_backend",
@@ -51,7 +58,7 @@ class Backend:
     cu_seqlens, chunk_size as keywords, and returns (o, final_state or None).
     """
 
-    fn: Callable[..., tuple[Tensor, Optional[Tensor]]]
+    fn: Callable[..., tuple[Tensor, Tensor | None]]
     priority: int = 0
     supports: Callable[[Tensor], bool] = _any_input
 
@@ -63,10 +70,10 @@ _fallback_logged: set[str] = set()
 def register_backend(
     op: str,
     name: str,
-    fn: Callable[..., tuple[Tensor, Optional[Tensor]]],
+    fn: Callable[..., tuple[Tensor, Tensor | None]],
     *,
     priority: int = 0,
-    supports: Optional[Callable[[Tensor], bool]] = None,
+    supports: Callable[[Tensor], bool] | None = None,
 ) -> None:
     """Makes fn selectable as backend=name for op; a fused backend uses priority > 0."""
     if op not in _BACKENDS:
@@ -108,12 +115,59 @@ def _recurrent(fn):
     return run
 
 
-register_backend("gated_delta_rule", "torch", chunk_gated_delta_rule)
-register_backend("simple_gla", "torch", chunk_simple_gla)
+def _grouped_heads(fn):
+    """Lets a reference take grouped value heads: q and k repeated to v's heads (autograd sums
+    the repeats' gradients back)."""
+
+    @functools.wraps(fn)
+    def run(q, k, v, *args, **kwargs):
+        if q.dim() == 4 and v.dim() == 4 and v.shape[2] != q.shape[2] and v.shape[2] % q.shape[2] == 0:
+            group = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        return fn(q, k, v, *args, **kwargs)
+
+    return run
+
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_supports(q: Tensor) -> bool:
+    """CUDA tensors of a dtype and key head dim the kernels take (triton_chunk.MAX_HEAD_DIM_K);
+    CPU tensors only on request (backend="triton" runs them in Triton's interpreter)."""
+    return q.is_cuda and q.dim() == 4 and q.dtype in _TRITON_DTYPES and q.shape[-1] <= 128
+
+
+def _triton(name: str):
+    """triton_chunk.<name>, imported on first use so that importing this package stays light."""
+
+    def run(*args, **kwargs):
+        from . import triton_chunk
+
+        return getattr(triton_chunk, name)(*args, **kwargs)
+
+    return run
+
+
+register_backend("gated_delta_rule", "torch", _grouped_heads(reference.chunk_gated_delta_rule))
+register_backend("simple_gla", "torch", _grouped_heads(reference.chunk_simple_gla))
 register_backend(
-    "gated_delta_rule", "torch_recurrent", _recurrent(recurrent_gated_delta_rule), priority=-1
+    "gated_delta_rule", "torch_recurrent",
+    _recurrent(_grouped_heads(recurrent_gated_delta_rule)), priority=-1,
 )
-register_backend("simple_gla", "torch_recurrent", _recurrent(recurrent_simple_gla), priority=-1)
+register_backend(
+    "simple_gla", "torch_recurrent", _recurrent(_grouped_heads(recurrent_simple_gla)), priority=-1
+)
+if _HAVE_TRITON:
+    register_backend(
+        "gated_delta_rule", "triton", _triton("chunk_gated_delta_rule_triton"), priority=1,
+        supports=_triton_supports,
+    )
+    register_backend(
+        "simple_gla", "triton", _triton("chunk_simple_gla_triton"), priority=1,
+        supports=_triton_supports,
+    )
 
 
 def gated_delta_rule(
@@ -123,19 +177,20 @@ def gated_delta_rule(
     g: Tensor,
     beta: Tensor,
     *,
-    scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule: S = exp(g) S; S += k ((v - S^T k) beta)^T; o = S^T (scale q).
 
-    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H] log decay (<= 0); beta [B, T, H] in (0, 1);
-    scale defaults to K ** -0.5; initial_state [N, H, K, V]; cu_seqlens [N + 1] integer offsets
-    of packed sequences in a B == 1 batch (the state restarts at each boundary).
-    Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] (fp32, fp64 for fp64
+    q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped value heads);
+    g [B, T, HV] log decay (<= 0); beta [B, T, HV] in (0, 1); scale defaults to K ** -0.5;
+    initial_state [N, HV, K, V]; cu_seqlens [N + 1] integer offsets of packed sequences in a
+    B == 1 batch (the state restarts at each boundary).
+    Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] (fp32, fp64 for fp64
     inputs) if output_final_state, else None.
     """
     return _pick("gated_delta_rule", backend, q).fn(
@@ -151,13 +206,13 @@ def simple_gla(
     v: Tensor,
     g: Tensor,
     *,
-    scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> tuple[Tensor, Tensor | None]:
     """Scalar-decay gated linear attention: S = exp(g) S + k v^T; o = S^T (scale q).
 
     Arguments and results as gated_delta_rule, without beta.
@@ -167,3 +222,75 @@ def simple_gla(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size,
     )
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32, returned in x's dtype (fla's
+    use_qk_l2norm_in_kernel); autograd gives its backward."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """fla.ops.gated_delta_rule.chunk_gated_delta_rule's signature over gated_delta_rule.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state [N, HV, K, V].
+    use_qk_l2norm_in_kernel L2-normalises q and k first (l2norm). Returns (o, final state or None).
+    """
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+    )
+
+
+def chunk_simple_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    g_gamma: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """fla.ops.simple_gla.chunk_simple_gla's signature over simple_gla.
+
+    g [B, T, HV] per-token log decay, or g_gamma [HV] one constant log decay per head (not
+    both; neither means no decay). Other arguments as chunk_gated_delta_rule.
+    """
+    if g is not None and g_gamma is not None:
+        raise ValueError("g_gamma: pass either g [B, T, HV] or g_gamma [HV], not both")
+    if g is None:
+        if v.dim() != 4:
+            raise ValueError(f"v: expected [B, T, HV, V], got {list(v.shape)}")
+        B, T, HV = v.shape[:3]
+        if g_gamma is None:
+            g = v.new_zeros(B, T, HV, dtype=torch.float32)
+        else:
+            if g_gamma.shape != (HV,) or not g_gamma.is_floating_point():
+                raise ValueError(
+                    f"g_gamma: expected a floating [HV] = [{HV}] tensor (one log decay per value "
+                    f"head), got {g_gamma.dtype} {list(g_gamma.shape)}"
+                )
+            g = g_gamma.float().expand(B, T, HV)
+    return simple_gla(
+        q, k, v, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+    )
+

@@ -1,0 +1,627 @@
+"""Chunked gated delta rule and simple GLA in Triton, forward and backward (chunks of 64).
+
+Shape legend: B batch, T time, H query/key heads, HV value heads (a multiple of H: value head
+h reads q/k head h // (HV // H)), K key dim, V value dim, N sequences (B, or the cu_seqlens
+segments), C = 64 the chunk, NT chunks in all (over every sequence), BK/BV register blocks.
+q, k [B, T, H, K]; v, o [B, T, HV, V]; g, beta [B, T, HV]; states fp32 [N, HV, K, V].
+
+README.md derives the chunk form. Per chunk, gam = cumsum(g) inside the chunk,
+D_ij = exp(gam_i - gam_j) (j <= i), P = scale * tril(q k^T . D) and, for the delta rule,
+M = strictly_lower(diag(beta) (k k^T . D)), A = (I + M)^-1, w = A (beta e^gam k),
+u = A (beta v). With S the state entering the chunk and gC the chunk's last gam:
+    U = u - w S  (U = v for simple GLA),  o = (scale e^gam q) S + P U,
+    S' = e^gC S + (k . e^(gC - gam))^T U.
+
+Kernels (each program one chunk of one value head, or one V block of one sequence-head):
+    forward:  _prep_kernel (gam, P, A, w, u; parallel over chunks)
+              _recurrence_fwd_kernel (state kept on chip, sequential over chunks, writes o)
+    backward: _prep_kernel again, _recurrence_fwd_kernel again writing the chunk states h and U
+              (bf16 for bf16 inputs, freed at the end of the backward), _recurrence_bwd_kernel
+              (state gradient on chip, reverse over chunks, writes dh and dU), _bwd_chunk_kernel
+              (every input gradient of one chunk, including the WY backward and the reverse
+              cumsum of dg inside the chunk).
+Dots take the input dtype (bf16/fp16; fp32 inputs use Triton's default tf32 on the GPU) and
+accumulate in fp32; the state, gam and every exponent are fp32.
+"""
+
+import functools
+import itertools
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 64
+MAX_HEAD_DIM_K = 128
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Launch configs, fixed rather than autotuned (each autotuned config is another compile per
+# shape): kernel -> (BV, num_warps); BV None means the kernel takes no BV. "seq" is both
+# recurrences, whose BV also sets how many programs run side by side (N * HV * V / BV).
+CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (32, 8)}
+
+
+@triton.jit
+def _unit_lower_inverse(b_M, BT: tl.constexpr):
+    """(I + M)^-1 for M [BT, BT] fp32 strictly lower, BT = 64.
+
+    The four 16x16 diagonal blocks are inverted by forward substitution (all four at once, as
+    a [4, 16, 16] tensor), D^-1; then (I + M) = D (I + N) with N = D^-1 M_offdiag strictly
+    block-lower, so N^4 = 0 and (I + M)^-1 = (I - N + N^2 - N^3) D^-1.
+    """
+    BC: tl.constexpr = 16
+    NB: tl.constexpr = BT // BC
+    o_c = tl.arange(0, BT)
+    m_same = (o_c[:, None] // BC) == (o_c[None, :] // BC)
+    b_off = tl.where(m_same, 0.0, b_M)
+    o_b = tl.arange(0, NB)
+    m_bb = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
+    b_M3 = tl.sum(tl.where(m_bb, tl.reshape(b_M, [NB, BC, NB, BC]), 0.0), axis=2)  # [NB, BC, BC]
+    o_i = tl.arange(0, BC)
+    # Y = (I + M_blk)^-1 - I, row by row: y_i = -m_i + sum_j (-m_ij) y_j (rows 0 and 1 are -m)
+    b_Y3 = -b_M3
+    for i in range(2, BC):
+        m_row = (o_i == i)[None, :, None]
+        b_a = tl.sum(tl.where(m_row, -b_M3, 0.0), axis=1)  # [NB, BC]
+        b_a = b_a + tl.sum(b_a[:, :, None] * b_Y3, axis=1)
+        b_Y3 = tl.where(m_row, b_a[:, None, :], b_Y3)
+    b_Y3 += tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)[None, :, :]
+    b_Dinv = tl.reshape(tl.where(m_bb, b_Y3[:, :, None, :], 0.0), [BT, BT])
+    b_eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    b_N = tl.dot(b_Dinv, b_off)
+    b_T = b_eye - tl.dot(b_N, b_eye - tl.dot(b_N, b_eye - b_N))
+    return tl.dot(b_T, b_Dinv)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _prep_kernel(
+    q, k, v, g, beta, gam, P, A, w, u, cu_seqlens, chunk_indices, scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_GDN: tl.constexpr, STORE_A: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One chunk of one value head: gam = cumsum(g), P; and for the delta rule A, w, u."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_b.to(tl.int64) * T
+    i_hk = i_h // (HV // H)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    r_t = bos + o_t  # [BT] int64 token rows
+    o_c = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+
+    b_gam = tl.cumsum(tl.load(g + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    tl.store(gam + r_t * HV + i_h, b_gam, mask=m_t)
+    b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    # Mask before exp: above the diagonal gam_i - gam_j may be large and positive.
+    m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
+    b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+    b_P = tl.dot(b_q, tl.trans(b_k)) * b_D * scale
+    p_P = P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :]
+    tl.store(p_P, b_P.to(P.dtype.element_ty), mask=m_t[:, None])
+    if IS_GDN:
+        b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        m_strict = o_c[:, None] > o_c[None, :]
+        b_M = tl.where(m_strict, tl.dot(b_k, tl.trans(b_k)) * b_D, 0.0) * b_beta[:, None]
+        b_A = _unit_lower_inverse(b_M, BT)
+        if STORE_A:
+            tl.store(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], b_A.to(A.dtype.element_ty), mask=m_t[:, None])
+        b_Ad = b_A.to(k.dtype.element_ty)
+        b_kb = (b_k * (b_beta * tl.exp(b_gam))[:, None]).to(k.dtype.element_ty)
+        b_w = tl.dot(b_Ad, b_kb)
+        tl.store(w + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_v = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+            b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+            b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(v.dtype.element_ty))
+            tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _recurrence_fwd_kernel(
+    q, k, w, u, gam, P, o, h0, ht, h, U, cu_seqlens, chunk_offsets, scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One V block of one sequence-head, chunk after chunk: U = u - w S, o = q^ S + P U, S'.
+
+    u is v for simple GLA. STORE_H (the backward's recompute) writes the state entering each
+    chunk to h [NT, HV, K, V] and U to U [B, T, HV, V].
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_c = tl.arange(0, BT)
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for i_t in range(NT):
+        o_t = i_t * BT + o_c
+        m_t = o_t < T
+        r_t = bos + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        if STORE_H:
+            tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        if IS_GDN:
+            b_w = tl.load(w + (r_t * HV + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_U = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(dt))
+            if STORE_H:
+                tl.store(U + p_tv, b_U.to(U.dtype.element_ty), mask=m_tv)
+            b_Ud = b_U.to(dt)
+        else:
+            b_Ud = b_u.to(dt)
+        if STORE_O:
+            b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_qh = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
+            b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
+            b_o = tl.dot(b_qh, b_S.to(dt)) + tl.dot(b_P.to(dt), b_Ud)
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        # k^T loaded transposed [BK, BT]; padded tokens load k = 0
+        b_kT = tl.load(k + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_kT = (b_kT * tl.exp(b_glast - b_gam)[None, :]).to(dt)
+        b_S = b_S * tl.exp(b_glast) + tl.dot(b_kT, b_Ud)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_S.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _recurrence_bwd_kernel(
+    q, k, w, gam, P, do, dU, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_GDN: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One V block of one sequence-head, chunks in reverse: dU = P^T do + k' dS',
+    dS = e^gC dS' + q^T do - w^T dU. Writes dh (the gradient of the state leaving each chunk)
+    and dU (for simple GLA that is dv itself)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_c = tl.arange(0, BT)
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for i_t in range(NT - 1, -1, -1):
+        o_t = i_t * BT + o_c
+        m_t = o_t < T
+        r_t = bos + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_kp = (b_k * tl.exp(b_glast - b_gam)[:, None]).to(dt)
+        b_dU = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, b_dS.to(dt))
+        tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
+        b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_qT = (b_qT * (scale * tl.exp(b_gam))[None, :]).to(dt)
+        b_dS = b_dS * tl.exp(b_glast) + tl.dot(b_qT, b_do)
+        if IS_GDN:
+            b_wT = tl.load(w + (r_t * HV + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_dS -= tl.dot(b_wT, b_dU.to(dt))
+    if USE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _bwd_chunk_kernel(
+    q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+    scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Every input gradient of one chunk of one value head, given the state S entering it (h),
+    the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms."""
+    i_tg, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_tg * 2)
+        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_tg = i_tg.to(tl.int64)
+    else:
+        i_t = i_tg
+        bos = i_b.to(tl.int64) * T
+        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    r_t = bos + o_t
+    o_c = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    last = tl.minimum(i_t * BT + BT, T) - 1
+
+    b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+    b_glast = tl.load(gam + (bos + last) * HV + i_h)
+    if IS_GDN:
+        b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_AT = tl.trans(b_A)
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
+        b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+
+    b_acc_q = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
+    b_acc_ks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS'^T
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # do U^T
+    b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S . dS') by rows of S
+    p_h = h + (i_tg * HV + i_h) * K * V
+    p_dh = dh + (i_tg * HV + i_h) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        m_vk = m_v[:, None] & m_k[None, :]
+        # states loaded transposed: [BV, BK]
+        b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+        b_dST = tl.load(p_dh + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
+        if IS_GDN:
+            b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
+        else:
+            b_U = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_acc_q = tl.dot(b_do, b_ST.to(dt), b_acc_q)
+        b_dP = tl.dot(b_do, tl.trans(b_U), b_dP)
+        b_acc_ks = tl.dot(b_U, b_dST.to(dt), b_acc_ks)
+        b_sds += tl.sum(b_ST.to(tl.float32) * b_dST.to(tl.float32), axis=0)
+        if IS_GDN:
+            b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+            tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            b_db += tl.sum(b_Y * b_v, axis=1)
+            b_Yd = b_Y.to(dt)
+            b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
+            b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    b_eg = tl.exp(b_gam)
+    m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
+    b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+    b_dA = b_dP * b_D * scale  # d(q k^T) of the intra-chunk term
+    b_dq = b_acc_q * (scale * b_eg)[:, None] + tl.dot(b_dA.to(dt), b_k)
+    b_dk_s = b_acc_ks * tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)[:, None]
+    b_dk = tl.dot(tl.trans(b_dA).to(dt), b_q) + b_dk_s
+    # gam enters as e^gam with q and as e^-gam with k (output and state paths), hence this form.
+    b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dk, axis=1)
+    b_dglast = tl.exp(b_glast) * tl.sum(b_sds, axis=0) + tl.sum(tl.sum(b_kf * b_dk_s, axis=1), axis=0)
+    if IS_GDN:
+        b_r = tl.sum(b_kf * b_acc_kw, axis=1)
+        b_kbs = b_beta * b_eg
+        b_dk -= b_acc_kw * b_kbs[:, None]
+        b_dgam -= b_kbs * b_r
+        b_db -= b_eg * b_r
+        m_strict = o_c[:, None] > o_c[None, :]
+        b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
+        b_T1 = tl.dot(b_dMD.to(dt), b_k)
+        b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
+        b_dk += b_T1 * b_beta[:, None] + b_T2
+        b_rk = tl.sum(b_kf * b_T1, axis=1)
+        b_db += b_rk
+        b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+        tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    b_dgam = tl.where(o_t == last, b_dgam + b_dglast, b_dgam)
+    b_dgam = tl.where(m_t, b_dgam, 0.0)
+    b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
+    tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
+    p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
+    tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+class _Chunks:
+    """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
+    (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1]."""
+
+    def __init__(self, B: int, T: int, cu_seqlens):
+        self.cu_seqlens = cu_seqlens
+        if cu_seqlens is None:
+            self.N, self.NT = B, B * triton.cdiv(T, CHUNK)
+            self.indices = self.offsets = None
+            return
+        cu = cu_seqlens.to(torch.int64)
+        counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        self.N = counts.numel()
+        self.NT = int(offsets[-1])
+        seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts)
+        within = torch.arange(self.NT, device=cu.device) - offsets[seq]
+        self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous()
+        self.offsets = offsets.to(torch.int32)
+        self.cu_seqlens = cu.to(torch.int32).contiguous()
+
+
+def _alloc(shape, dtype, device) -> Tensor:
+    """Every buffer the kernels write (tests swap in a NaN-filled one to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _blocks(K: int, V: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def _seq_config(V: int) -> tuple[int, int]:
+    BV, num_warps = CONFIGS["seq"]
+    return min(BV, _blocks(1, V)[1]), num_warps
+
+
+def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BK, BV = _blocks(K, V)
+    gdn = beta is not None
+    gam = _alloc((B, T, HV), torch.float32, q.device)
+    P = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
+    A = _alloc((B, T, HV, CHUNK), q.dtype, q.device) if gdn and store_A else None
+    w = _alloc((B, T, HV, K), q.dtype, q.device) if gdn else None
+    u = _alloc(v.shape, v.dtype, v.device) if gdn else None
+    grid = (chunks.NT // (1 if chunks.indices is not None else B), B * HV)
+    _prep_kernel[grid](
+        q, k, v, g, beta, gam, P, A, w, u, chunks.cu_seqlens, chunks.indices, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        IS_GDN=gdn, STORE_A=gdn and store_A, IS_VARLEN=chunks.indices is not None,
+        num_warps=CONFIGS["prep"][1],
+    )
+    return gam, P, A, w, u
+
+
+def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
+    T, H, K = q.shape[1:]
+    HV, V = v.shape[2], v.shape[3]
+    BK, _ = _blocks(K, V)
+    gam, P, _, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=False)
+    o = _alloc(v.shape, v.dtype, v.device)
+    ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    gdn = beta is not None
+    BV, num_warps = _seq_config(V)
+    _recurrence_fwd_kernel[(triton.cdiv(V, BV), chunks.N * HV)](
+        q, k, w, u if gdn else v, gam, P, o, h0, ht, None, None, chunks.cu_seqlens, chunks.offsets,
+        scale, T, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        IS_GDN=gdn, STORE_O=True, STORE_H=False, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        IS_VARLEN=chunks.indices is not None, num_warps=num_warps,
+    )
+    return o, ht
+
+
+def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BK, _ = _blocks(K, V)
+    gdn = beta is not None
+    varlen = chunks.indices is not None
+    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True)
+    # The chunk states, recomputed; in the input dtype like every other dot operand.
+    h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
+    U = _alloc(v.shape, v.dtype, v.device) if gdn else None
+    BV, num_warps = _seq_config(V)
+    seq_grid = (triton.cdiv(V, BV), chunks.N * HV)
+    _recurrence_fwd_kernel[seq_grid](
+        q, k, w, u if gdn else v, gam, P, None, h0, None, h, U, chunks.cu_seqlens, chunks.offsets,
+        scale, T, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        IS_GDN=gdn, STORE_O=False, STORE_H=True, USE_H0=h0 is not None, STORE_HT=False,
+        IS_VARLEN=varlen, num_warps=num_warps,
+    )
+    del u
+    dh = _alloc(h.shape, h.dtype, h.device)
+    dU = _alloc(v.shape, v.dtype, v.device)  # dv itself for simple GLA
+    dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
+    _recurrence_bwd_kernel[seq_grid](
+        q, k, w, gam, P, do, dU, dh, dht, dh0, chunks.cu_seqlens, chunks.offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        IS_GDN=gdn, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=varlen,
+        num_warps=num_warps,
+    )
+    del w, P
+    grouped = HV != H
+    # per value head; fp32 when a group of heads is summed afterwards
+    dqk_dtype = torch.float32 if grouped else q.dtype
+    dq = _alloc((B, T, HV, K), dqk_dtype, q.device)
+    dk = _alloc((B, T, HV, K), dqk_dtype, q.device)
+    dv = _alloc(v.shape, v.dtype, v.device) if gdn else dU
+    dg = _alloc((B, T, HV), torch.float32, q.device)
+    dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
+    grid = (chunks.NT // (1 if varlen else B), B * HV)
+    _bwd_chunk_kernel[grid](
+        q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
+        chunks.cu_seqlens, chunks.indices, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]),
+        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=CONFIGS["chunk_bwd"][1],
+    )
+    if grouped:
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class ChunkLinearAttentionFunction(torch.autograd.Function):
+    """Autograd of the chunked gated delta rule (beta given) or simple GLA (beta None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        chunks = _Chunks(q.shape[0], q.shape[1], cu_seqlens)
+        o, ht = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.chunks, ctx.scale = chunks, scale
+        if ht is None:
+            return o
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht=None):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = _bwd(
+            q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
+            None if dht is None else dht.contiguous(), ctx.chunks,
+        )
+        return (
+            dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
+            None, None if dh0 is None else dh0.to(h0.dtype), None, None,
+        )
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
+    """Raises ValueError naming the argument; returns N, the number of sequences."""
+    if q.dim() != 4 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q: the triton backend needs a [B, T, H, K] tensor in bf16, fp16 or fp32, got "
+            f"{q.dtype} {list(q.shape)}; use backend='torch' for other dtypes"
+        )
+    B, T, H, K = q.shape
+    if K > MAX_HEAD_DIM_K:
+        raise ValueError(f"q: the triton backend handles head dims K <= {MAX_HEAD_DIM_K}, got K={K}")
+    if k.shape != q.shape or k.dtype != q.dtype:
+        raise ValueError(f"k: expected {list(q.shape)} {q.dtype} like q, got {list(k.shape)} {k.dtype}")
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % H or v.dtype != q.dtype:
+        raise ValueError(
+            f"v: expected [B, T, HV, V] with B, T = {B}, {T}, HV a multiple of q's {H} heads and "
+            f"dtype {q.dtype}, got {list(v.shape)} {v.dtype}"
+        )
+    HV, V = v.shape[2], v.shape[3]
+    for name, x in (("g", g), ("beta", beta)):
+        if x is not None and (x.shape != (B, T, HV) or not x.is_floating_point()):
+            raise ValueError(
+                f"{name}: expected a floating [B, T, HV] = {[B, T, HV]} tensor, got {x.dtype} {list(x.shape)}"
+            )
+    N = B
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"cu_seqlens: expected an integer [N + 1] tensor of offsets, got {cu_seqlens.dtype} "
+                f"{list(cu_seqlens.shape)}"
+            )
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}; flatten the batch")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in itertools.pairwise(offsets)):
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {offsets}")
+        N = len(offsets) - 1
+    if initial_state is not None and (
+        initial_state.shape != (N, HV, K, V) or not initial_state.is_floating_point()
+    ):
+        raise ValueError(
+            f"initial_state: expected a floating [N, HV, K, V] = {[N, HV, K, V]} tensor, got "
+            f"{initial_state.dtype} {list(initial_state.shape)}"
+        )
+    tensors = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)]
+    for name, x in tensors:
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name}: expected on {q.device} like q, got {x.device}")
+    if q.device.type == "cpu" and not _INTERPRET:
+        raise ValueError(
+            "q: the triton backend on CPU tensors runs in Triton's interpreter; set "
+            "TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
+        )
+    return N
+
+
+@functools.cache
+def _log_chunk_size_once(chunk_size: int) -> None:
+    logger.warning(
+        "triton backend: chunks are always %d tokens; chunk_size=%d only changes rounding, not "
+        "the function", CHUNK, chunk_size,
+    )
+
+
+def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if chunk_size != CHUNK:
+        _log_chunk_size_once(chunk_size)
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    out = ChunkLinearAttentionFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+        None if beta is None else beta.contiguous(), scale,
+        None if initial_state is None else initial_state.contiguous(), output_final_state,
+        cu_seqlens,
+    )
+    if output_final_state:
+        return out
+    return out, None
+
+
+def chunk_gated_delta_rule_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale=None, initial_state=None,
+    output_final_state: bool = False, cu_seqlens=None, chunk_size: int = CHUNK,
+) -> tuple[Tensor, Tensor | None]:
+    """Gated delta rule (backend "triton"): arguments and results as ops.gated_delta_rule, with
+    grouped value heads (v, g, beta, states with HV heads, a multiple of q/k's H)."""
+    if beta is None:
+        raise ValueError("beta: the gated delta rule needs beta [B, T, HV]; use simple GLA for no beta")
+    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+def chunk_simple_gla_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale=None, initial_state=None,
+    output_final_state: bool = False, cu_seqlens=None, chunk_size: int = CHUNK,
+) -> tuple[Tensor, Tensor | None]:
+    """Simple GLA (backend "triton"): the gated delta rule's kernels without the WY step."""
+    return _run(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size)

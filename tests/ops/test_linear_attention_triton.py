@@ -1,0 +1,260 @@
+"""Triton chunk kernels (ops/linear_attention/triton_chunk.py) against the PyTorch reference.
+
+CPU: Triton's interpreter in fp32 on tiny shapes (tests/conftest.py sets TRITON_INTERPRET=1;
+its bf16 loads are wrong, so no bf16 here). GPU (-m gpu, the H200): bf16 at realistic sizes
+against the fp32 reference: relative RMS error <= 5e-3 for outputs, <= 1e-2 for gradients.
+Every buffer the kernels write is NaN-poisoned first (triton_chunk._alloc), so an unwritten
+element fails. Shape legend: B batch, T time, H q/k heads, HV value heads, K, V head dims,
+N sequences; q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; states [N, HV, K, V].
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from megatron_moe_hybrid.ops import linear_attention as la
+from megatron_moe_hybrid.ops.linear_attention import reference, triton_chunk
+
+OPS = ("gated_delta_rule", "simple_gla")
+# CPU tensors run the kernels in the interpreter, which conftest turns on only without a GPU.
+interpreter = pytest.mark.skipif(
+    not triton_chunk._INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)"
+)
+
+
+@pytest.fixture(autouse=True)
+def poison_buffers(monkeypatch):
+    def nan_alloc(shape, dtype, device):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_chunk, "_alloc", nan_alloc)
+
+
+def make_inputs(B, T, H, K, V, HV=None, N=None, dtype=torch.float32, device="cpu", seed=0):
+    """The layer's regime: unit-norm q/k, g <= 0, beta in (0, 1); drawn in fp32, then cast."""
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+    x = {
+        "q": F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+        "k": F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+        "v": torch.randn(B, T, HV, V, generator=gen),
+        "g": F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 3),
+        "beta": torch.rand(B, T, HV, generator=gen),
+        "initial_state": torch.randn(N or B, HV, K, V, generator=gen),
+    }
+    return {n: t.to(device=device, dtype=dtype if n in "qkv" else torch.float32) for n, t in x.items()}
+
+
+def outputs_and_grads(op, x, backend, seed=1, **kwargs):
+    """(o, final state) and the gradients of <o, do> + <state, dstate> w.r.t. every input."""
+    x = {n: t.detach().clone().requires_grad_() for n, t in x.items() if op != "simple_gla" or n != "beta"}
+    args = [x["q"], x["k"], x["v"], x["g"]] + ([x["beta"]] if op == "gated_delta_rule" else [])
+    o, h = getattr(la, op)(
+        *args, initial_state=x["initial_state"], output_final_state=True, backend=backend, **kwargs
+    )
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.device)
+    dh = torch.randn(h.shape, generator=gen).to(h.device)
+    grads = torch.autograd.grad((o.float() * do).sum() + (h * dh).sum(), list(x.values()), materialize_grads=True)
+    return {"o": o, "state": h, **{f"d{n}": gr for n, gr in zip(x, grads)}}
+
+
+def rel_rms(actual, expected):
+    assert torch.isfinite(actual).all(), "non-finite values"
+    diff = (actual.double() - expected.double()).norm()
+    return (diff / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_rms(actual, expected, out_tol, grad_tol):
+    assert actual.keys() == expected.keys()
+    errors = {n: rel_rms(actual[n], expected[n]) for n in expected}
+    bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
+    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
+    return errors
+
+
+CPU_CASES = {  # B, T, H, HV, K, V
+    "B2-T70-H2-K16-V32": (2, 70, 2, 2, 16, 32),
+    "B1-T64-H2-K32-V16": (1, 64, 2, 2, 32, 16),
+    "B1-T130-H1-HV2-K32-V16": (1, 130, 1, 2, 32, 16),
+    "B2-T1-H1-K16-V16": (2, 1, 1, 1, 16, 16),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_triton_matches_reference_cpu(op, case):
+    B, T, H, HV, K, V = CPU_CASES[case]
+    x = make_inputs(B, T, H, K, V, HV=HV, seed=list(CPU_CASES).index(case))
+    got = outputs_and_grads(op, x, "triton")
+    ref = outputs_and_grads(op, x, "torch")
+    assert got["o"].dtype == torch.float32 and got["state"].dtype == torch.float32
+    assert_rel_rms(got, ref, 2e-5, 2e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+def test_varlen_with_empty_and_length_one_segments_cpu(op):
+    lengths = [0, 1, 64, 70, 0, 5]
+    T, H, HV, K, V = sum(lengths), 1, 2, 16, 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = make_inputs(1, T, H, K, V, HV=HV, N=len(lengths), seed=7)
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads(op, x, "torch", cu_seqlens=cu)
+    assert_rel_rms(got, ref, 2e-5, 2e-5)
+    # an empty segment passes its initial state through, and its gradient back
+    for n in (0, 4):
+        torch.testing.assert_close(got["state"][n], x["initial_state"][n])
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("split", [37, 64])
+def test_two_halves_with_carried_state_equal_one_run_cpu(op, split):
+    """Chaining through initial_state/final state: forward and every gradient, both halves."""
+    x = make_inputs(2, 100, 2, 16, 16, seed=3)
+
+    def chained(op, x, backend, **kwargs):
+        first = {n: t[:, :split] if n != "initial_state" else t for n, t in x.items()}
+        args = lambda part: [part["q"], part["k"], part["v"], part["g"]] + (
+            [part["beta"]] if op == "gated_delta_rule" else []
+        )
+        o1, h1 = getattr(la, op)(*args(first), initial_state=x["initial_state"], output_final_state=True, backend=backend)
+        second = {n: t[:, split:] for n, t in x.items() if n != "initial_state"}
+        o2, h2 = getattr(la, op)(*args(second), initial_state=h1, output_final_state=True, backend=backend)
+        return torch.cat([o1, o2], dim=1), h2
+
+    xs = {n: t.clone().requires_grad_() for n, t in x.items() if op != "simple_gla" or n != "beta"}
+    o, h = chained(op, xs, "triton")
+    gen = torch.Generator().manual_seed(2)
+    do, dh = torch.randn(o.shape, generator=gen), torch.randn(h.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (h * dh).sum(), list(xs.values()))
+    whole = outputs_and_grads(op, x, "triton", seed=2)
+    got = {"o": o, "state": h, **{f"d{n}": gr for n, gr in zip(xs, grads)}}
+    assert_rel_rms(got, whole, 2e-5, 2e-5)
+
+
+def _l2(x):
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+@interpreter
+def test_fla_signature_gated_delta_rule_with_l2norm_in_kernel_cpu():
+    x = make_inputs(1, 40, 2, 16, 16, HV=4, seed=5)
+    x["q"], x["k"] = 3 * x["q"], 0.5 * x["k"]  # not unit norm: the wrapper normalises
+    xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, h = la.chunk_gated_delta_rule(
+        xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], scale=0.3, initial_state=xs["initial_state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, backend="triton",
+    )
+    xr = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o_ref, h_ref = reference.chunk_gated_delta_rule(
+        _l2(xr["q"]).repeat_interleave(2, 2), _l2(xr["k"]).repeat_interleave(2, 2), xr["v"], xr["g"],
+        xr["beta"], scale=0.3, initial_state=xr["initial_state"], output_final_state=True,
+    )
+    do = torch.randn_like(o)
+    got = torch.autograd.grad((o * do).sum() + h.sum(), list(xs.values()))
+    exp = torch.autograd.grad((o_ref * do).sum() + h_ref.sum(), list(xr.values()))
+    assert_rel_rms(
+        {"o": o, "state": h, **{f"d{n}": t for n, t in zip(xs, got)}},
+        {"o": o_ref, "state": h_ref, **{f"d{n}": t for n, t in zip(xr, exp)}}, 2e-5, 2e-5,
+    )
+
+
+@interpreter
+@pytest.mark.parametrize("decay", ["g_gamma", "none"])
+def test_fla_signature_simple_gla_with_g_gamma_or_no_decay_cpu(decay):
+    x = make_inputs(2, 70, 2, 16, 32, seed=6)
+    g_gamma = torch.tensor([-0.05, -0.3]) if decay == "g_gamma" else None
+    xs = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    o, h = la.chunk_simple_gla(xs["q"], xs["k"], xs["v"], g_gamma=g_gamma, output_final_state=True, backend="triton")
+    g = torch.zeros(2, 70, 2) if g_gamma is None else g_gamma.expand(2, 70, 2)
+    xr = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    o_ref, h_ref = reference.chunk_simple_gla(xr["q"], xr["k"], xr["v"], g, output_final_state=True)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad((o * do).sum() + h.sum(), list(xs.values()))
+    exp = torch.autograd.grad((o_ref * do).sum() + h_ref.sum(), list(xr.values()))
+    assert_rel_rms(
+        {"o": o, "state": h, **{f"d{n}": t for n, t in zip(xs, got)}},
+        {"o": o_ref, "state": h_ref, **{f"d{n}": t for n, t in zip(xr, exp)}}, 2e-5, 2e-5,
+    )
+
+
+@interpreter
+def test_no_final_state_returns_none_and_matches_cpu():
+    x = make_inputs(1, 20, 1, 16, 16, seed=8)
+    o, h = la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton")
+    o_ref, _ = la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="torch")
+    assert h is None
+    assert rel_rms(o, o_ref) < 2e-5
+
+
+BAD = {
+    "q-fp64": ({"q": torch.zeros(1, 4, 2, 16, dtype=torch.float64)}, "q"),
+    "q-K256": ({"q": torch.zeros(1, 4, 2, 256), "k": torch.zeros(1, 4, 2, 256)}, "q"),
+    "k-shape": ({"k": torch.zeros(1, 4, 2, 8)}, "k"),
+    "v-heads": ({"v": torch.zeros(1, 4, 3, 16), "g": torch.zeros(1, 4, 3), "beta": torch.zeros(1, 4, 3)}, "v"),
+    "g-heads": ({"g": torch.zeros(1, 4, 4)}, "g"),
+    "beta-shape": ({"beta": torch.zeros(1, 4)}, "beta"),
+    "state-heads": ({"initial_state": torch.zeros(1, 1, 16, 16)}, "initial_state"),
+    "cu-batch": ({"cu_seqlens": torch.tensor([0, 4])}, "cu_seqlens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_inputs_raise_value_error_naming_argument(case):
+    args = {"q": torch.zeros(2, 4, 2, 16), "k": torch.zeros(2, 4, 2, 16), "v": torch.zeros(2, 4, 2, 16),
+                "g": torch.zeros(2, 4, 2), "beta": torch.zeros(2, 4, 2)}
+    override, name = BAD[case]
+    if case != "cu-batch":
+        args = {n: t[:1] for n, t in args.items()}
+    args.update(override)
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        la.gated_delta_rule(**args, backend="triton")
+
+
+def test_simple_gla_decay_arguments_are_checked():
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="^g_gamma:"):
+        la.chunk_simple_gla(q, q, q, g=torch.zeros(1, 4, 2), g_gamma=torch.zeros(2))
+    with pytest.raises(ValueError, match="^g_gamma:"):
+        la.chunk_simple_gla(q, q, q, g_gamma=torch.zeros(3))
+
+
+def test_auto_picks_triton_only_for_cuda_tensors():
+    cpu = torch.zeros(1, 2, 1, 16)
+    assert la._pick("gated_delta_rule", "auto", cpu) is la._BACKENDS["gated_delta_rule"]["torch"]
+    if torch.cuda.is_available():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = cpu.to("cuda", dtype)
+            assert la._pick("gated_delta_rule", "auto", q) is la._BACKENDS["gated_delta_rule"]["triton"]
+            assert la._pick("simple_gla", "auto", q) is la._BACKENDS["simple_gla"]["triton"]
+        q64 = cpu.to("cuda", torch.float64)
+        assert la._pick("gated_delta_rule", "auto", q64) is la._BACKENDS["gated_delta_rule"]["torch"]
+
+
+GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
+    "B2-T1000-H4-D128": (2, 1000, 4, 4, 128, 128, None),
+    "B1-T1000-H2-HV4-D128": (1, 1000, 2, 4, 128, 128, None),
+    "B2-T777-H4-D64": (2, 777, 4, 4, 64, 64, None),
+    "varlen-300-0-1-700-64-935-H2-HV4-D128": (1, 2000, 2, 4, 128, 128, [300, 0, 1, 700, 64, 935]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_triton_bf16_matches_fp32_reference_gpu(op, case):
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    N = B if lengths is None else len(lengths)
+    x = make_inputs(B, T, H, K, V, HV=HV, N=N, dtype=torch.bfloat16, device="cuda", seed=11)
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    assert got["o"].dtype == torch.bfloat16 and got["state"].dtype == torch.float32
+    # the reference sees the same bf16-rounded values, in fp32
+    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\n{op} {case} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
