@@ -2,6 +2,8 @@
 
     python tools/plan.py --config examples/configs/flagship_2p8t.yaml \
         --cluster examples/clusters/h200_128.yaml [--cluster.training full] [--json]
+    python tools/plan.py --config examples/configs/tiny.yaml --cluster.accelerators 1 \
+        --cluster.expert_model_parallel_size 1 --cluster.weight_bytes 4 --measure   # check it here
 
 The parameter count follows the layers exactly (tests compare it with the built model's
 numel()). Memory is a model of what a rank holds at its peak:
@@ -11,7 +13,9 @@ numel()). Memory is a model of what a rank holds at its peak:
     optimizer    fp32 master copy + Adam moments of trainable parameters; with
                  offload_optimizer these and the fp32 gradients live in host memory
                  (ZeRO-Offload style) and the device keeps one layer's bf16 gradient bucket
-    activations  saved activations of the layers of one micro-batch (see _activation_bytes)
+    activations  saved activations of the layers of one micro-batch: the model of fused kernels
+                 (_activation_bytes_per_token), or with --probe what our layers save, measured by
+                 running one layer of each kind (probe_activations)
     loss         one fp32 [token chunk, vocabulary chunk] tile of the chunked cross-entropy
     comm         All-to-All send/receive buffers of one MoE layer (and, with context parallelism,
                  one sparse layer's gathered keys and their gradient)
@@ -26,6 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+import torch
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -270,7 +275,10 @@ def _activation_bytes_per_token(
     return n
 
 
-def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
+def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[str, Any]:
+    """probe: probe_activations()'s measured bytes per token (per layer and of the head), used
+    instead of the analytic activation model (_activation_bytes_per_token, which assumes fused
+    kernels that save their inputs only)."""
     params = count_parameters(c)
     wb = cl.weight_bytes
     pp, ep, tp = cl.pipeline_model_parallel_size, cl.expert_model_parallel_size, cl.tensor_model_parallel_size
@@ -289,7 +297,9 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         trainable_dense = lora_total - trainable_expert
         weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
     trainable_local = trainable_dense * dense_share + trainable_expert * expert_share
-    optimizer_bytes = (12 if cl.training == "full" else 8) * trainable_local  # (+master) + Adam m, v
+    # Adam m, v (fp32), plus an fp32 master copy where full training keeps lower-precision weights
+    master = 4 if cl.training == "full" and wb < 4 else 0
+    optimizer_bytes = (master + 8) * trainable_local
     if cl.offload_optimizer:
         layer_trainable = trainable_local / max(1, c.num_layers / pp)
         gradients, optimizer = 2 * layer_trainable, 0.0  # one layer's bf16 bucket in flight
@@ -299,14 +309,19 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
 
     tokens = cl.micro_batch_size * cl.seq_length / cl.context_parallel_size
     layers_local = c.num_layers / pp
-    per_layer = [
-        _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
-        for i in range(c.num_layers)
-    ]
+    if probe is not None:
+        per_layer = list(probe["layers"])
+    else:
+        per_layer = [
+            _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
+            for i in range(c.num_layers)
+        ]
     if cl.recompute == "full":
         activations = tokens * (layers_local * c.hidden_size * 2 + max(per_layer))
     else:
         kept = list(per_layer)
+        if cl.activation_offload and probe is not None:
+            raise ValueError("probe: measured activations do not separate the MoE part; plan offload analytically")
         if cl.activation_offload:  # MoE activations go to the host; keep one layer's worth in flight
             moe_part = [
                 _activation_bytes_per_token(c, c.layer_kind(i), True, seq_length=cl.seq_length)
@@ -319,6 +334,17 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
     loss = 4 * min(c.memory.ce_chunk_size, tokens) * min(c.vocab_size / tp, 8192) * 2 + tokens * (
         c.hidden_size * 4
     )
+    if probe is not None:
+        # Measured: the head's saved tensors and the worst moment of the backward: the loss's
+        # (everything still saved) or layer i's (the layers above it have freed theirs).
+        act, work = probe["layers"], probe["layers_backward"]
+        if cl.recompute == "full":
+            worst = max(work[i] + act[i] for i in range(c.num_layers)) - max(act)
+        else:
+            worst = max(work[i] - sum(act[i + 1 :]) for i in range(c.num_layers))
+        # The loss's working set is chunked (memory.ce_chunk_size): the model above, not the
+        # probe's single micro-batch scaled by tokens.
+        loss = max(tokens * probe["head"] + loss, tokens * worst)
     a2a_tokens = tokens * c.moe.topk
     comm = 2 * a2a_tokens * c.hidden_size * wb  # send + receive of one layer in flight
     if cl.fsdp:  # one unsharded layer gathered at a time (+ prefetch of the next)
@@ -343,6 +369,8 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
         cp_bytes = 2 * sparse_gather * n_sparse + 2 * state * (cp - 1) / cp * n_linear
         cp_bytes *= 1 if cl.recompute == "none" else 1.5
+    if probe is not None and ep == 1:  # one process: the dispatch buffers are in what the probe saw
+        comm = 0.0
     terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
              "loss": loss, "comm_buffers": comm + cp_buffer}
     peak = sum(terms.values())
@@ -376,6 +404,216 @@ def plan(c: HybridMoEConfig, cl: Cluster) -> dict[str, Any]:
         "data_parallel_size": dp,
         "expert_data_parallel_size": edp,
     }
+
+
+# Measuring on this machine -----------------------------------------------------------------
+
+
+def _run_config(c: HybridMoEConfig, cl: Cluster, **overrides) -> HybridMoEConfig:
+    """The model config as one process runs it: world 1, no FSDP, LoRA per the cluster."""
+    from megatron_moe_hybrid.config import config_from_dict
+
+    raw = c.to_dict()
+    over = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.context_parallel_size": 1,
+            "parallel.fsdp": False, "lora.enabled": cl.training == "lora", "lora.rank": cl.lora_rank,
+            "training.micro_batch_size": cl.micro_batch_size, "training.seq_length": cl.seq_length, **overrides}  # fmt: skip
+    return config_from_dict(raw, over)
+
+
+def _build(c: HybridMoEConfig, device: str):
+    from megatron_moe_hybrid.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(c)
+    if c.lora.enabled:
+        from megatron_moe_hybrid.layers.lora import apply_lora
+
+        lo = c.lora
+        apply_lora(model, lo.targets, lo.rank, lo.alpha, lo.dropout, rslora=lo.rslora,
+                   expert_adapter=lo.expert_adapter, target_modules=lo.target_modules,
+                   base_dtype=None if lo.base_dtype == "float32" else lo.base_dtype)  # fmt: skip
+    return model.to(device).train()
+
+
+def _batch(c: HybridMoEConfig, b: int, s: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, c.vocab_size, (b, s), generator=g).to(device)
+    return tokens, torch.arange(s, device=device).expand(b, s)
+
+
+def _peak_during(fn, device: str) -> int:
+    """Highest tensor memory above the level at the call's start while fn() runs."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def probe_activations(c: HybridMoEConfig, cl: Cluster, device: str = "cpu") -> dict:
+    """What our layers hold for the backward, measured by running them: one decoder layer of
+    each (letter, MoE or dense) kind in the model (one period of the pattern; two when the
+    model has dense first layers) at the cluster's sequence length and micro-batch 1. Returns
+    bytes per token:
+      "layers":   saved for the backward by layer i of the real model (unique storages that
+                  are not parameters; a storage two layers save counts once);
+      "head":     saved outside the layers (embedding, final norm, loss);
+      "layers_backward", "head_backward": the working set of that layer's (the loss's)
+                  backward above what was alive when it started, less the parameter gradients
+                  it creates (the gradients term holds them).
+    Exact for our kernels as they are, on `device`."""
+    from megatron_moe_hybrid.testing import init_megatron, teardown
+
+    dense = min(c.moe.first_k_dense, 1)  # with dense first layers, two periods hold every kind
+    small = _run_config(c, cl, **{"model.num_layers": len(c.pattern) * (1 + dense), "moe.first_k_dense": dense,
+                                  "training.micro_batch_size": 1})  # fmt: skip
+    key = lambda cfg, i: (cfg.layer_kind(i), cfg.is_moe_layer(i))  # noqa: E731
+    tokens_n = cl.seq_length
+    with _maybe_megatron(init_megatron, teardown):
+        model = _build(small, device)
+        layers = list(model.decoder.layers)
+        param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        where, saved, cut = ["head"], {}, {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in param_ptrs:
+                saved.setdefault(where[-1], {})[st.data_ptr()] = st.nbytes()
+            return t
+
+        def enter(i):
+            def hook(module, args, kwargs):
+                where.append(i)
+                if i == 0:  # the embedding's backward is not a layer's
+                    return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach().requires_grad_()}
+                return None
+
+            return hook
+
+        def leave(i):
+            def hook(module, args, kwargs, output):
+                where.pop()
+                # The next layer reads a detached copy (the same storage: nothing counts twice),
+                # so each layer's backward runs, and is measured, on its own.
+                handed = output[0].detach().requires_grad_()
+                cut[i] = (output[0], handed)
+                return (handed, *output[1:])
+
+            return hook
+
+        hooks = []
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
+            hooks.append(layer.register_forward_hook(leave(i), with_kwargs=True))
+        tokens, positions = _batch(small, 1, tokens_n, device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, positions, None, labels=tokens).mean()
+        for h in hooks:
+            h.remove()
+        seen, per = set(), {}
+        for w in ["head"] + list(range(len(layers))):
+            fresh = {p: n for p, n in saved.get(w, {}).items() if p not in seen}
+            seen.update(fresh)
+            per[w] = sum(fresh.values()) / tokens_n
+
+        def grad_bytes(module) -> int:
+            return sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+
+        # Backward, the loss first, then the layers from the top, each measured on its own.
+        before = grad_bytes(model)
+        head_working = _peak_during(loss.backward, device) - (grad_bytes(model) - before)
+        working = {}
+        for i in reversed(range(len(layers))):
+            out, handed = cut[i]
+            before = grad_bytes(layers[i])
+            working[i] = _peak_during(lambda: out.backward(handed.grad), device) - (grad_bytes(layers[i]) - before)
+        by_kind = {key(small, i): (per[i], working[i] / tokens_n) for i in range(small.num_layers)}
+    return {"layers": [by_kind[key(c, i)][0] for i in range(c.num_layers)], "head": per["head"],
+            "layers_backward": [by_kind[key(c, i)][1] for i in range(c.num_layers)],
+            "head_backward": head_working / tokens_n}  # fmt: skip
+
+
+class _maybe_megatron:
+    """Megatron's parallel_state for one process, unless the caller has one."""
+
+    def __init__(self, init, teardown):
+        self.init, self.teardown = init, teardown
+
+    def __enter__(self):
+        from megatron.core import parallel_state as ps
+
+        self.owned = not ps.model_parallel_is_initialized()
+        if self.owned:
+            self.init()
+
+    def __exit__(self, *exc):
+        if self.owned:
+            self.teardown()
+
+
+def _live_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_peak(c: HybridMoEConfig, cl: Cluster, device: str = "cpu", micro_batches: int = 2) -> int:
+    """Peak bytes of tensor memory over one training step of our model as the trainer runs it in
+    one process (LoRA per the cluster, AdamW on the trainable parameters, gradients accumulated
+    over `micro_batches` micro-batches), after a first step has created the optimizer state.
+    CUDA: torch.cuda.max_memory_allocated; CPU: the profiler's allocation events on top of the
+    tensors alive when the step starts."""
+    import torch
+
+    from megatron_moe_hybrid.testing import init_megatron, teardown
+
+    run = _run_config(c, cl)
+    with _maybe_megatron(init_megatron, teardown):
+        model = _build(run, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-5)
+        batches = [_batch(run, cl.micro_batch_size, cl.seq_length, device, seed=m) for m in range(micro_batches)]
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            for tokens, positions in batches:
+                (model(tokens, positions, None, labels=tokens).mean() / micro_batches).backward()
+            opt.step()
+
+        step()
+        opt.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        from torch.profiler import ProfilerActivity, profile
+
+        state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        base = _live_bytes(list(model.parameters()) + list(model.buffers()) + state + [b for bt in batches for b in bt])
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        live = peak = 0
+        for _, n in events:
+            live += n
+            peak = max(peak, live)
+        return base + peak
 
 
 def _fmt(n: float) -> str:
@@ -418,6 +656,11 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--cluster", default=None, help="a YAML of Cluster fields")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure activations by running one layer of each kind here (else the fused-kernel model)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also run a training step of the model here (one process) and print its measured peak")
+    parser.add_argument("--device", default="cpu", help="where --probe / --measure run: cpu or cuda")
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
@@ -431,11 +674,32 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = plan(config, cluster)
+    if (args.probe or args.measure) and (cluster.accelerators != 1 or cluster.context_parallel_size != 1):
+        print("error: cluster.accelerators: --probe / --measure run one process here; plan a 1-accelerator, "
+              "CP=1 cluster (EP=1) to compare with a measurement", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.probe or args.measure:
+        held = config.params_dtype if cluster.training == "full" or config.lora.base_dtype == "float32" else torch.bfloat16
+        size = torch.empty((), dtype=held).element_size()
+        if cluster.weight_bytes != size:
+            where = "model.params_dtype" if cluster.training == "full" else "lora.base_dtype"
+            print(f"error: cluster.weight_bytes: {cluster.weight_bytes}, but this model holds its weights in {held} "
+                  f"({where}); pass --cluster.weight_bytes {size}", file=sys.stderr)  # fmt: skip
+            return 2
+    probe = probe_activations(config, cluster, args.device) if (args.probe or args.measure) else None
+    result = plan(config, cluster, probe)
+    if args.measure:
+        measured = measure_peak(config, cluster, args.device)
+        result.update(measured_peak_bytes=measured, predicted_over_measured=result["peak_bytes"] / measured)
     if args.json:
-        print(json.dumps({**result, "cluster": asdict(cluster)}, indent=1, default=float))
+        print(json.dumps({**result, "cluster": asdict(cluster), "probe": probe}, indent=1, default=float))
     else:
         print(report(config, cluster, result))
+        if probe is not None:
+            print(f"activations measured per token per layer: {', '.join(f'{b / 1024:.1f} KiB' for b in probe['layers'])}")
+        if args.measure:
+            print(f"measured peak {result['measured_peak_bytes'] / GiB:.3f} GiB; predicted / measured = "
+                  f"{result['predicted_over_measured']:.3f}")
     return 0 if result["fits"] else 1
 
 

@@ -111,3 +111,36 @@ def test_cli_reports_and_rejects_bad_cluster(capsys):
     assert "DOES NOT FIT: the dominant term is optimizer" in capsys.readouterr().out
     assert plan.main(args + ["--cluster.accelerators", "100"]) == 2
     assert "cluster.accelerators" in capsys.readouterr().err
+
+
+MEASURED = {
+    "LLLS-full": ({}, {"training": "full"}),
+    "LLLS-lora-T512": ({}, {"training": "lora", "seq_length": 512}),
+    "LLLM-dense-first-full": ({"model.pattern": "LLLM", "moe.first_k_dense": 1}, {"training": "full", "micro_batch_size": 1}),
+}
+
+
+@pytest.mark.parametrize("model_ov,cluster_ov", list(MEASURED.values()), ids=list(MEASURED))
+def test_planned_peak_is_within_10_percent_of_measured(model_ov, cluster_ov):
+    """The planner with measured activations (--probe) against the peak of a real training step
+    (two micro-batches, AdamW) of the same model on this CPU."""
+    config = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"), {"parallel.world_size": 1, **model_ov})
+    cluster = plan.Cluster(**{"accelerators": 1, "devices_per_node": 1, "expert_model_parallel_size": 1, "fsdp": False,
+                              "micro_batch_size": 2, "seq_length": 128, "weight_bytes": 4, **cluster_ov})  # fmt: skip
+    probe = plan.probe_activations(config, cluster)
+    assert len(probe["layers"]) == config.num_layers and min(probe["layers"]) > 0
+    predicted = plan.plan(config, cluster, probe)
+    measured = plan.measure_peak(config, cluster)
+    assert 0.9 <= predicted["peak_bytes"] / measured <= 1.1, (predicted["per_device_bytes"], measured)
+    # activations are a large share here, so the check is not carried by the static terms alone
+    assert predicted["per_device_bytes"]["activations"] > 0.3 * measured
+
+
+def test_measure_refuses_a_cluster_it_cannot_run(capsys):
+    tiny = os.path.join(ROOT, "examples", "configs", "tiny.yaml")
+    assert plan.main(["--config", tiny, "--cluster.accelerators", "2", "--cluster.expert_model_parallel_size", "2",
+                      "--training.global_batch_size", "16", "--measure"]) == 2  # fmt: skip
+    assert "cluster.accelerators" in capsys.readouterr().err
+    assert plan.main(["--config", tiny, "--cluster.accelerators", "1", "--cluster.expert_model_parallel_size", "1",
+                      "--measure"]) == 2  # fmt: skip
+    assert "pass --cluster.weight_bytes 4" in capsys.readouterr().err
