@@ -88,7 +88,7 @@ def _extension_setup() -> dict:
         _warn(f"no C++ compiler found (CXX or c++), so {EXT_NAME} is not built")
         return {}
 
-    sources = ["csrc/permute.cpp"]
+    sources = ["csrc/permute.cpp", "csrc/linear_attention.cpp"]
     # -ffp-contract=off: no fused multiply-add, so the CPU ops round exactly like the reference;
     # -g0 drops the debug info of Python's default flags: a faster compile and a smaller .so.
     cxx_flags = ["-O2", "-g0", "-ffp-contract=off"]
@@ -113,7 +113,7 @@ def _extension_setup() -> dict:
         arch_flags = _gencode_flags(os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0a")
         extension = cpp_extension.CUDAExtension(
             name=EXT_NAME,
-            sources=sources + ["csrc/cuda/permute_cuda.cu"],
+            sources=sources + ["csrc/cuda/permute_cuda.cu", "csrc/cuda/linear_attention_cuda.cu"],
             define_macros=[("WITH_CUDA", None)],
             # Explicit -gencode flags stop torch from adding its own arch list.
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O2", *arch_flags]},

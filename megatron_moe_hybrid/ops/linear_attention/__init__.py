@@ -294,3 +294,13 @@ def chunk_simple_gla(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
     )
 
+
+# --- fused_recurrent_*: the compiled token-by-token recurrence (recurrent.py, csrc/linear_attention*) ---
+from .recurrent import (
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_simple_gla,
+    register_recurrent_backends,
+)
+
+register_recurrent_backends(register_backend)
+__all__ += ["fused_recurrent_gated_delta_rule", "fused_recurrent_simple_gla"]
