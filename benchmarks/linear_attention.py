@@ -17,10 +17,12 @@ gradients are unverified on this Triton; each row records how far ours are from 
 (rel_rms_vs_fla) without trusting either. fla compiles and autotunes 30-170 s per op and head
 count on first use: --fla-budget-s stops starting fla on new shapes after that many seconds
 (those rows keep anchor_ms null and say why). --breakdown times our kernels one by one on the
-first shape and prints each kernel's registers and spills.
+first shape and prints each kernel's registers and spills. --merge and --fla-deadline let
+several invocations (ordered by priority) share one results file and one fla time budget.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -154,7 +156,7 @@ def kernel_resources():
     """Registers, spills, warps and shared memory of each compiled variant of our kernels."""
     lines = []
     for kern in (tc._prep_kernel, tc._recurrence_fwd_kernel, tc._recurrence_bwd_kernel, tc._bwd_chunk_kernel):
-        jit = getattr(kern, "fn", kern)
+        jit = kern if hasattr(kern, "device_caches") else getattr(kern, "fn", kern)
         try:
             caches = jit.device_caches
             for dev_cache in caches.values():
@@ -189,7 +191,7 @@ def breakdown(op, x, cu, do):
     h = torch.empty(chunks.NT, HV, K, V, dtype=q.dtype, device=q.device)
     U = torch.empty_like(v) if gdn else None
     dh, dU = torch.empty_like(h), torch.empty_like(v)
-    dq = torch.empty(B, T, HV, K, dtype=torch.float32 if HV != H else q.dtype, device=q.device)
+    dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     dk, dv = torch.empty_like(dq), torch.empty_like(v)
     dg = torch.empty(B, T, HV, dtype=torch.float32, device=q.device)
     db = torch.empty_like(dg) if gdn else None
@@ -248,12 +250,20 @@ def main():
     parser.add_argument("--ops", default="gdn,gla")
     parser.add_argument("--skip-fla", action="store_true")
     parser.add_argument("--fla-budget-s", type=float, default=math.inf)
+    parser.add_argument("--fla-deadline", type=float, default=math.inf,
+                        help="epoch seconds after which fla starts on no new shape (for several invocations)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep --out's rows of other (name, shape) pairs (for several invocations)")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/h200/linear_attention.json")
     args = parser.parse_args()
     wanted = None if args.shapes == "all" else set(args.shapes.split(","))
     versions = ("fla-core",)
     rows, start, did_breakdown = [], time.time(), False
+    kept = []
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = json.load(f)["rows"]
     for op in args.ops.split(","):
         for key in OP_SHAPES[op]:
             if wanted is not None and key not in wanted:
@@ -269,8 +279,9 @@ def main():
             errs = {}
             if args.skip_fla:
                 note = "fla not run (--skip-fla)"
-            elif time.time() - start > args.fla_budget_s:
-                note = f"fla not run: the run's fla budget of {args.fla_budget_s:.0f} s (first-call compile and autotune) was spent"
+            elif time.time() - start > args.fla_budget_s or time.time() > args.fla_deadline:
+                note = ("fla not run: the device time for its first-call compile and autotune "
+                        "(30-170 s per op and head count) was spent")
             else:
                 try:
                     t0 = time.time()
@@ -303,7 +314,8 @@ def main():
                     f"{op:4s} {mode:8s} {shape:36s} ours {row['ours_ms']:8.3f} ms  fla {row['anchor_ms']}  "
                     f"speedup {row['speedup']}  tflops {row['tflops']}", flush=True,
                 )
-            write_results(args.out, rows, versions)
+            ours_keys = {(r["name"], r["shape"]) for r in rows}
+            write_results(args.out, [r for r in kept if (r["name"], r["shape"]) not in ours_keys] + rows, versions)
             if args.breakdown and not did_breakdown:
                 did_breakdown = True
                 for (name, (bv, nw)), ms in breakdown(op, x, cu, do).items():

@@ -43,9 +43,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # Launch configs, fixed rather than autotuned (each autotuned config is another compile per
-# shape): kernel -> (BV, num_warps); BV None means the kernel takes no BV. "seq" is both
-# recurrences, whose BV also sets how many programs run side by side (N * HV * V / BV).
-CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (32, 8)}
+# shape), picked from benchmarks/linear_attention.py --breakdown on the H200 at
+# B1-T32768-HQK16-HV32-D128: kernel -> (BV, num_warps); BV None: the kernel takes none.
+# "seq" is both recurrences, whose BV also sets how many programs run side by side.
+CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (64, 8)}
+MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 
 
 @triton.jit
@@ -409,9 +411,15 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
 
 
-def _seq_config(V: int) -> tuple[int, int]:
+def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
+    """(BV, num_warps) of the recurrences. With few sequence-heads (tensor-parallel shards,
+    B1 with 4 heads) a smaller BV puts more programs side by side: a chunk step's latency
+    hardly depends on BV, so that is nearly free."""
     BV, num_warps = CONFIGS["seq"]
-    return min(BV, _blocks(1, V)[1]), num_warps
+    BV = min(BV, _blocks(1, V)[1])
+    while BV > 16 and sequence_heads * triton.cdiv(V, BV) < MIN_SEQ_PROGRAMS:
+        BV //= 2
+    return BV, num_warps
 
 
 def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
@@ -442,7 +450,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
     o = _alloc(v.shape, v.dtype, v.device)
     ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
     gdn = beta is not None
-    BV, num_warps = _seq_config(V)
+    BV, num_warps = _seq_config(V, chunks.N * HV)
     _recurrence_fwd_kernel[(triton.cdiv(V, BV), chunks.N * HV)](
         q, k, w, u if gdn else v, gam, P, o, h0, ht, None, None, chunks.cu_seqlens, chunks.offsets,
         scale, T, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
@@ -462,7 +470,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
-    BV, num_warps = _seq_config(V)
+    BV, num_warps = _seq_config(V, chunks.N * HV)
     seq_grid = (triton.cdiv(V, BV), chunks.N * HV)
     _recurrence_fwd_kernel[seq_grid](
         q, k, w, u if gdn else v, gam, P, None, h0, None, h, U, chunks.cu_seqlens, chunks.offsets,
@@ -482,10 +490,9 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
     )
     del w, P
     grouped = HV != H
-    # per value head; fp32 when a group of heads is summed afterwards
-    dqk_dtype = torch.float32 if grouped else q.dtype
-    dq = _alloc((B, T, HV, K), dqk_dtype, q.device)
-    dk = _alloc((B, T, HV, K), dqk_dtype, q.device)
+    # per value head, in the input dtype; a group of heads is summed in fp32 afterwards
+    dq = _alloc((B, T, HV, K), q.dtype, q.device)
+    dk = _alloc((B, T, HV, K), q.dtype, q.device)
     dv = _alloc(v.shape, v.dtype, v.device) if gdn else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
@@ -497,8 +504,8 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
         IS_GDN=gdn, IS_VARLEN=varlen, num_warps=CONFIGS["chunk_bwd"][1],
     )
     if grouped:
-        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+        dq = dq.view(B, T, H, HV // H, K).sum(3, dtype=torch.float32).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3, dtype=torch.float32).to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
 
