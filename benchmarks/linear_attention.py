@@ -11,7 +11,7 @@ above the inputs over one forward+backward. tflops counts algorithmic FLOPs per 
 (D head dim, C = 64): GDN fwd+bwd 22D^2 + 36CD + 5C^2 (issue 3), fwd 6D^2 + 10CD; simple GLA
 fwd+bwd 14D^2 + 14CD, fwd 4D^2 + 4CD; bwd is their difference.
 
-fla's gated backward refuses Triton 3.4-3.7.0 on Hopper (its issue #640, a miscompilation); the
+fla's gated backward (chunk_bwd_dqkwg, used by both ops) refuses Triton 3.4-3.7.0 on Hopper (its issue #640, a miscompilation); the
 guard is lifted here (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True) for timing only, so its
 gradients are unverified on this Triton; each row records how far ours are from fla's
 (rel_rms_vs_fla) without trusting either. fla compiles and autotunes 30-170 s per op and head
@@ -275,7 +275,7 @@ def main():
             ours_ms, ours_peak, (o_ours, g_ours) = measure(ours_fn(op, cu), x, do)
             print(f"[{time.time() - start:.0f}s] {op} {shape} ours {ours_ms} ({time.time() - t0:.0f}s)", flush=True)
             fla_ms = fla_peak = None
-            note = FLA_NOTE if op == "gdn" else "fla chunk_simple_gla (no gate-guard involved)"
+            note = FLA_NOTE  # simple GLA's backward goes through the same guarded chunk_bwd_dqkwg
             errs = {}
             if args.skip_fla:
                 note = "fla not run (--skip-fla)"
