@@ -490,7 +490,8 @@ def family_of(config) -> Family:
 
 
 class HFReader:
-    """Lazy reads from a directory of safetensors files: one open handle per shard, tensors on demand."""
+    """Lazy reads from a directory of safetensors files, tensors on demand; at most OPEN shards are
+    open (mapped) at a time, so a conversion that goes layer by layer holds about one shard."""
 
     def __init__(self, hf_dir: str):
         self.dir = hf_dir
@@ -514,9 +515,15 @@ class HFReader:
     def path(self, key: str) -> str:
         return os.path.join(self.dir, self.file_of[key])
 
+    OPEN = 2  # shards mapped at a time: the layer being converted may straddle two
+
     def _handle(self, key: str):
         fname = self.file_of[key]
-        if fname not in self._handles:
+        if fname in self._handles:
+            self._handles[fname] = self._handles.pop(fname)  # most recent last
+        else:
+            while len(self._handles) >= self.OPEN:  # unmap the least recently used shard
+                del self._handles[next(iter(self._handles))]
             self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="pt")
         return self._handles[fname]
 
@@ -626,7 +633,7 @@ def hf_to_ours(
     """
     from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.models import build_model
-    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+    from megatron_moe_hybrid.training.checkpoint import save_checkpoint_streaming
 
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype: {dtype} is not one of {', '.join(_DTYPE_NAMES.values())}")
@@ -677,13 +684,40 @@ def hf_to_ours(
         return family.norm_offset + w if family.norm_offset else w
 
     with _SingleProcess():
-        torch.manual_seed(0)  # the values are all overwritten; a seed keeps the build repeatable
-        model = build_model(config)
-        with torch.no_grad():
-            model.embedding.word_embeddings.weight.copy_(reader.get("model.embed_tokens.weight"))
-            layers = model.decoder.layers
-            for i in tqdm(range(config.num_layers), desc="hf-to-ours layers", disable=not progress):
-                layer, p = layers[i], f"model.layers.{i}."
+        # The model on the meta device: each part (the embedding, a layer, the head) is made
+        # real, filled from the HF tensors, written and dropped in turn, so that only one
+        # layer's tensors are ever in memory.
+        with torch.device("meta"):
+            model = build_model(config)
+        expert_names = {n for n, p in model.named_parameters() if hasattr(p, "num_local_experts")}
+        shapes = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+
+        def part(module, prefix: str, fill) -> dict[str, torch.Tensor]:
+            module.to_empty(device="cpu")
+            with torch.no_grad():
+                for t in list(module.parameters()) + list(module.buffers()):
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))  # whatever no HF tensor fills shows, below
+                fill()
+            out: dict[str, torch.Tensor] = {}
+            for n, t in module.state_dict(prefix=prefix).items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if n in expert_names:
+                    out.update({f"{n}.expert{e}": t[e] for e in range(t.shape[0])})
+                else:
+                    out[n] = t
+            unfilled = sorted(n for n, t in out.items() if t.is_floating_point() and t.isnan().any())
+            if unfilled:
+                raise ValueError(f"{hf_dir}: no HF tensor fills {', '.join(unfilled[:4])}: this converter misses a "
+                                 f"mapping for {family.model_type}")  # fmt: skip
+            module.to("meta")  # out keeps the real tensors until they are written
+            return out
+
+        def fill_layer(i: int):
+            layer, p = model.decoder.layers[i], f"model.layers.{i}."
+
+            def fill():
                 layer.input_layernorm.weight.copy_(norm(p + "input_layernorm.weight"))
                 layer.pre_mlp_layernorm.weight.copy_(norm(p + "post_attention_layernorm.weight"))
                 family.load_attention(layer.self_attention, config, i, reader.get, p)
@@ -693,19 +727,39 @@ def hf_to_ours(
                 else:
                     layer.mlp.linear_fc1.weight.copy_(torch.cat([reader.get(m + "gate_proj.weight"), reader.get(m + "up_proj.weight")]))
                     layer.mlp.linear_fc2.weight.copy_(reader.get(m + "down_proj.weight"))
-            model.decoder.final_layernorm.weight.copy_(norm("model.norm.weight"))
-            head = "model.embed_tokens.weight" if tie and "lm_head.weight" not in reader.file_of else "lm_head.weight"
-            model.output_layer.weight.copy_(reader.get(head))
+
+            return fill
+
+        head = "model.embed_tokens.weight" if tie and "lm_head.weight" not in reader.file_of else "lm_head.weight"
+
+        def parts():
+            yield part(model.embedding, "embedding.",
+                       lambda: model.embedding.word_embeddings.weight.copy_(reader.get("model.embed_tokens.weight")))
+            for i in tqdm(range(config.num_layers), desc="hf-to-ours layers", disable=not progress):
+                yield part(model.decoder.layers[i], f"decoder.layers.{i}.", fill_layer(i))
+            yield {**part(model.decoder.final_layernorm, "decoder.final_layernorm.",
+                          lambda: model.decoder.final_layernorm.weight.copy_(norm("model.norm.weight"))),
+                   **part(model.output_layer, "output_layer.", lambda: model.output_layer.weight.copy_(reader.get(head)))}  # fmt: skip
 
         def write(tmp):
             meta = {"mode": "converted", "source": os.path.abspath(hf_dir), "source_format": f"hf:{model_type}",
                     "config": config.to_dict()}  # fmt: skip
             if fmt == "dcp":
-                from megatron_moe_hybrid.training.dist_checkpoint import DIR, save_dist_checkpoint
+                from megatron_moe_hybrid.training.dist_checkpoint import DIR, save_dist_checkpoint_streaming
 
-                save_dist_checkpoint(os.path.join(tmp, DIR), model, meta)
+                # Our format first (one layer at a time), then DCP reads it back one tensor at a time.
+                stage = save_checkpoint_streaming(os.path.join(tmp, ".stage"), 0, parts(), meta)
+                staged = OursReader(stage)
+
+                def fetch(name: str) -> torch.Tensor:
+                    if name in expert_names:
+                        return torch.stack([staged.get(f"{name}.expert{e}") for e in range(shapes[name].shape[0])])
+                    return staged.get(name)
+
+                save_dist_checkpoint_streaming(os.path.join(tmp, DIR), shapes, fetch, meta, sorted(expert_names))
+                shutil.rmtree(os.path.join(tmp, ".stage"))
             else:
-                save_checkpoint(tmp, 0, model, {}, meta, keep=1)
+                save_checkpoint_streaming(tmp, 0, parts(), meta)
             header = [f"# converted from {os.path.abspath(hf_dir)} ({model_type})"]
             header += [f"# not mapped exactly: {line}" for line in unmapped]
             if skipped:
@@ -733,15 +787,23 @@ class OursReader:
         self._handles: dict[str, object] = {}
         for fname in sorted(self.meta.get("files", {})):
             if fname.endswith(".safetensors"):
-                handle = safe_open(os.path.join(self.dir, fname), framework="pt")
-                self._handles[fname] = handle
-                self.crc.update(handle.metadata() or {})
-                self.file_of.update({k: fname for k in handle.keys()})
+                with safe_open(os.path.join(self.dir, fname), framework="pt") as handle:
+                    self.crc.update(handle.metadata() or {})
+                    self.file_of.update({k: fname for k in handle.keys()})
+
+    def _handle(self, fname: str):
+        if fname in self._handles:
+            self._handles[fname] = self._handles.pop(fname)  # most recent last
+        else:
+            while len(self._handles) >= HFReader.OPEN:  # files mapped at a time, as HFReader
+                del self._handles[next(iter(self._handles))]
+            self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="pt")
+        return self._handles[fname]
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.file_of:
             raise ValueError(f"{self.dir}: tensor {key!r} is missing from the checkpoint")
-        t = self._handles[self.file_of[key]].get_tensor(key)
+        t = self._handle(self.file_of[key]).get_tensor(key)
         crc = f"{zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()):08x}"
         if key in self.crc and crc != self.crc[key]:
             raise ValueError(f"{os.path.join(self.dir, self.file_of[key])}: tensor {key!r} is corrupt (checksum mismatch)")

@@ -218,6 +218,40 @@ def save_checkpoint(
     return final
 
 
+def save_checkpoint_streaming(output_dir: str, step: int, parts, meta: dict[str, Any]) -> str:
+    """One process writes a checkpoint from `parts`, an iterable of {global name: tensor} dicts
+    (experts under `<name>.expert<g>`, as model_tensors_to_save names them), one file per part:
+    only one part is in memory at a time. The same format as save_checkpoint (loads under any
+    expert-parallel size); written into a temporary directory renamed at the end."""
+    root = os.path.join(output_dir, CKPT_DIR)
+    name = f"step_{step:08d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        files = {}
+        for k, tensors in enumerate(parts):
+            path = os.path.join(tmp, f"model-part{k:05d}.safetensors")
+            tensors = {n: t.detach().contiguous() for n, t in tensors.items()}
+            save_file(tensors, path, metadata={n: _crc32(t) for n, t in tensors.items()})
+            _fsync(path)
+            files[os.path.basename(path)] = os.path.getsize(path)
+        state = os.path.join(tmp, "state-rank00000.pt")
+        torch.save({}, state)
+        files[os.path.basename(state)] = os.path.getsize(state)
+        meta = dict(meta, step=step, world_size=1, expert_model_parallel_size=1, files=dict(sorted(files.items())))
+        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def _describe_os_error(e: OSError, where: str) -> str:
     if e.errno == errno.ENOSPC:
         return f"disk full (no space left on device) while writing {e.filename or where}: free space or lower training.keep_checkpoints"

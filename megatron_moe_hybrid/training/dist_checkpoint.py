@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor, Shard
 
 from .checkpoint import CheckpointError, _expert_params
@@ -109,6 +110,46 @@ def save_dist_checkpoint(path: str, model: torch.nn.Module, meta: Optional[dict[
         raise
     if dist.is_initialized():
         dist.barrier()
+    return path
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    """Writes tensors that `fetch(name)` reads when DCP gets to them: the state dict it plans
+    from holds meta tensors (shapes and dtypes only), so one tensor is in memory at a time."""
+
+    def __init__(self, fetch):
+        super().__init__()
+        self.fetch = fetch
+
+    def lookup_object(self, index):
+        return self.fetch(index.fqn)
+
+
+def save_dist_checkpoint_streaming(path: str, shapes: dict[str, torch.Tensor], fetch, meta: dict[str, Any],
+                                   expert_tensors: list[str]) -> str:  # fmt: skip
+    """One process writes a dist checkpoint of the tensors `shapes` describes (meta tensors, the
+    global shapes and dtypes), reading each through fetch(name) only when it is written.
+    Atomic like save_dist_checkpoint."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        raise ValueError(f"{path}: exists; a dist checkpoint is written into a new directory")
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": it is one
+            warnings.simplefilter("ignore", UserWarning)
+            # A file per tensor: torch's writer keeps every tensor of a file referenced until the
+            # file is closed, which would hold the whole model with one file.
+            writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
+            dcp.save(shapes, storage_writer=writer, planner=_LazyPlanner(fetch), no_dist=True)
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump({"format": "torch.distributed.checkpoint", "expert_tensors": sorted(expert_tensors), **meta}, f,
+                      indent=1)  # fmt: skip
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 

@@ -315,6 +315,41 @@ def test_dcp_load_names_a_wrong_shape(tmp_path):
         load_model_weights(out, build_model(config))
 
 
+def _peak_tensor_bytes(fn) -> int:
+    """Highest live tensor memory (CPU allocator events) while fn() runs, above its start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_hf_to_ours_holds_one_layer_at_a_time(tmp_path, fmt):
+    """A 12-layer model with 64 experts per layer: the conversion's peak tensor memory stays
+    near one layer's size, far below the model's (the model is built on the meta device and
+    each layer is made real, filled, written and dropped in turn)."""
+    hc = hf_config()
+    hc.num_hidden_layers, hc.layer_types, hc.num_experts = 12, (["linear_attention"] * 3 + ["full_attention"]) * 3, 64
+    torch.manual_seed(0)
+    hf = Qwen3NextForCausalLM(hc).float().eval()
+    total = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
+    layer = sum(t.numel() * t.element_size() for k, t in hf.state_dict().items() if k.startswith("model.layers.0."))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True, max_shard_size=layer)  # about a layer a shard
+    del hf
+    src = str(tmp_path / "hf")
+    assert len([f for f in os.listdir(src) if f.endswith(".safetensors")]) >= 10
+    peak = _peak_tensor_bytes(lambda: convert.hf_to_ours(src, str(tmp_path / "ours"), progress=False, fmt=fmt))
+    assert layer * 12 > 0.9 * total  # the layers are the model
+    # two mapped shards, the layer being filled, what is read into it and the bytes being
+    # written: a few layers, whatever the model's depth
+    assert peak < 6 * layer < total / 2, (peak, layer, total)
+
+
 @pytest.fixture
 def hf_dir(tmp_path):
     return save_hf(random_hf_model(seed=12), tmp_path / "hf")

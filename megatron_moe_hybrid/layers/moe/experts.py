@@ -38,7 +38,7 @@ class GroupedExperts(MegatronModule):
         self.weight2 = torch.nn.Parameter(
             torch.empty(num_local_experts, ffn, h, dtype=config.params_dtype)
         )
-        base_seed = int(torch.randint(2**62, ()))
+        base_seed = int(torch.randint(2**62, (), device="cpu"))  # also when built under torch.device("meta")
         for e in range(num_local_experts):
             # devices=[] keeps fork_rng off CUDA; the global RNG state is restored afterwards.
             with torch.random.fork_rng(devices=[]):
