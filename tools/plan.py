@@ -60,6 +60,7 @@ class Cluster:
     fsdp: bool = True
     training: str = "lora"  # "lora" | "full"
     lora_rank: int = 16
+    expert_adapter: str = "per_expert"  # LoRA on experts: "per_expert" | "shared" (lora.expert_adapter)
     offload_optimizer: bool = False  # master weights, Adam moments and fp32 gradients in host memory
     activation_offload: bool = False  # saved activations of MoE layers in host memory
     recompute: str = "none"  # "none" | "full" (keep layer inputs only, recompute the rest)
@@ -75,6 +76,8 @@ class Cluster:
 
         need(self.training in ("lora", "full"), "training", f"{self.training!r} is not 'lora' or 'full'")
         need(self.recompute in ("none", "full"), "recompute", f"{self.recompute!r} is not 'none' or 'full'")
+        need(self.expert_adapter in ("per_expert", "shared"), "expert_adapter",
+             f"{self.expert_adapter!r} is not 'per_expert' or 'shared'")
         # Megatron's two grids: dense TP x PP x CP x DP and expert TP x PP x EP x expert-DP.
         tp_pp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         for name, size in (("context_parallel_size", self.context_parallel_size),
@@ -207,8 +210,10 @@ def count_parameters(c: HybridMoEConfig) -> dict[str, Any]:
             "num_moe_layers": num_moe, "breakdown": counts}
 
 
-def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
-    """Adapters on the attention projections and on both matmuls of every routed expert."""
+def lora_parameters(c: HybridMoEConfig, rank: int, expert_adapter: str = "per_expert") -> int:
+    """Adapters on the attention projections and on both matmuls of every routed expert
+    (expert_adapter "per_expert"), or one adapter pair per MoE layer for all its experts
+    ("shared": a dense parameter, the same on every rank)."""
     la, h = c.linear_attention, c.hidden_size
     qk, v = la.num_qk_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
     logits = 2 if la.variant == "gated_delta_rule" else 1
@@ -221,7 +226,7 @@ def lora_parameters(c: HybridMoEConfig, rank: int) -> int:
     mla = q + rank * (h + m.kv_lora_rank + m.qk_rope_head_dim)
     mla += rank * (m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim)) + rank * (heads * m.v_head_dim + h)
     F = c.moe.ffn_hidden_size
-    experts = c.moe.num_experts * rank * ((h + 2 * F) + (F + h))
+    experts = (1 if expert_adapter == "shared" else c.moe.num_experts) * rank * ((h + 2 * F) + (F + h))
     n = 0
     # gated full attention (A) is not a default LoRA target: lora.targets "full_attention" adds it
     for i in range(c.num_layers):
@@ -290,10 +295,11 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     if cl.training == "full":
         trainable_dense, trainable_expert = params["dense"], params["routed_experts"]
     else:
-        lora_total = lora_parameters(c, cl.lora_rank)
-        # fc1 [h -> 2F] and fc2 [F -> h] adapters per expert, as lora_parameters counts them
+        lora_total = lora_parameters(c, cl.lora_rank, cl.expert_adapter)
+        # fc1 [h -> 2F] and fc2 [F -> h] adapters per expert, as lora_parameters counts them;
+        # a shared adapter is a dense (replicated) parameter
         per_layer_experts = c.moe.num_experts * cl.lora_rank * (2 * c.hidden_size + 3 * c.moe.ffn_hidden_size)
-        trainable_expert = per_layer_experts * params["num_moe_layers"]
+        trainable_expert = per_layer_experts * params["num_moe_layers"] if cl.expert_adapter == "per_expert" else 0
         trainable_dense = lora_total - trainable_expert
         weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
     trainable_local = trainable_dense * dense_share + trainable_expert * expert_share
@@ -387,6 +393,9 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     return {
         "parameters": params,
         "trainable_parameters": trainable_dense + trainable_expert,
+        # issue 6's measure: the adapters' Adam state against the frozen base weights, per device
+        "optimizer_over_base_weights": optimizer / (wb * (params["dense"] * dense_share + params["routed_experts"] * expert_share))
+        if cl.training == "lora" else None,
         "bf16_weights_bytes": 2 * params["total"],
         "per_device_bytes": terms,
         "peak_bytes": peak,
@@ -632,7 +641,9 @@ def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
         f"PP{cl.pipeline_model_parallel_size} CP{cl.context_parallel_size} DP{p['data_parallel_size']} (expert DP {p['expert_data_parallel_size']}), "
         f"FSDP2 {'on' if cl.fsdp else 'off'}, micro-batch {cl.micro_batch_size} x {cl.seq_length}, recompute {cl.recompute}"
         + (", optimizer offloaded" if cl.offload_optimizer else ""),
-        f"trainable parameters: {_fmt(p['trainable_parameters'])}",
+        f"trainable parameters: {_fmt(p['trainable_parameters'])}"
+        + (f" (LoRA r{cl.lora_rank}, {cl.expert_adapter} expert adapters; their optimizer state is "
+           f"{100 * p['optimizer_over_base_weights']:.2f}% of the base weights)" if cl.training == "lora" else ""),
         "per-device memory:",
     ]
     for k, v in p["per_device_bytes"].items():

@@ -58,9 +58,10 @@ def test_parameter_count_equals_built_model(overrides):
     assert counted["routed_experts"] == experts
 
 
+@pytest.mark.parametrize("expert_adapter", ["per_expert", "shared"])
 @pytest.mark.parametrize("overrides", [{}, {"model.pattern": "LLLM"}, {"model.pattern": "LLLM", "mla.q_lora_rank": None}],
                          ids=["LLLS", "LLLM", "LLLM-plain-q"])
-def test_lora_parameter_count_equals_adapters(overrides):
+def test_lora_parameter_count_equals_adapters(overrides, expert_adapter):
     from megatron_moe_hybrid.layers.lora import apply_lora
     from megatron_moe_hybrid.models import build_model
 
@@ -68,9 +69,9 @@ def test_lora_parameter_count_equals_adapters(overrides):
         raw = yaml.safe_load(f)
     config = config_from_dict(raw, {"parallel.world_size": 1, **overrides})
     model = build_model(config)
-    apply_lora(model, ["linear_attention", "sparse_attention", "experts"], 4, 8.0)
+    apply_lora(model, ["linear_attention", "sparse_attention", "experts"], 4, 8.0, expert_adapter=expert_adapter)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert plan.lora_parameters(config, 4) == adapters
+    assert plan.lora_parameters(config, 4, expert_adapter) == adapters
 
 
 def flagship(**cluster_overrides):
