@@ -159,6 +159,6 @@ def test_bad_config_raises_value_error_naming_field(overrides, field):
 
 
 def test_unknown_backend_raises_listing_registered():
-    layer = make_layer("simple_gla", backend="cuda")
-    with pytest.raises(ValueError, match=r"backend: 'cuda'.*'torch'"):
+    layer = make_layer("simple_gla", backend="bogus")
+    with pytest.raises(ValueError, match=r"backend: 'bogus'.*'torch'"):
         layer(torch.randn(5, 1, HIDDEN, dtype=torch.float64))
