@@ -224,16 +224,19 @@ def test_simple_gla_decay_arguments_are_checked():
         la.chunk_simple_gla(q, q, q, g_gamma=torch.zeros(3))
 
 
-def test_auto_picks_triton_only_for_cuda_tensors():
+def test_auto_picks_triton_only_for_16_bit_cuda_tensors():
+    """fp32 stays on the reference: the kernels multiply in tf32."""
     cpu = torch.zeros(1, 2, 1, 16)
     assert la._pick("gated_delta_rule", "auto", cpu) is la._BACKENDS["gated_delta_rule"]["torch"]
+    assert la._pick("gated_delta_rule", "auto", cpu.half()) is la._BACKENDS["gated_delta_rule"]["torch"]
     if torch.cuda.is_available():
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float16):
             q = cpu.to("cuda", dtype)
             assert la._pick("gated_delta_rule", "auto", q) is la._BACKENDS["gated_delta_rule"]["triton"]
             assert la._pick("simple_gla", "auto", q) is la._BACKENDS["simple_gla"]["triton"]
-        q64 = cpu.to("cuda", torch.float64)
-        assert la._pick("gated_delta_rule", "auto", q64) is la._BACKENDS["gated_delta_rule"]["torch"]
+        for dtype in (torch.float32, torch.float64):
+            q = cpu.to("cuda", dtype)
+            assert la._pick("gated_delta_rule", "auto", q) is la._BACKENDS["gated_delta_rule"]["torch"]
 
 
 GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None

@@ -130,13 +130,15 @@ def _grouped_heads(fn):
 
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _triton_supports(q: Tensor) -> bool:
-    """CUDA tensors of a dtype and key head dim the kernels take (triton_chunk.MAX_HEAD_DIM_K);
-    CPU tensors only on request (backend="triton" runs them in Triton's interpreter)."""
-    return q.is_cuda and q.dim() == 4 and q.dtype in _TRITON_DTYPES and q.shape[-1] <= 128
+    """What "auto" sends to Triton: CUDA bf16/fp16 tensors with a key head dim the kernels take
+    (triton_chunk.MAX_HEAD_DIM_K). fp32 inputs stay on the reference, whose products are fp32:
+    the kernels multiply in tf32 (about 1e-3 relative), which the fp32 callers (context
+    parallelism's state fold) do not expect; backend="triton" takes them on request, and CPU
+    tensors too (Triton's interpreter)."""
+    return q.is_cuda and q.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128
 
 
 def _triton(name: str):
