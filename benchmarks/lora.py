@@ -202,7 +202,8 @@ def main():
                     ours["optimizer_state_bytes_per_rank"] / (2 * frozen["params_per_rank"]), 4
                 ) if "optimizer_state_bytes_per_rank" in ours and "params_per_rank" in frozen else None,
                 "notes": f"{note}; median of {args.reps} steps after {args.warmup}, CUDA events, max over ranks; "
-                         "reference (unfused) linear and sparse attention",
+                         "linear attention on backend auto (the Triton chunk kernels for FSDP2's bf16 compute), "
+                         "sparse attention on the reference",
             })
         write_results(args.out, out)
     dist.destroy_process_group()
