@@ -185,9 +185,12 @@ class LinearAttention(MegatronModule):
         q = _l2_normalize(q.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
         k = _l2_normalize(k.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
         # Each q/k head serves num_v_heads // num_qk_heads consecutive v heads (Qwen3-Next).
-        repeat = self.num_v_heads // self.num_qk_heads
-        q = q.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
-        k = k.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
+        # The ops take such grouped heads as they are; context parallelism's fold wants them
+        # repeated.
+        if layout is not None:
+            repeat = self.num_v_heads // self.num_qk_heads
+            q = q.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
+            k = k.repeat_interleave(repeat, dim=2)  # [B, T, Hv, K]
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, T, Hv, V]
         op_kwargs = dict(cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend)
