@@ -41,6 +41,10 @@ ROWS = [
      {"training": "lora", "weight_bytes": 2, "micro_batch_size": 1, "seq_length": 4096}),
     ("lora r16 bf16 base, B2 x T2048", {"lora.base_dtype": "bfloat16"},
      {"training": "lora", "weight_bytes": 2, "micro_batch_size": 2, "seq_length": 2048}),
+    # bf16 weights and activations: linear attention on the Triton kernels (backend auto);
+    # AdamW straight on the bf16 weights, as the trainer runs them (no master copy)
+    ("full bf16 (Triton linear attention), T4096", {"model.params_dtype": "bfloat16"},
+     {"training": "full", "weight_bytes": 2, "master_weights": False, "micro_batch_size": 1, "seq_length": 4096}),
 ]  # fmt: skip
 
 
@@ -48,22 +52,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rows", default=None, help="comma-separated row indices")
-    parser.add_argument("--backend", default="torch", help="linear_attention.backend of the model")
+    parser.add_argument("--backend", default=None,
+                        help="linear_attention.backend of every row (default: torch for the fp32 rows, auto for bf16)")
     args = parser.parse_args()
     from megatron_moe_hybrid.config import config_from_dict
 
     base = copy.deepcopy(TINY if args.tiny else MODEL)
     base["parallel"] = {}
-    # The reference linear attention: the planner is checked against what a run uses today;
-    # --backend triton checks the fused kernels' activations instead.
-    base["linear_attention"]["backend"] = args.backend
+
     device = "cpu" if args.tiny else "cuda"
     rows = []
     chosen = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
     for name, model_ov, cluster_ov in chosen:
         cl = plan.Cluster(accelerators=1, devices_per_node=1, expert_model_parallel_size=1, fsdp=False,
                           **{**cluster_ov, **({"seq_length": 128} if args.tiny else {})})  # fmt: skip
-        config = config_from_dict(base, {"parallel.world_size": 1, **model_ov})
+        # fp32 rows run the reference linear attention (the Triton kernels take 16-bit inputs);
+        # bf16 rows what auto picks, the Triton kernels on the GPU
+        backend = args.backend or ("auto" if model_ov.get("model.params_dtype") == "bfloat16" else "torch")
+        config = config_from_dict(base, {"parallel.world_size": 1, "linear_attention.backend": backend, **model_ov})
         t0 = time.perf_counter()
         probe = plan.probe_activations(config, cl, device)
         predicted = plan.plan(config, cl, probe)
@@ -72,7 +78,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
         row = {
-            "name": f"planner peak vs measured: {name}, linear attention {args.backend}",
+            "name": f"planner peak vs measured: {name}, linear attention backend {backend}",
             "shape": f"L{config.num_layers}-{config.pattern}-H{config.hidden_size}-E{config.moe.num_experts}"
                      f"-K{config.moe.topk}-B{cl.micro_batch_size}-T{cl.seq_length}",
             "predicted_peak_bytes": predicted["peak_bytes"],

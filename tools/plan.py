@@ -67,6 +67,7 @@ class Cluster:
     micro_batch_size: int = 1
     seq_length: int = 4096
     weight_bytes: int = 2  # bf16 base weights
+    master_weights: bool = True  # full training with weight_bytes < 4 keeps an fp32 master copy
     headroom: float = 0.9  # usable fraction of HBM (allocator fragmentation, workspaces)
 
     def validate(self) -> None:
@@ -304,14 +305,18 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
     trainable_local = trainable_dense * dense_share + trainable_expert * expert_share
     # Adam m, v (fp32), plus an fp32 master copy where full training keeps lower-precision weights
-    master = 4 if cl.training == "full" and wb < 4 else 0
-    optimizer_bytes = (master + 8) * trainable_local
+    master = 4 if cl.training == "full" and wb < 4 and cl.master_weights else 0
+    # Without a master copy, full training keeps gradients and Adam moments in the weights'
+    # dtype (torch's AdamW on bf16 parameters); LoRA adapters are fp32 either way.
+    pure = cl.training == "full" and wb < 4 and not cl.master_weights
+    state_bytes = wb if pure else 4
+    optimizer_bytes = (master + 2 * state_bytes) * trainable_local
     if cl.offload_optimizer:
         layer_trainable = trainable_local / max(1, c.num_layers / pp)
         gradients, optimizer = 2 * layer_trainable, 0.0  # one layer's bf16 bucket in flight
         host_optimizer = optimizer_bytes + 4 * trainable_local
     else:
-        gradients, optimizer, host_optimizer = 4 * trainable_local, optimizer_bytes, 0.0
+        gradients, optimizer, host_optimizer = state_bytes * trainable_local, optimizer_bytes, 0.0
 
     tokens = cl.micro_batch_size * cl.seq_length / cl.context_parallel_size
     layers_local = c.num_layers / pp

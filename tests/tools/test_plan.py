@@ -118,6 +118,9 @@ MEASURED = {
     "LLLS-full": ({}, {"training": "full"}),
     "LLLS-lora-T512": ({}, {"training": "lora", "seq_length": 512}),
     "LLLM-dense-first-full": ({"model.pattern": "LLLM", "moe.first_k_dense": 1}, {"training": "full", "micro_batch_size": 1}),
+    # bf16 weights, gradients and Adam moments (AdamW straight on bf16 parameters, no master copy)
+    "LLLS-full-bf16": ({"model.params_dtype": "bfloat16"},
+                       {"training": "full", "weight_bytes": 2, "master_weights": False, "seq_length": 256}),
 }
 
 
