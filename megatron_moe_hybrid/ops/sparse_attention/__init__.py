@@ -5,13 +5,19 @@ queries among the keys, as under context parallelism), H query heads, G kv group
 dim, DV value head dim, HI / DI indexer heads / head dim, K top-k. Layout [B, T, H, D].
 
 Each public function takes backend="auto" | a registered name. Backends live in a small
-registry (name -> SparseAttentionBackend); "torch" (reference.py) is the only one today,
-and "auto" takes the first registered of _AUTO_ORDER that implements the op.
+registry (name -> SparseAttentionBackend): "torch" (reference.py) implements every op;
+"triton" (triton_sparse.py, when triton is installed) implements sparse_attention for bf16/fp16
+CUDA tensors. "auto" takes the first registered backend of _AUTO_ORDER that implements the op
+and whose supports(op, x) accepts the op's first tensor; a CUDA call that a fused backend
+declines is logged once before it runs on the torch reference.
 """
 
+import importlib.util
+import logging
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
+import torch
 from torch import Tensor
 
 from . import reference
@@ -37,9 +43,12 @@ class SparseAttentionBackend:
     sparse_attention: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
     attention_probs_target: Optional[Callable[..., Tensor]] = None
     indexer_kl_loss: Optional[Callable[..., Tensor]] = None
+    # supports(op, x): whether auto may send op with first tensor x here; None: any input
+    supports: Callable[[str, Tensor], bool] | None = None
 
 
-OPS = tuple(f.name for f in fields(SparseAttentionBackend) if f.name != "name")
+logger = logging.getLogger(__name__)
+OPS = tuple(f.name for f in fields(SparseAttentionBackend) if f.name not in ("name", "supports"))
 _BACKENDS: dict[str, SparseAttentionBackend] = {}
 # Fast backends first; "torch" is always last so that auto can always run.
 _AUTO_ORDER = ("cuda", "triton", "torch")
@@ -53,15 +62,34 @@ def registered_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def get_op(op: str, backend: str = "auto") -> Callable:
-    """The implementation of op in backend; ValueError naming what is registered otherwise."""
+_fallback_logged: set[str] = set()
+
+
+def get_op(op: str, backend: str = "auto", x: Tensor | None = None) -> Callable:
+    """The implementation of op in backend; ValueError naming what is registered otherwise.
+
+    Under auto, x (the op's first tensor) is offered to each backend's supports(); without x
+    only backends with no supports() check are taken.
+    """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if backend == "auto":
+        declined = []
         for name in _AUTO_ORDER:
-            fn = getattr(_BACKENDS.get(name), op, None)
-            if fn is not None:
-                return fn
+            impl = _BACKENDS.get(name)
+            fn = getattr(impl, op, None)
+            if fn is None:
+                continue
+            if impl.supports is not None and (x is None or not impl.supports(op, x)):
+                declined.append(name)
+                continue
+            if declined and x is not None and x.is_cuda and op not in _fallback_logged:
+                _fallback_logged.add(op)
+                logger.warning(
+                    "sparse_attention.%s: backend(s) %s do not take %s %s inputs; running %r",
+                    op, declined, x.dtype, tuple(x.shape), name,
+                )
+            return fn
     elif backend in _BACKENDS and getattr(_BACKENDS[backend], op) is not None:
         return getattr(_BACKENDS[backend], op)
     raise ValueError(
@@ -71,6 +99,28 @@ def get_op(op: str, backend: str = "auto") -> Callable:
 
 
 register_backend(SparseAttentionBackend(name="torch", **{op: getattr(reference, op) for op in OPS}))
+
+
+def _triton_sparse_attention(q, k, v, indices, scale=None):
+    """triton_sparse.sparse_attention_triton, imported on first use (importing stays light)."""
+    from .triton_sparse import sparse_attention_triton
+
+    return sparse_attention_triton(q, k, v, indices, scale)
+
+
+def _triton_supports(op: str, x: Tensor) -> bool:
+    """What auto sends to Triton: bf16/fp16 CUDA tensors. CPU tensors stay on the reference
+    (backend="triton" runs them in Triton's interpreter, fp32 only, for tests), and so do fp32
+    CUDA tensors, which the kernels refuse (their tiles are sized for 16-bit operands)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] <= 1024
+
+
+if importlib.util.find_spec("triton") is not None:
+    register_backend(
+        SparseAttentionBackend(
+            name="triton", sparse_attention=_triton_sparse_attention, supports=_triton_supports
+        )
+    )
 
 
 def apply_rope(
@@ -127,7 +177,7 @@ def sparse_attention(
     scale: Optional[float] = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    return get_op("sparse_attention", backend)(q, k, v, indices, scale)
+    return get_op("sparse_attention", backend, q)(q, k, v, indices, scale)
 
 
 def attention_probs_target(

@@ -1,0 +1,561 @@
+"""Top-k sparse attention in Triton, forward and backward, deterministic (no atomics).
+
+Shape legend: B batch, T queries, S keys, H query heads, G kv groups, R = H // G heads per
+group (head h reads group h // R), D q/k head dim, DV value head dim, K slots per query
+(indices [B, T, K] in [-1, S), -1 unused), F = D + DV. BH heads, BK slots, BF features and
+BL list entries per register block. D is split into D1 (a power of two) and an optional
+masked tail D2 (576 = 512 + 64, 24 = 16 + 8 padded to 16) so that no head dim is padded to
+the next power of two; DV is padded to DVP with a mask.
+
+Kernels (README.md has the math):
+    _fwd_kernel     one query, BH heads of one group: streams the K selected keys BK at a
+                    time (rows of k and v gathered by index, -1 slots masked), online
+                    softmax in fp32 (base 2), writes o and lse.
+    _bwd_dq_kernel  same grid: recomputes p = exp(s - lse), dp = do v^T,
+                    ds = p (dp - delta), dq = scale ds k.
+    _bwd_dkv_kernel one query, BK slots, one group: recomputes p and ds for all R heads
+                    (BH at a time) and writes the per-(query, slot) contributions
+                    dk_c = scale ds^T q and dv_c = p^T do, summed over the group's heads,
+                    to a buffer C [B, Tc, K, G, F] (input dtype for bf16, else fp32).
+    _bwd_reduce_kernel  one key, one group, BF features: sums the contributions of the
+                    (query, slot) pairs that selected the key, listed by a CSR built with a
+                    stable sort of the chunk's indices, in a fixed order; adds into an fp32
+                    accumulator [B, S, G, F] (queries are processed in chunks of Tc so that
+                    C stays under CONTRIB_BUDGET_BYTES: memory is linear in T).
+So dk and dv are bitwise repeatable. The cost: s and dp are computed twice in the backward
+(dq and dk/dv kernels), 2 R K (4 D + 3 DV) FLOPs per query instead of 2 R K (3 D + 2 DV), and
+C is written and read once (2 K G F elements per query).
+
+Dots take the input dtype (bf16/fp16; fp32 only in the CPU interpreter) and accumulate in
+fp32. When v is the first DV columns of k (absorbed MLA: v = kv[..., :DV] with DV the power
+of two D1), the kernels read k once and use it as v (SHARED_KV).
+
+The forward checks shapes, dtypes and the index range; a key repeated within one query's
+row is found by the backward's sort (ValueError there): a forward-only call counts such a key
+twice, as the reference's gather would.
+"""
+
+import functools
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.errors import OutOfResources
+
+from .reference import _check_attention_args
+
+logger = logging.getLogger(__name__)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_HEAD_DIM = 1024
+# Bytes of the backward's contribution buffer C; queries are processed in chunks that fit.
+CONTRIB_BUDGET_BYTES = 4 << 30
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _alloc(shape, dtype, device) -> Tensor:
+    """Every buffer a kernel writes in full comes from here (tests poison it with NaN)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+@triton.jit
+def _load_rows(base, o_row, stride_row, o_col, m_row, NUM_COLS):
+    """[len(o_row), len(o_col)] block of a row-major tile; masked rows/cols read 0."""
+    p = base + o_row[:, None] * stride_row + o_col[None, :]
+    return tl.load(p, mask=m_row[:, None] & (o_col < NUM_COLS)[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _fwd_kernel(
+    q, k, v, idx, o, lse,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, si_b, si_t,
+    scale_log2, T, K, G,
+    R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr, DVP: tl.constexpr,
+    SHARED_KV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """One query t, heads [i_hb BH, i_hb BH + BH) of group g: o [BH, DV], lse [BH]."""
+    NHB: tl.constexpr = (R + BH - 1) // BH
+    i_th, i_bg = tl.program_id(0), tl.program_id(1)
+    i_t, i_hb = (i_th // NHB).to(tl.int64), i_th % NHB
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    o_r = i_hb * BH + tl.arange(0, BH)
+    m_r = o_r < R
+    o_h = i_g * R + o_r  # [BH] query heads
+    o_d1 = tl.arange(0, D1)
+    o_d2 = D1 + tl.arange(0, D2)
+    o_dv = tl.arange(0, DVP)
+
+    p_q = q + i_b * sq_b + i_t * sq_t
+    b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
+    b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
+    if HAS_D2:
+        b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
+    p_k = k + i_b * sk_b + i_g * sk_g
+    p_v = v + i_b * sv_b + i_g * sv_g
+    p_idx = idx + i_b * si_b + i_t * si_t
+
+    b_m = tl.full([BH], float("-inf"), tl.float32)  # running max, base-2 logits
+    b_l = tl.zeros([BH], tl.float32)
+    b_acc = tl.zeros([BH, DVP], tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        b_i = tl.load(p_idx + o_k, mask=o_k < K, other=-1).to(tl.int64)
+        m_s = b_i >= 0  # [BK] slot holds a key
+        b_i = tl.where(m_s, b_i, 0)
+        b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
+        b_s = tl.dot(b_q1, tl.trans(b_k1))
+        if HAS_D2:
+            b_s += tl.dot(b_q2, tl.trans(_load_rows(p_k, b_i, sk_s, o_d2, m_s, D)))
+        b_s = tl.where(m_s[None, :], b_s * scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        # a row that has seen no key yet stays at -inf; -inf - -inf would give NaN
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        if SHARED_KV:
+            b_v = b_k1
+        else:
+            b_v = _load_rows(p_v, b_i, sv_s, o_dv, m_s, DV)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_m_new
+
+    m_l = b_l > 0
+    b_o = b_acc / tl.where(m_l, b_l, 1.0)[:, None]
+    r_th = (i_b * T + i_t) * (G * R) + o_h  # [BH] rows of o [B, T, H, DV] and lse [B, T, H]
+    p_o = o + r_th[:, None] * DV + o_dv[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & (o_dv < DV)[None, :])
+    b_lse = tl.where(m_l, (b_m + tl.log2(tl.where(m_l, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse + r_th, b_lse, mask=m_r)
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _bwd_dq_kernel(
+    q, k, v, idx, do, lse2, delta, dq,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, si_b, si_t,
+    scale, scale_log2, T, K, G,
+    R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr, DVP: tl.constexpr,
+    SHARED_KV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """dq [BH, D] of one query t and BH heads of group g. lse2 = lse log2(e) with -inf -> 0;
+    delta = rowsum(o do) - dlse; do [B, T, H, DV] and dq contiguous."""
+    NHB: tl.constexpr = (R + BH - 1) // BH
+    i_th, i_bg = tl.program_id(0), tl.program_id(1)
+    i_t, i_hb = (i_th // NHB).to(tl.int64), i_th % NHB
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    o_r = i_hb * BH + tl.arange(0, BH)
+    m_r = o_r < R
+    o_h = i_g * R + o_r
+    o_d1 = tl.arange(0, D1)
+    o_d2 = D1 + tl.arange(0, D2)
+    o_dv = tl.arange(0, DVP)
+    r_th = (i_b * T + i_t) * (G * R) + o_h  # [BH] rows of do, dq, lse, delta
+
+    p_q = q + i_b * sq_b + i_t * sq_t
+    b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
+    b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
+    if HAS_D2:
+        b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
+    b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
+    b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
+    b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
+    p_k = k + i_b * sk_b + i_g * sk_g
+    p_v = v + i_b * sv_b + i_g * sv_g
+    p_idx = idx + i_b * si_b + i_t * si_t
+
+    b_dq1 = tl.zeros([BH, D1], tl.float32)
+    b_dq2 = tl.zeros([BH, D2], tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        b_i = tl.load(p_idx + o_k, mask=o_k < K, other=-1).to(tl.int64)
+        m_s = b_i >= 0
+        b_i = tl.where(m_s, b_i, 0)
+        b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
+        b_s = tl.dot(b_q1, tl.trans(b_k1))
+        b_k2 = tl.zeros([BK, D2], dtype=b_k1.dtype)
+        if HAS_D2:
+            b_k2 = _load_rows(p_k, b_i, sk_s, o_d2, m_s, D)
+            b_s += tl.dot(b_q2, tl.trans(b_k2))
+        m_rs = m_r[:, None] & m_s[None, :]
+        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
+        if SHARED_KV:
+            b_v = b_k1
+        else:
+            b_v = _load_rows(p_v, b_i, sv_s, o_dv, m_s, DV)
+        b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k1.dtype)
+        b_dq1 += tl.dot(b_ds, b_k1)
+        if HAS_D2:
+            b_dq2 += tl.dot(b_ds, b_k2)
+
+    p_dq = dq + r_th[:, None] * D
+    tl.store(p_dq + o_d1[None, :], (b_dq1 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d1 < D)[None, :])
+    if HAS_D2:
+        tl.store(p_dq + o_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d2 < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "K", "t0", "Tc"])
+def _bwd_dkv_kernel(
+    q, k, v, idx, do, lse2, delta, C,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, si_b, si_t,
+    scale, scale_log2, T, K, G, t0, Tc,
+    R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr, DVP: tl.constexpr,
+    SHARED_KV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """Contributions of query t0 + i_tc, slots [i_kb BK, i_kb BK + BK), group g, summed over
+    the group's R heads: C[b, i_tc, slot, g, :D] = scale ds^T q, C[..., D:] = p^T do."""
+    NKB = tl.cdiv(K, BK)
+    i_tk, i_bg = tl.program_id(0), tl.program_id(1)
+    i_tc, i_kb = (i_tk // NKB).to(tl.int64), i_tk % NKB
+    i_t = t0 + i_tc
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    o_d1 = tl.arange(0, D1)
+    o_d2 = D1 + tl.arange(0, D2)
+    o_dv = tl.arange(0, DVP)
+    o_k = i_kb * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_i = tl.load(idx + i_b * si_b + i_t * si_t + o_k, mask=m_k, other=-1).to(tl.int64)
+    m_s = b_i >= 0
+    b_i = tl.where(m_s, b_i, 0)
+    p_k = k + i_b * sk_b + i_g * sk_g
+    b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
+    b_k2 = tl.zeros([BK, D2], dtype=b_k1.dtype)
+    if HAS_D2:
+        b_k2 = _load_rows(p_k, b_i, sk_s, o_d2, m_s, D)
+    if SHARED_KV:
+        b_v = b_k1
+    else:
+        b_v = _load_rows(v + i_b * sv_b + i_g * sv_g, b_i, sv_s, o_dv, m_s, DV)
+
+    p_q = q + i_b * sq_b + i_t * sq_t
+    b_dk1 = tl.zeros([BK, D1], tl.float32)
+    b_dk2 = tl.zeros([BK, D2], tl.float32)
+    b_dv = tl.zeros([BK, DVP], tl.float32)
+    for i_r in range(0, R, BH):
+        o_r = i_r + tl.arange(0, BH)
+        m_r = o_r < R
+        o_h = i_g * R + o_r
+        r_th = (i_b * T + i_t) * (G * R) + o_h
+        b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
+        b_s = tl.dot(b_q1, tl.trans(b_k1))
+        b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
+        if HAS_D2:
+            b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
+            b_s += tl.dot(b_q2, tl.trans(b_k2))
+        b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
+        b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
+        b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
+        m_rs = m_r[:, None] & m_s[None, :]
+        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q1.dtype)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dk1 += tl.dot(tl.trans(b_ds), b_q1)
+        if HAS_D2:
+            b_dk2 += tl.dot(tl.trans(b_ds), b_q2)
+
+    F: tl.constexpr = D + DV
+    # [BK] rows of C [B, Tc, K, G, F]
+    r_c = ((i_b * Tc + i_tc) * K + o_k) * G + i_g
+    p_c = C + r_c[:, None] * F
+    dt = C.dtype.element_ty
+    tl.store(p_c + o_d1[None, :], (b_dk1 * scale).to(dt), mask=m_k[:, None] & (o_d1 < D)[None, :])
+    if HAS_D2:
+        tl.store(p_c + o_d2[None, :], (b_dk2 * scale).to(dt), mask=m_k[:, None] & (o_d2 < D)[None, :])
+    tl.store(p_c + D + o_dv[None, :], b_dv.to(dt), mask=m_k[:, None] & (o_dv < DV)[None, :])
+
+
+@triton.jit
+def _bwd_reduce_kernel(C, order, offsets, acc, G, F, FIRST, BF: tl.constexpr, BL: tl.constexpr):
+    """acc[key, g, BF features] (+)= sum of C rows order[offsets[key]:offsets[key + 1]], in
+    list order, BL rows at a time (a fixed tree inside each block): deterministic."""
+    i_key, i_gf = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    NFB = tl.cdiv(F, BF)
+    i_g, i_f = i_gf // NFB, i_gf % NFB
+    o_f = i_f * BF + tl.arange(0, BF)
+    m_f = o_f < F
+    start = tl.load(offsets + i_key)
+    end = tl.load(offsets + i_key + 1)
+    b_acc = tl.zeros([BF], tl.float32)
+    for i_l in range(start, end, BL):
+        o_l = i_l + tl.arange(0, BL)
+        m_l = o_l < end
+        b_p = tl.load(order + o_l, mask=m_l, other=0).to(tl.int64)  # flat (b, t, slot)
+        p_c = C + (b_p * G + i_g)[:, None] * F + o_f[None, :]
+        b_c = tl.load(p_c, mask=m_l[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+        b_acc += tl.sum(b_c, axis=0)
+    p_acc = acc + (i_key * G + i_g) * F + o_f
+    if FIRST == 0:
+        b_acc += tl.load(p_acc, mask=m_f, other=0.0)
+    tl.store(p_acc, b_acc, mask=m_f)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _split_dim(D: int) -> tuple[int, int, bool]:
+    """(D1, D2, has_tail): D1 the largest power of two <= D (at least 16), D2 the tail's
+    power-of-two block (at least 16, the smallest dot)."""
+    D1 = max(16, 1 << (D.bit_length() - 1))
+    tail = D - D1
+    if tail <= 0:
+        return D1, 16, False
+    return D1, max(16, _next_pow2(tail)), True
+
+
+@functools.cache
+def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict, ...]:
+    """Launch configs, preferred first; the first that fits the GPU is kept per shape.
+
+    width = D1 + D2 + DVP (the columns of a gathered key row). Chosen, not tuned, from Triton
+    3.6's sm_90 resource report (compiled without a GPU): the first config of each kernel
+    uses at most 224 registers and 111 KB of shared memory at the MLA shape, without spills.
+    """
+    bh = min(64, max(16, _next_pow2(R)))
+    if kernel == "reduce":  # the interpreter's small blocks cross block edges in CPU tests
+        return ({"BF": 16 if interpret else 128, "BL": 4 if interpret else 16, "num_warps": 4, "num_stages": 1},)
+    if interpret:
+        return ({"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1},)
+    if width <= 512:  # GQA, D = DV = 128: 112-163 registers
+        big = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
+        return (big, {**big, "num_stages": 1}, {**big, "BK": 32, "num_stages": 1})
+    # MLA, D = 576 (512 + 64), DV = 512. The forward's 64 heads use wgmma (208 registers); 64
+    # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator), so they take 32.
+    first = {"BH": min(bh, 64 if kernel == "fwd" else 32), "BK": 16, "num_warps": 8, "num_stages": 2}
+    return (first, {**first, "num_stages": 1}, {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1})
+
+
+_chosen: dict = {}
+# kernel ("fwd", "dq", "dkv", "reduce") -> config used instead of _candidates (benchmarks
+# compare configs with this; the tests run the defaults).
+CONFIG_OVERRIDE: dict[str, dict] = {}
+
+
+def _launch(kernel, name: str, key: tuple, grid_of, args: tuple, consts: dict, candidates) -> None:
+    """Runs kernel with the first of candidates that fits the device (cached per key); a
+    config that does not fit is logged and the next smaller one tried."""
+    if key[0] in CONFIG_OVERRIDE:
+        candidates = (CONFIG_OVERRIDE[key[0]],)
+    elif key in _chosen:
+        candidates = (_chosen[key],)
+    for i, cfg in enumerate(candidates):
+        grid = grid_of(cfg)
+        if 0 in grid:
+            return
+        launch = {n: cfg[n] for n in ("num_warps", "num_stages")}
+        blocks = {n: c for n, c in cfg.items() if n not in launch}
+        try:
+            kernel[grid](*args, **consts, **blocks, **launch)
+        except OutOfResources as err:
+            if i + 1 == len(candidates):
+                raise
+            logger.warning("sparse attention %s: config %s does not fit (%s); trying %s",
+                           name, cfg, err, candidates[i + 1])
+            continue
+        if key[0] not in CONFIG_OVERRIDE:
+            _chosen[key] = cfg
+        return
+
+
+def _shared_kv(k: Tensor, v: Tensor, D1: int) -> bool:
+    """v is k's first DV == D1 columns (absorbed MLA): the kernels read k once."""
+    return (
+        v.shape[-1] == D1
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and v.dtype == k.dtype
+    )
+
+
+def _row_strides(x: Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+class _Shape:
+    def __init__(self, q, k, v, indices):
+        self.B, self.T, self.H, self.D = q.shape
+        self.S, self.G = k.shape[1], k.shape[2]
+        self.DV, self.K = v.shape[3], indices.shape[2]
+        self.R = self.H // self.G
+        self.D1, self.D2, self.has_d2 = _split_dim(self.D)
+        self.DVP = max(16, _next_pow2(self.DV))
+        self.shared_kv = _shared_kv(k, v, self.D1)
+
+    def consts(self) -> dict:
+        return {
+            "R": self.R, "D": self.D, "DV": self.DV, "D1": self.D1, "D2": self.D2,
+            "HAS_D2": self.has_d2, "DVP": self.DVP, "SHARED_KV": self.shared_kv,
+        }
+
+    def key(self, q: Tensor) -> tuple:
+        return (q.dtype, q.device, self.R, self.D, self.DV, self.shared_kv)
+
+    @property
+    def width(self) -> int:
+        return self.D1 + (self.D2 if self.has_d2 else 0) + self.DVP
+
+
+def _strides(q, k, v, indices) -> tuple[int, ...]:
+    return (*_row_strides(q), *_row_strides(k), *_row_strides(v), indices.stride(0), indices.stride(1))
+
+
+def _fwd(q, k, v, indices, scale: float) -> tuple[Tensor, Tensor]:
+    sh = _Shape(q, k, v, indices)
+    o = _alloc((sh.B, sh.T, sh.H, sh.DV), q.dtype, q.device)
+    lse = _alloc((sh.B, sh.T, sh.H), torch.float32, q.device)
+    _launch(
+        _fwd_kernel, "forward", ("fwd", *sh.key(q)),
+        lambda c: (sh.T * triton.cdiv(sh.R, c["BH"]), sh.B * sh.G),
+        (q, k, v, indices, o, lse, *_strides(q, k, v, indices), scale * LOG2E, sh.T, sh.K, sh.G),
+        sh.consts(), _candidates("fwd", sh.R, sh.width, _INTERPRET),
+    )
+    return o, lse
+
+
+def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
+    sh = _Shape(q, k, v, indices)
+    B, T, S, G, K, D, DV = sh.B, sh.T, sh.S, sh.G, sh.K, sh.D, sh.DV
+    dev = q.device
+    # [B, T, H] fp32: rowsum(o do), minus dlse (d lse / d s = p, so it shifts ds = p (dp - delta))
+    delta = (o.float() * do.float()).sum(-1)
+    finite = torch.isfinite(lse)
+    if dlse is not None:
+        delta = delta - torch.where(finite, dlse.float(), 0.0)
+    lse2 = torch.where(finite, lse * LOG2E, 0.0).contiguous()
+    delta = delta.contiguous()
+    strides = _strides(q, k, v, indices)
+    consts = sh.consts()
+
+    dq = _alloc(q.shape, q.dtype, dev)
+    _launch(
+        _bwd_dq_kernel, "backward dq", ("dq", *sh.key(q)),
+        lambda c: (T * triton.cdiv(sh.R, c["BH"]), B * G),
+        (q, k, v, indices, do, lse2, delta, dq, *strides, scale, scale * LOG2E, T, K, G),
+        consts, _candidates("dq", sh.R, sh.width, _INTERPRET),
+    )
+
+    F = D + DV
+    c_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    row_bytes = B * K * G * F * torch.finfo(c_dtype).bits // 8
+    Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(row_bytes, 1), (2**31 - 1) // max(B * K, 1)))
+    C = _alloc((B, Tc, K, G, F), c_dtype, dev)
+    acc = _alloc((B, S, G, F), torch.float32, dev)
+    key_base = (torch.arange(B, device=dev, dtype=torch.int32) * S)[:, None, None]
+    all_keys = torch.arange(B * S + 1, device=dev, dtype=torch.int32)
+    repeated = torch.zeros((), dtype=torch.bool, device=dev)
+    for t0 in range(0, T, Tc):
+        tc = min(Tc, T - t0)
+        _launch(
+            _bwd_dkv_kernel, "backward dk/dv", ("dkv", *sh.key(q)),
+            lambda c, tc=tc: (tc * triton.cdiv(K, c["BK"]), B * G),
+            (q, k, v, indices, do, lse2, delta, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
+            consts, _candidates("dkv", sh.R, sh.width, _INTERPRET),
+        )
+        # CSR of the chunk: for each key b S + s, the flat (b, t, slot) positions that hold it,
+        # in increasing order (stable sort); -1 slots go to the sentinel key B S.
+        idx_c = indices[:, t0:t0 + tc].to(torch.int32)
+        if tc < Tc:  # positions index C [B, Tc, K]: pad the short last chunk with -1
+            idx_c = torch.cat([idx_c, idx_c.new_full((B, Tc - tc, K), -1)], dim=1)
+        keys = torch.where(idx_c >= 0, idx_c + key_base, B * S).reshape(-1)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        offsets = torch.searchsorted(sorted_keys, all_keys).to(torch.int32)
+        same_row = torch.div(order[1:], K, rounding_mode="floor") == torch.div(order[:-1], K, rounding_mode="floor")
+        repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < B * S) & same_row).any()
+        _launch(
+            _bwd_reduce_kernel, "backward reduce", ("reduce", q.device, F),
+            lambda c: (B * S, G * triton.cdiv(F, c["BF"])),
+            (C, order.to(torch.int32), offsets, acc, G, F, int(t0 == 0)),
+            {}, _candidates("reduce", sh.R, sh.width, _INTERPRET),
+        )
+    del C
+    if bool(repeated):
+        raise ValueError("indices must not repeat a key within one query's row")
+    if T == 0:
+        acc.zero_()
+    dk = acc[..., :D].to(k.dtype)
+    dv = acc[..., D:].to(v.dtype)
+    return dq, dk, dv
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """o, lse = sparse attention of q over the keys of indices; gradients for q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale):
+        o, lse = _fwd(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, indices, o, lse)
+        ctx.scale = scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, indices, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(q, k, v, indices, o, lse, do.contiguous(), dlse, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
+    """ValueError naming the argument and the fix."""
+    B, T, S, _, _, D = _check_attention_args(q, k, v)
+    if q.is_cuda:
+        ok = q.dtype in (torch.bfloat16, torch.float16)
+        want = "bf16 or fp16 CUDA tensors (fp32 runs only in the CPU interpreter)"
+    else:
+        ok = q.dtype == torch.float32
+        want = "fp32 on CPU (Triton's interpreter; its bf16 loads are wrong)"
+    if not ok:
+        raise ValueError(
+            f"q: the triton sparse_attention takes {want}, got {q.dtype} on {q.device.type}; "
+            "cast q, k, v, or use backend='torch'"
+        )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} on {q.device} like q, got {x.dtype} on {x.device}")
+    if D > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"q: the triton sparse_attention takes head dims up to {MAX_HEAD_DIM}, got D={D}, "
+            f"DV={v.shape[-1]}; use backend='torch'"
+        )
+    if not q.is_cuda and not _INTERPRET:
+        raise ValueError(
+            "q: the triton sparse_attention on CPU tensors runs in Triton's interpreter; set "
+            "TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
+        )
+    if (
+        not isinstance(indices, Tensor)
+        or indices.dim() != 3
+        or tuple(indices.shape[:2]) != (B, T)
+        or indices.dtype not in (torch.int32, torch.int64)
+        or indices.device != q.device
+    ):
+        raise ValueError(
+            f"indices must be int64/int32 [B, T, K] with B={B}, T={T} on {q.device}, got "
+            + (f"{indices.dtype} {tuple(indices.shape)} on {indices.device}" if isinstance(indices, Tensor) else type(indices).__name__)
+        )
+    if indices.numel():
+        lo, hi = torch.aminmax(indices)
+        if lo.item() < -1 or hi.item() >= S:
+            raise ValueError(f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def sparse_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Backend "triton" of ops.sparse_attention: arguments and results as reference.sparse_attention
+    (o [B, T, H, DV] in q's dtype, lse [B, T, H] fp32), differentiable in q, k, v (and lse)."""
+    _check(q, k, v, indices)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    return SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale)

@@ -1,0 +1,238 @@
+"""Triton sparse attention (ops/sparse_attention/triton_sparse.py) against the PyTorch reference.
+
+CPU: Triton's interpreter in fp32 on tiny shapes (tests/conftest.py sets TRITON_INTERPRET=1;
+its bf16 loads are wrong, so no bf16 here), blocks of 16 heads / 16 slots so that every case
+crosses block edges. GPU (-m gpu, the H200): bf16 at the issue's shapes against the fp32
+reference on the same bf16 inputs: relative RMS error <= 5e-3 for o, <= 1e-2 for gradients,
+and dk / dv bitwise equal between two backward passes (no atomics). Every buffer the kernels
+write is NaN-poisoned first (triton_sparse._alloc), so an unwritten element fails.
+
+Shape legend: B batch, T queries, S keys, H query heads, G kv groups, D, DV head dims,
+K slots; q [B, T, H, D], k [B, S, G, D], v [B, S, G, DV], indices [B, T, K] in [-1, S).
+"""
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_moe_hybrid.ops import sparse_attention as sa
+from megatron_moe_hybrid.ops.sparse_attention import reference, triton_sparse
+
+interpreter = pytest.mark.skipif(
+    not triton_sparse._INTERPRET,
+    reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)",
+)
+
+
+@pytest.fixture(autouse=True)
+def poison_buffers(monkeypatch):
+    def nan_alloc(shape, dtype, device):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_sparse, "_alloc", nan_alloc)
+
+
+def causal_indices(B, T, S, K, gen, device="cpu"):
+    """[B, T, K] int64: query t (key position S - T + t) picks min(K, its readable keys)
+    distinct random keys among s <= S - T + t, in random order; the rest of the row is -1."""
+    pos = torch.arange(S - T, S, device=device)
+    rows = []
+    for t0 in range(0, T, 1024):  # [<=1024, S] random scores at a time
+        scores = torch.rand(B, min(1024, T - t0), S, generator=gen, device=device)
+        scores = scores.masked_fill(torch.arange(S, device=device) > pos[t0:t0 + 1024, None], -1.0)
+        values, idx = scores.topk(min(K, S), dim=-1, sorted=False)
+        rows.append(idx.masked_fill(values < 0, -1))
+    idx = torch.cat(rows, dim=1)
+    if K > S:
+        idx = torch.cat([idx, idx.new_full((B, T, K - S), -1)], dim=-1)
+    # shuffle the slots so that the -1 slots are not all at the end of a row
+    perm = torch.rand(B, T, K, generator=gen, device=device).argsort(-1)
+    return idx.gather(-1, perm)
+
+
+def make_inputs(B, T, S, H, G, D, DV, K, shared_kv=False, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = {"q": torch.randn(B, T, H, D, generator=gen, device=device)}
+    if shared_kv:  # absorbed MLA: v is the first DV channels of the one latent kv
+        x["kv"] = torch.randn(B, S, G, D, generator=gen, device=device)
+    else:
+        x["k"] = torch.randn(B, S, G, D, generator=gen, device=device)
+        x["v"] = torch.randn(B, S, G, DV, generator=gen, device=device)
+    x = {n: t.to(dtype) for n, t in x.items()}
+    return x, causal_indices(B, T, S, K, gen, device), DV
+
+
+def run(x, indices, DV, backend, seed=1, dlse=True, cast=None):
+    """o, lse and the gradients of <o, do> + <lse, dlse> (finite lse only) w.r.t. every input.
+    cast: compute on x cast to this dtype (the fp32 reference of bf16 inputs)."""
+    leaves = {n: t.detach().clone().to(cast or t.dtype).requires_grad_() for n, t in x.items()}
+    if "kv" in leaves:
+        k, v = leaves["kv"], leaves["kv"][..., :DV]
+    else:
+        k, v = leaves["k"], leaves["v"]
+    o, lse = sa.sparse_attention(leaves["q"], k, v, indices, backend=backend)
+    gen = torch.Generator(device=o.device).manual_seed(seed)
+    # rounded to the inputs' dtype, so that the fp32 reference gets the same upstream gradient
+    do = torch.randn(o.shape, generator=gen, device=o.device).to(x["q"].dtype).float()
+    loss = (o.float() * do).sum()
+    if dlse:
+        dl = torch.randn(lse.shape, generator=gen, device=o.device)
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dl).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return {"o": o, "lse": lse, **{f"d{n}": g for n, g in zip(leaves, grads)}}
+
+
+def rel_rms(actual, expected):
+    a, e = actual.double(), expected.double()
+    finite = torch.isfinite(e)
+    assert torch.equal(finite, torch.isfinite(a)), "non-finite values where the reference is finite (or back)"
+    assert torch.equal(a[~finite], e[~finite]), "-inf lse where the reference has none"
+    diff = (a[finite] - e[finite]).norm()
+    return (diff / e[finite].norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_rms(actual, expected, out_tol, grad_tol):
+    assert actual.keys() == expected.keys()
+    errors = {n: rel_rms(actual[n], expected[n]) for n in expected}
+    bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
+    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
+    return errors
+
+
+CPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
+    # GQA, keys longer than queries, D and DV not powers of 2 (24 = 16 + 8), K = 19 (2 blocks)
+    "B2-T9-S30-H4-G2-D24-DV20-K19": (2, 9, 30, 4, 2, 24, 20, 19, False),
+    # MQA, 17 heads (2 head blocks), D = 40 = 32 + 8, early rows with -1 slots (K > t + 1)
+    "B1-T12-S12-H17-G1-D40-DV16-K20": (1, 12, 12, 17, 1, 40, 16, 20, False),
+    # absorbed MLA: v = kv[..., :16], D = 24
+    "B1-T6-S20-H3-G1-D24-DV16-K17-sharedkv": (1, 6, 20, 3, 1, 24, 16, 17, True),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_triton_matches_reference_cpu(case):
+    B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
+    x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=len(case))
+    got = run(x, indices, DV, "triton")
+    ref = run(x, indices, DV, "torch")
+    assert got["o"].dtype == torch.float32 and got["lse"].dtype == torch.float32
+    assert_rel_rms(got, ref, 2e-6, 2e-6)
+
+
+@interpreter
+def test_row_without_keys_and_int32_indices_cpu():
+    """A query whose row is all -1 gets o = 0, lse = -inf and no gradient; a key that no
+    query selected gets dk = dv = 0 (written, not left as the NaN poison)."""
+    x, indices, DV = make_inputs(2, 5, 9, 2, 1, 16, 16, 4, seed=3)
+    indices[0, 3] = -1
+    indices[1, 0, :2] = -1
+    indices = indices.to(torch.int32)
+    got = run(x, indices, DV, "triton")
+    ref = run(x, indices, DV, "torch")
+    assert_rel_rms(got, ref, 2e-6, 2e-6)
+    assert torch.equal(got["o"][0, 3], torch.zeros_like(got["o"][0, 3]))
+    assert torch.isneginf(got["lse"][0, 3]).all()
+    assert torch.equal(got["dq"][0, 3], torch.zeros_like(got["dq"][0, 3]))
+    unselected = ~reference.indices_to_mask(indices, 9).any(1)  # [B, S]
+    assert unselected.any()
+    assert (got["dk"][unselected] == 0).all() and (got["dv"][unselected] == 0).all()
+
+
+@interpreter
+def test_chunked_backward_matches_one_chunk_cpu(monkeypatch):
+    """The backward's query chunks (contribution buffer budget) change nothing but rounding."""
+    x, indices, DV = make_inputs(1, 11, 16, 2, 2, 16, 16, 7, seed=5)
+    ref = run(x, indices, DV, "torch")
+    one = run(x, indices, DV, "triton")
+    # 3 queries per chunk: 4 chunks, the last one short
+    row_bytes = 1 * 7 * 2 * (16 + 16) * 4
+    monkeypatch.setattr(triton_sparse, "CONTRIB_BUDGET_BYTES", 3 * row_bytes)
+    chunked = run(x, indices, DV, "triton")
+    assert_rel_rms(one, ref, 2e-6, 2e-6)
+    assert_rel_rms(chunked, ref, 2e-6, 2e-6)
+    assert torch.equal(chunked["o"], one["o"]) and torch.equal(chunked["dq"], one["dq"])
+
+
+@interpreter
+def test_repeated_key_in_a_row_raises_in_backward_cpu():
+    x, indices, _ = make_inputs(1, 4, 8, 2, 1, 16, 16, 3, seed=2)
+    indices[0, 3, :2] = torch.tensor([5, 5])
+    q = x["q"].clone().requires_grad_()
+    o, _ = sa.sparse_attention(q, x["k"], x["v"], indices, backend="triton")
+    with pytest.raises(ValueError, match="indices must not repeat a key"):
+        o.sum().backward()
+
+
+def _bad_calls():
+    x, indices, _ = make_inputs(1, 4, 8, 2, 1, 16, 16, 3)
+    q, k, v = x["q"], x["k"], x["v"]
+    past_end = indices.clone()
+    past_end[0, 2, 1] = 8  # S = 8
+    return {
+        "q dtype": ("q: the triton sparse_attention takes fp32 on CPU", (q.double(), k.double(), v.double(), indices)),
+        "k dtype": ("k: expected torch.float32", (q, k.half(), v, indices)),
+        "index range": ("indices must lie in", (q, k, v, past_end)),
+        "index dtype": ("indices must be int64/int32", (q, k, v, indices.float())),
+        "index shape": ("indices must be int64/int32", (q, k, v, indices[:, :2])),
+        "kv groups": ("k must be", (torch.randn(1, 4, 3, 16), k.expand(1, 8, 2, 16), v, indices)),
+    }
+
+
+@interpreter
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_raises_value_error_naming_the_argument_cpu(case):
+    match, args = _bad_calls()[case]
+    with pytest.raises(ValueError, match=match):
+        sa.sparse_attention(*args, backend="triton")
+
+
+def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
+    assert "triton" in sa.registered_backends()
+    cpu = torch.randn(1, 2, 2, 16)
+    assert sa.get_op("sparse_attention", "auto", cpu) is reference.sparse_attention
+    assert sa.get_op("sparse_attention") is reference.sparse_attention  # no tensor: no guess
+    assert sa.get_op("sparse_attention", "triton") is sa._BACKENDS["triton"].sparse_attention
+    # tensors described by what supports() reads (no GPU here)
+    cuda = {
+        dtype: types.SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 2, 2, 576))
+        for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    }
+    assert sa.get_op("sparse_attention", "auto", cuda[torch.bfloat16]) is sa._BACKENDS["triton"].sparse_attention
+    assert sa.get_op("sparse_attention", "auto", cuda[torch.float16]) is sa._BACKENDS["triton"].sparse_attention
+    monkeypatch.setattr(sa, "_fallback_logged", set())
+    with caplog.at_level("WARNING", logger=sa.__name__):
+        assert sa.get_op("sparse_attention", "auto", cuda[torch.float32]) is reference.sparse_attention
+        sa.get_op("sparse_attention", "auto", cuda[torch.float32])
+    assert len([r for r in caplog.records if "do not take" in r.getMessage()]) == 1
+    # ops the triton backend does not implement stay on torch under auto, for CUDA tensors too
+    assert sa.get_op("indexer_topk", "auto", cuda[torch.bfloat16]) is reference.indexer_topk
+
+
+# --- GPU (bf16, the issue's shapes) ---------------------------------------------------------
+
+GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
+    "GQA-B1-T2048-H16-G4-D128-K512": (1, 2048, 2048, 16, 4, 128, 128, 512, False),
+    "MLA-B1-T512-S1024-H128-G1-D576-DV512-K512-sharedkv": (1, 512, 1024, 128, 1, 576, 512, 512, True),
+    "MLA-B1-T512-S1024-H128-G1-D576-DV512-K512": (1, 512, 1024, 128, 1, 576, 512, 512, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_triton_bf16_matches_fp32_reference_gpu(case):
+    B, T, S, H, G, D, DV, K, shared = GPU_CASES[case]
+    x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, device="cuda", seed=11)
+    x = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    # the fp32 reference on the same bf16 inputs (K = 512 of S = T keys: early rows hold -1)
+    ref = run(x, indices, DV, "torch", cast=torch.float32)
+    got = run(x, indices, DV, "auto")
+    assert got["o"].dtype == torch.bfloat16 and got["dq"].dtype == torch.bfloat16
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(case, {n: f"{e:.2e}" for n, e in errors.items()})
+    again = run(x, indices, DV, "auto")
+    for n in got:
+        assert torch.equal(again[n], got[n]), f"{n} differs between two identical runs"
