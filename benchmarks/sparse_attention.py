@@ -44,9 +44,8 @@ NAIVE = "naive gather chain (torch bf16, 1024 queries at a time)"
 NAIVE_SAVED_LIMIT = 100e9  # bytes the naive chain's autograd may keep before we skip it
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of this script sets cpu / fp32
 SWEEP = {  # kernel -> alternative configs timed with --sweep on MLA
-    "fwd": [{"BH": 32, "BK": 32, "num_warps": 8, "num_stages": 2}],
-    "dq": [{"BH": 16, "BK": 32, "num_warps": 8, "num_stages": 2}],
-    "dkv": [{"BH": 16, "BK": 32, "num_warps": 8, "num_stages": 2}],
+    "fwd": [{"BH": 64, "BK": 16, "num_warps": 8, "num_stages": 3}],
+    "dq": [{"BH": 16, "BK": 64, "num_warps": 8, "num_stages": 2}],
 }
 
 

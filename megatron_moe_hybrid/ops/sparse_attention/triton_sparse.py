@@ -17,7 +17,7 @@ Kernels (README.md has the math):
                     (BH at a time) and writes the per-(query, slot) contributions
                     dk_c = scale ds^T q and dv_c = p^T do, summed over the group's heads,
                     to a buffer C [B, Tc, K, G, F] (input dtype for bf16, else fp32).
-    _bwd_reduce_kernel  one key, one group, BF features: sums the contributions of the
+    _bwd_reduce_kernel  one key, BW of its G F columns: sums the contributions of the
                     (query, slot) pairs that selected the key, listed by a CSR built with a
                     stable sort of the chunk's indices, in a fixed order; adds into an fp32
                     accumulator [B, S, G, F] (queries are processed in chunks of Tc so that
@@ -273,28 +273,28 @@ def _bwd_dkv_kernel(
 
 
 @triton.jit
-def _bwd_reduce_kernel(C, order, offsets, acc, G, F, FIRST, BF: tl.constexpr, BL: tl.constexpr):
-    """acc[key, g, BF features] (+)= sum of C rows order[offsets[key]:offsets[key + 1]], in
-    list order, BL rows at a time (a fixed tree inside each block): deterministic."""
-    i_key, i_gf = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    NFB = tl.cdiv(F, BF)
-    i_g, i_f = i_gf // NFB, i_gf % NFB
-    o_f = i_f * BF + tl.arange(0, BF)
-    m_f = o_f < F
+def _bwd_reduce_kernel(C, order, offsets, acc, W, FIRST, BW: tl.constexpr, BL: tl.constexpr):
+    """acc[key, BW columns] (+)= the sum of the C rows order[offsets[key]:offsets[key + 1]]
+    (a row: the W = G F contributions of one (b, t, slot)), in list order, BL rows at a time
+    (a fixed tree inside each block): deterministic. BL x BW elements per step keep enough
+    loads in flight; one program per key and BW columns."""
+    i_key, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_w = i_w * BW + tl.arange(0, BW)
+    m_w = o_w < W
     start = tl.load(offsets + i_key)
     end = tl.load(offsets + i_key + 1)
-    b_acc = tl.zeros([BF], tl.float32)
+    b_acc = tl.zeros([BW], tl.float32)
     for i_l in range(start, end, BL):
         o_l = i_l + tl.arange(0, BL)
         m_l = o_l < end
         b_p = tl.load(order + o_l, mask=m_l, other=0).to(tl.int64)  # flat (b, t, slot)
-        p_c = C + (b_p * G + i_g)[:, None] * F + o_f[None, :]
-        b_c = tl.load(p_c, mask=m_l[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+        p_c = C + b_p[:, None] * W + o_w[None, :]
+        b_c = tl.load(p_c, mask=m_l[:, None] & m_w[None, :], other=0.0).to(tl.float32)
         b_acc += tl.sum(b_c, axis=0)
-    p_acc = acc + (i_key * G + i_g) * F + o_f
+    p_acc = acc + i_key * W + o_w
     if FIRST == 0:
-        b_acc += tl.load(p_acc, mask=m_f, other=0.0)
-    tl.store(p_acc, b_acc, mask=m_f)
+        b_acc += tl.load(p_acc, mask=m_w, other=0.0)
+    tl.store(p_acc, b_acc, mask=m_w)
 
 
 def _next_pow2(n: int) -> int:
@@ -315,21 +315,26 @@ def _split_dim(D: int) -> tuple[int, int, bool]:
 def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict, ...]:
     """Launch configs, preferred first; the first that fits the GPU is kept per shape.
 
-    width = D1 + D2 + DVP (the columns of a gathered key row). Chosen, not tuned, from Triton
-    3.6's sm_90 resource report (compiled without a GPU): the first config of each kernel
-    uses at most 224 registers and 111 KB of shared memory at the MLA shape, without spills.
+    width = D1 + D2 + DVP (the columns of a gathered key row). From Triton 3.6's sm_90
+    resource report (compiled without a GPU: registers, shared memory, spills) and one H200
+    sweep of a few configs, not autotuned.
     """
     bh = min(64, max(16, _next_pow2(R)))
     if kernel == "reduce":  # the interpreter's small blocks cross block edges in CPU tests
-        return ({"BF": 16 if interpret else 128, "BL": 4 if interpret else 16, "num_warps": 4, "num_stages": 1},)
+        return ({"BW": 16 if interpret else 512, "BL": 4 if interpret else 32, "num_warps": 4 if interpret else 8, "num_stages": 1},)
     if interpret:
         return ({"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1},)
     if width <= 512:  # GQA, D = DV = 128: 112-163 registers
         big = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
         return (big, {**big, "num_stages": 1}, {**big, "BK": 32, "num_stages": 1})
     # MLA, D = 576 (512 + 64), DV = 512. The forward's 64 heads use wgmma (208 registers); 64
-    # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator), so they take 32.
-    first = {"BH": min(bh, 64 if kernel == "fwd" else 32), "BK": 16, "num_warps": 8, "num_stages": 2}
+    # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator). Measured on the
+    # H200 (benchmarks/sparse_attention.py --sweep): forward 64 x 16 19.3 ms vs 32 x 32 27.6
+    # ms; backward dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16.
+    if kernel == "fwd":
+        first = {"BH": min(bh, 64), "BK": 16, "num_warps": 8, "num_stages": 2}
+    else:
+        first = {"BH": 16, "BK": 32, "num_warps": 8, "num_stages": 2}
     return (first, {**first, "num_stages": 1}, {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1})
 
 
@@ -471,8 +476,8 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
         repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < B * S) & same_row).any()
         _launch(
             _bwd_reduce_kernel, "backward reduce", ("reduce", q.device, F),
-            lambda c: (B * S, G * triton.cdiv(F, c["BF"])),
-            (C, order.to(torch.int32), offsets, acc, G, F, int(t0 == 0)),
+            lambda c: (B * S, triton.cdiv(G * F, c["BW"])),
+            (C, order.to(torch.int32), offsets, acc, G * F, int(t0 == 0)),
             {}, _candidates("reduce", sh.R, sh.width, _INTERPRET),
         )
     del C
