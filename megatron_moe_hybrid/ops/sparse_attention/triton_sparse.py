@@ -7,7 +7,7 @@ BL list entries per register block. D is split into D1 (a power of two) and an o
 masked tail D2 (576 = 512 + 64, 24 = 16 + 8 padded to 16) so that no head dim is padded to
 the next power of two; DV is padded to DVP with a mask.
 
-Kernels (README.md has the math):
+Kernels (README.md has the forward math; the backward is the usual softmax gradient):
     _fwd_kernel     one query, BH heads of one group: streams the K selected keys BK at a
                     time (rows of k and v gathered by index, -1 slots masked), online
                     softmax in fp32 (base 2), writes o and lse.
@@ -330,7 +330,9 @@ def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict,
     # MLA, D = 576 (512 + 64), DV = 512. The forward's 64 heads use wgmma (208 registers); 64
     # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator). Measured on the
     # H200 (benchmarks/sparse_attention.py --sweep): forward 64 x 16 19.3 ms vs 32 x 32 27.6
-    # ms; backward dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16.
+    # ms; backward dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16. A
+    # second sweep timed dq at 16 x 64 another 19 ms faster (fwd+bwd 108 vs 127 ms); it is not
+    # the default yet because the GPU tests ran 16 x 32.
     if kernel == "fwd":
         first = {"BH": min(bh, 64), "BK": 16, "num_warps": 8, "num_stages": 2}
     else:
