@@ -26,7 +26,8 @@ from megatron_moe_hybrid.ops.linear_attention import (
     recurrent_gated_delta_rule,
     recurrent_simple_gla,
 )
-from megatron_moe_hybrid.ops.linear_attention.recurrent import CHECKPOINT_EVERY, _l2norm
+from megatron_moe_hybrid.ops.linear_attention.recurrent import CHECKPOINT_EVERY
+from megatron_moe_hybrid.ops.linear_attention.reference import l2norm
 
 needs_cpu_ops = pytest.mark.skipif(
     not _ext.has_cpu_ops(),
@@ -242,7 +243,7 @@ def test_qk_l2norm_in_kernel():
     x = make_inputs(1, 20, 2, 2, 8, 4)
     x["q"], x["k"] = 3 * x["q"], 0.5 * x["k"]  # not unit-norm: the flag matters
     out = run("gdr", "cpp", x, use_qk_l2norm_in_kernel=True)
-    normed = dict(x, q=_l2norm(x["q"]), k=_l2norm(x["k"]))
+    normed = dict(x, q=l2norm(x["q"]), k=l2norm(x["k"]))
     expected = run("gdr", "torch", normed)
     for name in ("o", "state", "dv", "dg", "dbeta", "dinitial_state"):
         assert rel_err(out[name], expected[name]) <= 1e-12, name

@@ -26,7 +26,12 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .reference import recurrent_gated_delta_rule, recurrent_simple_gla
+from .recurrent import (
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_simple_gla,
+    register_recurrent_backends,
+)
+from .reference import l2norm, recurrent_gated_delta_rule, recurrent_simple_gla
 
 __all__ = [
     "Backend",
@@ -226,13 +231,6 @@ def simple_gla(
     )
 
 
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32, returned in x's dtype (fla's
-    use_qk_l2norm_in_kernel); autograd gives its backward."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -276,21 +274,11 @@ def chunk_simple_gla(
     g [B, T, HV] per-token log decay, or g_gamma [HV] one constant log decay per head (not
     both; neither means no decay). Other arguments as chunk_gated_delta_rule.
     """
-    if g is not None and g_gamma is not None:
-        raise ValueError("g_gamma: pass either g [B, T, HV] or g_gamma [HV], not both")
-    if g is None:
+    g = reference.decay_from_g_gamma(g, g_gamma, v)
+    if g is None:  # no decay
         if v.dim() != 4:
             raise ValueError(f"v: expected [B, T, HV, V], got {list(v.shape)}")
-        B, T, HV = v.shape[:3]
-        if g_gamma is None:
-            g = v.new_zeros(B, T, HV, dtype=torch.float32)
-        else:
-            if g_gamma.shape != (HV,) or not g_gamma.is_floating_point():
-                raise ValueError(
-                    f"g_gamma: expected a floating [HV] = [{HV}] tensor (one log decay per value "
-                    f"head), got {g_gamma.dtype} {list(g_gamma.shape)}"
-                )
-            g = g_gamma.float().expand(B, T, HV)
+        g = v.new_zeros(*v.shape[:3], dtype=torch.float32)
     return simple_gla(
         q, k, v, g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
@@ -298,11 +286,6 @@ def chunk_simple_gla(
 
 
 # --- fused_recurrent_*: the compiled token-by-token recurrence (recurrent.py, csrc/linear_attention*) ---
-from .recurrent import (
-    fused_recurrent_gated_delta_rule,
-    fused_recurrent_simple_gla,
-    register_recurrent_backends,
-)
 
 register_recurrent_backends(register_backend)
 __all__ += ["fused_recurrent_gated_delta_rule", "fused_recurrent_simple_gla"]

@@ -25,6 +25,8 @@ from torch import Tensor
 from megatron_moe_hybrid import _ext
 
 from .reference import (
+    decay_from_g_gamma,
+    l2norm,
     _NO_BETA,
     _check_inputs,
     recurrent_gated_delta_rule,
@@ -36,12 +38,6 @@ __all__ = ["CHECKPOINT_EVERY", "fused_recurrent_gated_delta_rule", "fused_recurr
 BACKENDS = ("auto", "cuda", "cpp", "torch")
 CHECKPOINT_EVERY = 16  # the CUDA backward keeps this many [K, V-slice] states in shared memory
 CUDA_MAX_HEAD_DIM = 128  # K; the CUDA kernel keeps a [K, V-slice] state slice in registers
-
-
-def _l2norm(x: Tensor) -> Tensor:
-    """fla's in-kernel q/k norm, x / sqrt(sum x^2 + 1e-6), in fp32; here it runs in PyTorch."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
@@ -190,7 +186,7 @@ def fused_recurrent_gated_delta_rule(
     if beta is None:
         raise ValueError(_NO_BETA)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     return _run(
         "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
         output_final_state, cu_seqlens, backend,
@@ -214,15 +210,7 @@ def fused_recurrent_simple_gla(
     g [B, T, Hv] is a per-token log decay; g_gamma [Hv] a constant one per head (pass at most
     one; neither means no decay). Other arguments and results as fused_recurrent_gated_delta_rule.
     """
-    if g is not None and g_gamma is not None:
-        raise ValueError("g_gamma: pass either g [B, T, H] or g_gamma [H], not both")
-    if g_gamma is not None:
-        if g_gamma.dim() != 1 or v.dim() != 4 or g_gamma.shape[0] != v.shape[2] or not g_gamma.is_floating_point():
-            raise ValueError(
-                f"g_gamma: expected a floating [H] tensor, one log decay per value head of v "
-                f"{list(v.shape)}, got {g_gamma.dtype} {list(g_gamma.shape)}"
-            )
-        g = g_gamma.expand(*v.shape[:3])  # autograd sums dg over B and T into g_gamma
+    g = decay_from_g_gamma(g, g_gamma, v)
     return _run(
         "fused_recurrent_simple_gla", q, k, v, g, None, scale, initial_state, output_final_state,
         cu_seqlens, backend,

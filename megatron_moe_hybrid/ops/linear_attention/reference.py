@@ -256,3 +256,25 @@ def chunk_simple_gla(
     return _run(
         core, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size
     )
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32, returned in x's dtype (fla's
+    use_qk_l2norm_in_kernel); autograd gives its backward."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def decay_from_g_gamma(g: Optional[Tensor], g_gamma: Optional[Tensor], v: Tensor) -> Optional[Tensor]:
+    """fla's simple-GLA decay arguments -> g [B, T, HV] (or None: no decay): g_gamma [HV] is one
+    constant log decay per value head, expanded (autograd sums dg over B and T into it)."""
+    if g is not None and g_gamma is not None:
+        raise ValueError("g_gamma: pass either g [B, T, HV] or g_gamma [HV], not both")
+    if g_gamma is None:
+        return g
+    if v.dim() != 4 or g_gamma.shape != (v.shape[2],) or not g_gamma.is_floating_point():
+        raise ValueError(
+            f"g_gamma: expected a floating [HV] tensor, one log decay per value head of v "
+            f"{list(v.shape)}, got {g_gamma.dtype} {list(g_gamma.shape)}"
+        )
+    return g_gamma.expand(*v.shape[:3])
