@@ -8,6 +8,7 @@ Shape legend:
   N  tokens    D  hidden size    V  vocabulary size    C  token chunk
 """
 
+import functools
 import os
 
 import numpy as np
@@ -22,7 +23,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from megatron_moe_hybrid.ops.cross_entropy import linear_cross_entropy  # noqa: E402
-from megatron_moe_hybrid.ops.cross_entropy.triton import BLOCK_V, triton_linear_cross_entropy  # noqa: E402
+from megatron_moe_hybrid.ops.cross_entropy import triton as triton_backend  # noqa: E402
+from megatron_moe_hybrid.ops.cross_entropy.triton import BLOCK_V, auto_chunk_size, triton_linear_cross_entropy  # noqa: E402
 from megatron_moe_hybrid.testing import spawn  # noqa: E402
 
 IGNORE = -100
@@ -67,11 +69,11 @@ def relative_error(actual, expected):
 
 
 def check_against_oracle(dtype, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed, tolerance,
-                         weight_trainable=True, device=DEVICE, **options):
+                         weight_trainable=True, device=DEVICE, fn=triton_linear_cross_entropy, **options):
     hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed, device=device)
     truth = loss_and_grads(oracle, hidden, weight, labels, reduction, seed, weight_trainable, **options)
     got = loss_and_grads(
-        triton_linear_cross_entropy, hidden.to(dtype), weight.to(dtype), labels, reduction, seed, weight_trainable,
+        fn, hidden.to(dtype), weight.to(dtype), labels, reduction, seed, weight_trainable,
         chunk_size=chunk_size, **options,
     )
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
@@ -113,6 +115,48 @@ def test_triton_all_ignored_gives_zero(reduction):
     got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, reduction, 2, chunk_size=4)
     for name, t in zip(("loss", "grad_hidden", "grad_weight"), got):
         torch.testing.assert_close(t, torch.zeros_like(t), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_rows_split_over_many_programs(monkeypatch, reduction):
+    # BLOCK_V 8: a 53-column row is cut into 7 ranges, each a program whose partial
+    # (max, sum-exp, target, logit sum) the finish kernel merges; the last range is partial
+    monkeypatch.setattr(triton_backend, "BLOCK_V", 8)
+    assert triton_backend._splits(5, 53) == (7, 8)
+    check_against_oracle(torch.float32, 23, 8, 53, 5, reduction, seed=11, tolerance=1e-5, z_loss_weight=0.01,
+                         label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_two_buffers_match_oracle(reduction):
+    # chunks alternate between two logits buffers (on CUDA the next chunk's logits overlap
+    # this chunk's grad_weight product); 5 chunks, the last one short
+    check_against_oracle(torch.float32, 37, 8, 45, 8, reduction, seed=12, tolerance=1e-5,
+                         fn=functools.partial(triton_linear_cross_entropy, buffers=2))
+
+
+def test_triton_empty_batch_gives_zero_grads():
+    hidden, weight, labels = make_inputs(0, 8, 17, seed=3, device=DEVICE)
+    got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, "mean", 3)
+    assert got[0].item() == 0.0 and got[1].shape == (0, 8)
+    torch.testing.assert_close(got[2], torch.zeros_like(got[2]), rtol=0, atol=0)
+
+
+def test_auto_chunk_size_bounds_the_buffer():
+    # the [C, V] buffer takes about CHUNK_BUDGET of inputs + gradients, in whole 128-token tiles
+    num_tokens, hidden_size, vocab_size = 16384, 4096, 151936
+    for trainable, expected in ((True, 768), (False, 512)):  # frozen: the budget gives 384, below MIN_CHUNK
+        chunk = auto_chunk_size(num_tokens, hidden_size, vocab_size, trainable)
+        assert chunk == expected
+        inputs_and_grads = 2 * num_tokens * hidden_size + (2 if trainable else 1) * vocab_size * hidden_size
+        budget_rows = triton_backend.CHUNK_BUDGET * inputs_and_grads / vocab_size
+        assert chunk == max(triton_backend.MIN_CHUNK, budget_rows // 128 * 128)
+
+    assert auto_chunk_size(100, 8, 10**6, True) == 100  # never more than the batch, never below MIN_CHUNK otherwise
+    assert auto_chunk_size(1000, 8, 10**6, True) == 512
+    assert auto_chunk_size(1000, 8, 10**6, True, num_buffers=2) == 256
+    with pytest.raises(ValueError, match="buffers"):
+        triton_linear_cross_entropy(*make_inputs(4, 8, 9, seed=1)[:2], make_inputs(4, 8, 9, seed=1)[2], buffers=3)
 
 
 def test_backend_triton_is_selectable_and_auto_keeps_torch_on_cpu():

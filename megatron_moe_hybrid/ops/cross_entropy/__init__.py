@@ -91,7 +91,7 @@ def linear_cross_entropy(
     z_loss_weight: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     vocab_chunk_size: int = 8192,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
@@ -104,12 +104,16 @@ def linear_cross_entropy(
     "mean" (over non-ignored tokens; 0 when there are none), "sum" or "none" ([N]).
     The loss is fp32 (fp64 for fp64 inputs); gradients come back in the input dtypes,
     grad of hidden complete (all-reduced over tp_group). chunk_size tokens are processed
-    at a time; vocab_chunk_size bounds the logits tile of the "torch" backend.
+    at a time (None: 1024 for "torch"; for "triton" triton.auto_chunk_size, a [chunk, V]
+    buffer of about 9% of inputs + gradients); vocab_chunk_size bounds the logits tile of
+    the "torch" backend.
     backend: "auto" or one of available_backends().
     """
     name = _auto_backend(hidden) if backend == "auto" else backend
     if name not in _BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {backend!r}")
+    if chunk_size is None and name != "triton":
+        chunk_size = 1024
     return _BACKENDS[name](
         hidden,
         weight,
