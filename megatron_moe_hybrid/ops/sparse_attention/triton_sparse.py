@@ -331,10 +331,12 @@ def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict,
     # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator). Measured on the
     # H200 (benchmarks/sparse_attention.py --sweep): forward 64 x 16 19.3 ms vs 32 x 32 27.6
     # ms; backward dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16. A
-    # second sweep timed dq at 16 x 64 another 19 ms faster (fwd+bwd 108 vs 127 ms); it is not
-    # the default yet because the GPU tests ran 16 x 32.
+    # second sweep timed dq at 16 heads x 64 slots another 19 ms faster (fwd+bwd 108 vs 127 ms);
+    # with it the bf16 GPU tests pass and sparse_attention.json has 108.3 ms.
     if kernel == "fwd":
         first = {"BH": min(bh, 64), "BK": 16, "num_warps": 8, "num_stages": 2}
+    elif kernel == "dq":
+        first = {"BH": 16, "BK": 64, "num_warps": 8, "num_stages": 2}
     else:
         first = {"BH": 16, "BK": 32, "num_warps": 8, "num_stages": 2}
     return (first, {**first, "num_stages": 1}, {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1})
