@@ -113,3 +113,23 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: flo
     absolute tolerance is tol times the tensor's largest entry (rtol = tol)."""
     atol = tol * max(1.0, expected.abs().max().item())
     torch.testing.assert_close(actual, expected, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in fp64 over the finite entries of expected; the
+    non-finite entries (e.g. -inf lse of a row with no key) must be equal in both."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    finite = torch.isfinite(e)
+    assert torch.equal(finite, torch.isfinite(a)), "non-finite values where the reference is finite (or back)"
+    assert torch.equal(a[~finite], e[~finite]), "non-finite values differ from the reference's"
+    return ((a[finite] - e[finite]).norm() / e[finite].norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_rms(actual: dict, expected: dict, out_tol: float, grad_tol: float) -> dict:
+    """Every tensor of actual within rel_rms of expected's: grad_tol for names starting with
+    "d" (gradients), out_tol for the rest. Returns the errors."""
+    assert actual.keys() == expected.keys()
+    errors = {n: rel_rms(actual[n], expected[n]) for n in expected}
+    bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
+    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
+    return errors

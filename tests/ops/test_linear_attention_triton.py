@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from megatron_moe_hybrid.ops import linear_attention as la
 from megatron_moe_hybrid.ops.linear_attention import reference, triton_chunk
+from megatron_moe_hybrid.testing import assert_rel_rms, rel_rms
 
 OPS = ("gated_delta_rule", "simple_gla")
 # CPU tensors run the kernels in the interpreter, which conftest turns on only without a GPU.
@@ -59,20 +60,6 @@ def outputs_and_grads(op, x, backend, seed=1, **kwargs):
     dh = torch.randn(h.shape, generator=gen).to(h.device)
     grads = torch.autograd.grad((o.float() * do).sum() + (h * dh).sum(), list(x.values()), materialize_grads=True)
     return {"o": o, "state": h, **{f"d{n}": gr for n, gr in zip(x, grads)}}
-
-
-def rel_rms(actual, expected):
-    assert torch.isfinite(actual).all(), "non-finite values"
-    diff = (actual.double() - expected.double()).norm()
-    return (diff / expected.double().norm().clamp_min(1e-30)).item()
-
-
-def assert_rel_rms(actual, expected, out_tol, grad_tol):
-    assert actual.keys() == expected.keys()
-    errors = {n: rel_rms(actual[n], expected[n]) for n in expected}
-    bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
-    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
-    return errors
 
 
 CPU_CASES = {  # B, T, H, HV, K, V
@@ -119,9 +106,9 @@ def test_two_halves_with_carried_state_equal_one_run_cpu(op, split):
 
     def chained(op, x, backend, **kwargs):
         first = {n: t[:, :split] if n != "initial_state" else t for n, t in x.items()}
-        args = lambda part: [part["q"], part["k"], part["v"], part["g"]] + (
-            [part["beta"]] if op == "gated_delta_rule" else []
-        )
+        def args(part):
+            return [part["q"], part["k"], part["v"], part["g"]] + ([part["beta"]] if op == "gated_delta_rule" else [])
+
         o1, h1 = getattr(la, op)(*args(first), initial_state=x["initial_state"], output_final_state=True, backend=backend)
         second = {n: t[:, split:] for n, t in x.items() if n != "initial_state"}
         o2, h2 = getattr(la, op)(*args(second), initial_state=h1, output_final_state=True, backend=backend)

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from megatron_moe_hybrid.ops import sparse_attention as sa
 from megatron_moe_hybrid.ops.sparse_attention import reference, triton_sparse
+from megatron_moe_hybrid.testing import assert_rel_rms
 
 interpreter = pytest.mark.skipif(
     not triton_sparse._INTERPRET,
@@ -83,23 +84,6 @@ def run(x, indices, DV, backend, seed=1, dlse=True, cast=None):
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dl).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return {"o": o, "lse": lse, **{f"d{n}": g for n, g in zip(leaves, grads)}}
-
-
-def rel_rms(actual, expected):
-    a, e = actual.double(), expected.double()
-    finite = torch.isfinite(e)
-    assert torch.equal(finite, torch.isfinite(a)), "non-finite values where the reference is finite (or back)"
-    assert torch.equal(a[~finite], e[~finite]), "-inf lse where the reference has none"
-    diff = (a[finite] - e[finite]).norm()
-    return (diff / e[finite].norm().clamp_min(1e-30)).item()
-
-
-def assert_rel_rms(actual, expected, out_tol, grad_tol):
-    assert actual.keys() == expected.keys()
-    errors = {n: rel_rms(actual[n], expected[n]) for n in expected}
-    bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
-    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
-    return errors
 
 
 CPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
