@@ -69,6 +69,57 @@ def _load_rows(base, o_row, stride_row, o_col, m_row, NUM_COLS):
     return tl.load(p, mask=m_row[:, None] & (o_col < NUM_COLS)[None, :], other=0.0)
 
 
+@triton.jit
+def _head_block(G, R: tl.constexpr, BH: tl.constexpr):
+    """The program's (b, t, g) and its BH heads of group g, for grids (T x head blocks, B x G):
+    i_b, i_t [int64], i_g, o_h [BH] query heads, m_r [BH] head in the group."""
+    NHB: tl.constexpr = (R + BH - 1) // BH
+    i_th, i_bg = tl.program_id(0), tl.program_id(1)
+    i_t, i_hb = (i_th // NHB).to(tl.int64), i_th % NHB
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    o_r = i_hb * BH + tl.arange(0, BH)
+    return i_b, i_t, i_g, i_g * R + o_r, o_r < R
+
+
+@triton.jit
+def _load_q(p_q, o_h, sq_h, m_r, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr,
+            BH: tl.constexpr):
+    """q rows o_h of one query split at D1: [BH, D1] and the tail [BH, D2] (zeros without one)."""
+    b_q1 = _load_rows(p_q, o_h, sq_h, tl.arange(0, D1), m_r, D)
+    b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
+    if HAS_D2:
+        b_q2 = _load_rows(p_q, o_h, sq_h, D1 + tl.arange(0, D2), m_r, D)
+    return b_q1, b_q2
+
+
+@triton.jit
+def _load_slots(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr,
+                D2: tl.constexpr, HAS_D2: tl.constexpr, DVP: tl.constexpr, SHARED_KV: tl.constexpr, BK: tl.constexpr):
+    """The keys of slots o_k [BK] of one query: m_s [BK] (slot holds a key), k split at D1
+    ([BK, D1], [BK, D2]; -1 slots read 0) and v [BK, DVP] (k's first columns when SHARED_KV)."""
+    b_i = tl.load(p_idx + o_k, mask=o_k < K, other=-1).to(tl.int64)
+    m_s = b_i >= 0
+    b_i = tl.where(m_s, b_i, 0)
+    b_k1 = _load_rows(p_k, b_i, sk_s, tl.arange(0, D1), m_s, D)
+    b_k2 = tl.zeros([BK, D2], dtype=b_k1.dtype)
+    if HAS_D2:
+        b_k2 = _load_rows(p_k, b_i, sk_s, D1 + tl.arange(0, D2), m_s, D)
+    if SHARED_KV:
+        b_v = b_k1
+    else:
+        b_v = _load_rows(p_v, b_i, sv_s, tl.arange(0, DVP), m_s, DV)
+    return m_s, b_k1, b_k2, b_v
+
+
+@triton.jit
+def _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2: tl.constexpr):
+    """q k^T [BH, BK] over the split head dim, fp32."""
+    b_s = tl.dot(b_q1, tl.trans(b_k1))
+    if HAS_D2:
+        b_s += tl.dot(b_q2, tl.trans(b_k2))
+    return b_s
+
+
 @triton.jit(do_not_specialize=["T", "K"])
 def _fwd_kernel(
     q, k, v, idx, o, lse,
@@ -79,22 +130,9 @@ def _fwd_kernel(
     SHARED_KV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """One query t, heads [i_hb BH, i_hb BH + BH) of group g: o [BH, DV], lse [BH]."""
-    NHB: tl.constexpr = (R + BH - 1) // BH
-    i_th, i_bg = tl.program_id(0), tl.program_id(1)
-    i_t, i_hb = (i_th // NHB).to(tl.int64), i_th % NHB
-    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
-    o_r = i_hb * BH + tl.arange(0, BH)
-    m_r = o_r < R
-    o_h = i_g * R + o_r  # [BH] query heads
-    o_d1 = tl.arange(0, D1)
-    o_d2 = D1 + tl.arange(0, D2)
+    i_b, i_t, i_g, o_h, m_r = _head_block(G, R, BH)
     o_dv = tl.arange(0, DVP)
-
-    p_q = q + i_b * sq_b + i_t * sq_t
-    b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
-    b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
-    if HAS_D2:
-        b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
+    b_q1, b_q2 = _load_q(q + i_b * sq_b + i_t * sq_t, o_h, sq_h, m_r, D, D1, D2, HAS_D2, BH)
     p_k = k + i_b * sk_b + i_g * sk_g
     p_v = v + i_b * sv_b + i_g * sv_g
     p_idx = idx + i_b * si_b + i_t * si_t
@@ -103,25 +141,16 @@ def _fwd_kernel(
     b_l = tl.zeros([BH], tl.float32)
     b_acc = tl.zeros([BH, DVP], tl.float32)
     for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        b_i = tl.load(p_idx + o_k, mask=o_k < K, other=-1).to(tl.int64)
-        m_s = b_i >= 0  # [BK] slot holds a key
-        b_i = tl.where(m_s, b_i, 0)
-        b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
-        b_s = tl.dot(b_q1, tl.trans(b_k1))
-        if HAS_D2:
-            b_s += tl.dot(b_q2, tl.trans(_load_rows(p_k, b_i, sk_s, o_d2, m_s, D)))
-        b_s = tl.where(m_s[None, :], b_s * scale_log2, float("-inf"))
+        m_s, b_k1, b_k2, b_v = _load_slots(
+            p_idx, i_k + tl.arange(0, BK), K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK
+        )
+        b_s = tl.where(m_s[None, :], _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2) * scale_log2, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         # a row that has seen no key yet stays at -inf; -inf - -inf would give NaN
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p = tl.exp2(b_s - b_m_use[:, None])
         b_alpha = tl.exp2(b_m - b_m_use)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if SHARED_KV:
-            b_v = b_k1
-        else:
-            b_v = _load_rows(p_v, b_i, sv_s, o_dv, m_s, DV)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         b_m = b_m_new
 
@@ -145,24 +174,13 @@ def _bwd_dq_kernel(
 ):
     """dq [BH, D] of one query t and BH heads of group g. lse2 = lse log2(e) with -inf -> 0;
     delta = rowsum(o do) - dlse; do [B, T, H, DV] and dq contiguous."""
-    NHB: tl.constexpr = (R + BH - 1) // BH
-    i_th, i_bg = tl.program_id(0), tl.program_id(1)
-    i_t, i_hb = (i_th // NHB).to(tl.int64), i_th % NHB
-    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
-    o_r = i_hb * BH + tl.arange(0, BH)
-    m_r = o_r < R
-    o_h = i_g * R + o_r
+    i_b, i_t, i_g, o_h, m_r = _head_block(G, R, BH)
     o_d1 = tl.arange(0, D1)
     o_d2 = D1 + tl.arange(0, D2)
-    o_dv = tl.arange(0, DVP)
     r_th = (i_b * T + i_t) * (G * R) + o_h  # [BH] rows of do, dq, lse, delta
 
-    p_q = q + i_b * sq_b + i_t * sq_t
-    b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
-    b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
-    if HAS_D2:
-        b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
-    b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
+    b_q1, b_q2 = _load_q(q + i_b * sq_b + i_t * sq_t, o_h, sq_h, m_r, D, D1, D2, HAS_D2, BH)
+    b_do = _load_rows(do, r_th, DV, tl.arange(0, DVP), m_r, DV)
     b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
     b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
     p_k = k + i_b * sk_b + i_g * sk_g
@@ -172,22 +190,12 @@ def _bwd_dq_kernel(
     b_dq1 = tl.zeros([BH, D1], tl.float32)
     b_dq2 = tl.zeros([BH, D2], tl.float32)
     for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        b_i = tl.load(p_idx + o_k, mask=o_k < K, other=-1).to(tl.int64)
-        m_s = b_i >= 0
-        b_i = tl.where(m_s, b_i, 0)
-        b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
-        b_s = tl.dot(b_q1, tl.trans(b_k1))
-        b_k2 = tl.zeros([BK, D2], dtype=b_k1.dtype)
-        if HAS_D2:
-            b_k2 = _load_rows(p_k, b_i, sk_s, o_d2, m_s, D)
-            b_s += tl.dot(b_q2, tl.trans(b_k2))
+        m_s, b_k1, b_k2, b_v = _load_slots(
+            p_idx, i_k + tl.arange(0, BK), K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK
+        )
+        b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
         m_rs = m_r[:, None] & m_s[None, :]
         b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
-        if SHARED_KV:
-            b_v = b_k1
-        else:
-            b_v = _load_rows(p_v, b_i, sv_s, o_dv, m_s, DV)
         b_dp = tl.dot(b_do, tl.trans(b_v))
         b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k1.dtype)
         b_dq1 += tl.dot(b_ds, b_k1)
@@ -221,18 +229,10 @@ def _bwd_dkv_kernel(
     o_dv = tl.arange(0, DVP)
     o_k = i_kb * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_i = tl.load(idx + i_b * si_b + i_t * si_t + o_k, mask=m_k, other=-1).to(tl.int64)
-    m_s = b_i >= 0
-    b_i = tl.where(m_s, b_i, 0)
-    p_k = k + i_b * sk_b + i_g * sk_g
-    b_k1 = _load_rows(p_k, b_i, sk_s, o_d1, m_s, D)
-    b_k2 = tl.zeros([BK, D2], dtype=b_k1.dtype)
-    if HAS_D2:
-        b_k2 = _load_rows(p_k, b_i, sk_s, o_d2, m_s, D)
-    if SHARED_KV:
-        b_v = b_k1
-    else:
-        b_v = _load_rows(v + i_b * sv_b + i_g * sv_g, b_i, sv_s, o_dv, m_s, DV)
+    m_s, b_k1, b_k2, b_v = _load_slots(
+        idx + i_b * si_b + i_t * si_t, o_k, K, k + i_b * sk_b + i_g * sk_g, sk_s, v + i_b * sv_b + i_g * sv_g, sv_s,
+        D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK,
+    )
 
     p_q = q + i_b * sq_b + i_t * sq_t
     b_dk1 = tl.zeros([BK, D1], tl.float32)
@@ -243,12 +243,8 @@ def _bwd_dkv_kernel(
         m_r = o_r < R
         o_h = i_g * R + o_r
         r_th = (i_b * T + i_t) * (G * R) + o_h
-        b_q1 = _load_rows(p_q, o_h, sq_h, o_d1, m_r, D)
-        b_s = tl.dot(b_q1, tl.trans(b_k1))
-        b_q2 = tl.zeros([BH, D2], dtype=b_q1.dtype)
-        if HAS_D2:
-            b_q2 = _load_rows(p_q, o_h, sq_h, o_d2, m_r, D)
-            b_s += tl.dot(b_q2, tl.trans(b_k2))
+        b_q1, b_q2 = _load_q(p_q, o_h, sq_h, m_r, D, D1, D2, HAS_D2, BH)
+        b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
         b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
         b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
         b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
