@@ -1,13 +1,16 @@
 """Kernel-time table of our MoE layer (static dispatcher) at issue 5's first shape, one GPU:
-where the forward+backward and the dispatch+combine alone spend their time.
+where the forward+backward and the dispatch+combine alone spend their time, and the GPU idle
+gaps between kernels with the CPU ops that launched the kernel after each (the host falling
+behind a run of small kernels).
 
     python benchmarks/device/profile_moe.py [--tokens 16384 --hidden 2048 --experts 64 --topk 8 --ffn 1408]
     torchrun --nproc_per_node 2 benchmarks/device/profile_moe.py    (EP=2; rank 0 prints)
 """
 
-import os
-
 import argparse
+import json
+import os
+import tempfile
 import types
 
 import torch
@@ -16,6 +19,29 @@ from megatron.core.transformer import TransformerConfig
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_moe_hybrid.layers.moe import MoELayer
+
+
+def idle_gaps(trace_path, min_us=15):
+    """GPU idle gaps longer than min_us in a chrome trace, each with the CPU ops that launched the next kernel."""
+    events = json.load(open(trace_path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"}
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    start, end = kernels[0]["ts"], kernels[0]["ts"] + kernels[0]["dur"]
+    busy = sum(e["dur"] for e in kernels)
+    print(f"span {(max(e['ts'] + e['dur'] for e in kernels) - start) / 1e3:.2f} ms, kernels busy {busy / 1e3:.2f} ms, {len(kernels)} kernels")
+    gaps = []  # (idle us, at ms, next kernel, the innermost CPU ops that launched it)
+    for e in kernels[1:]:
+        gap = e["ts"] - end
+        if gap > min_us:
+            launch = launches.get(e["args"].get("correlation"))
+            inner = sorted((c for c in cpu_ops if launch and c["ts"] <= launch["ts"] <= c["ts"] + c["dur"]), key=lambda c: c["dur"])
+            gaps.append((gap, (e["ts"] - start) / 1e3, e["name"][:40], [c["name"] for c in inner[:3]]))
+        end = max(end, e["ts"] + e["dur"])
+    print(f"idle gaps > {min_us} us: {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)}; the 20 longest:")
+    for gap, at, name, ops in sorted(gaps, reverse=True)[:20]:
+        print(f"  idle {gap:6.0f} us at {at:7.3f} ms before {name:40s} <- {ops}")
 
 
 def main():
@@ -71,6 +97,10 @@ def main():
         if rank == 0:
             print(f"\n== {name} (EP={world}): {start.elapsed_time(end) / 5:.3f} ms per call; kernel times over 5 calls")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            # where the GPU waits for the host (over the 5 calls; small kernels launched back to back)
+            with tempfile.TemporaryDirectory() as tmp:
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                idle_gaps(os.path.join(tmp, "trace.json"))
     if group is not None:
         dist.destroy_process_group()
 

@@ -8,7 +8,6 @@ Shape legend:
   N  tokens    D  hidden size    V  vocabulary size    C  token chunk
 """
 
-import functools
 import os
 
 import numpy as np
@@ -69,11 +68,11 @@ def relative_error(actual, expected):
 
 
 def check_against_oracle(dtype, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed, tolerance,
-                         weight_trainable=True, device=DEVICE, fn=triton_linear_cross_entropy, **options):
+                         weight_trainable=True, device=DEVICE, **options):
     hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed, device=device)
     truth = loss_and_grads(oracle, hidden, weight, labels, reduction, seed, weight_trainable, **options)
     got = loss_and_grads(
-        fn, hidden.to(dtype), weight.to(dtype), labels, reduction, seed, weight_trainable,
+        triton_linear_cross_entropy, hidden.to(dtype), weight.to(dtype), labels, reduction, seed, weight_trainable,
         chunk_size=chunk_size, **options,
     )
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
@@ -127,14 +126,6 @@ def test_triton_rows_split_over_many_programs(monkeypatch, reduction):
                          label_smoothing=0.1)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_triton_two_buffers_match_oracle(reduction):
-    # chunks alternate between two logits buffers (on CUDA the next chunk's logits overlap
-    # this chunk's grad_weight product); 5 chunks, the last one short
-    check_against_oracle(torch.float32, 37, 8, 45, 8, reduction, seed=12, tolerance=1e-5,
-                         fn=functools.partial(triton_linear_cross_entropy, buffers=2))
-
-
 def test_triton_empty_batch_gives_zero_grads():
     hidden, weight, labels = make_inputs(0, 8, 17, seed=3, device=DEVICE)
     got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, "mean", 3)
@@ -154,9 +145,6 @@ def test_auto_chunk_size_bounds_the_buffer():
 
     assert auto_chunk_size(100, 8, 10**6, True) == 100  # never more than the batch, never below MIN_CHUNK otherwise
     assert auto_chunk_size(1000, 8, 10**6, True) == 512
-    assert auto_chunk_size(1000, 8, 10**6, True, num_buffers=2) == 256
-    with pytest.raises(ValueError, match="buffers"):
-        triton_linear_cross_entropy(*make_inputs(4, 8, 9, seed=1)[:2], make_inputs(4, 8, 9, seed=1)[2], buffers=3)
 
 
 def test_backend_triton_is_selectable_and_auto_keeps_torch_on_cpu():

@@ -41,7 +41,7 @@ class LinearCrossEntropyBackend(Protocol):
         reduction: str,
         tp_group: dist.ProcessGroup | None,
         vocab_start: int,
-        chunk_size: int,
+        chunk_size: int | None,  # None: the backend picks
         vocab_chunk_size: int,
     ) -> torch.Tensor: ...
 
@@ -104,16 +104,14 @@ def linear_cross_entropy(
     "mean" (over non-ignored tokens; 0 when there are none), "sum" or "none" ([N]).
     The loss is fp32 (fp64 for fp64 inputs); gradients come back in the input dtypes,
     grad of hidden complete (all-reduced over tp_group). chunk_size tokens are processed
-    at a time (None: 1024 for "torch"; for "triton" triton.auto_chunk_size, a [chunk, V]
-    buffer of about 9% of inputs + gradients); vocab_chunk_size bounds the logits tile of
-    the "torch" backend.
+    at a time (None: each backend's default, 1024 for "torch", triton.auto_chunk_size for
+    "triton": a [chunk, V] buffer of about 9% of inputs + gradients); vocab_chunk_size
+    bounds the logits tile of the "torch" backend.
     backend: "auto" or one of available_backends().
     """
     name = _auto_backend(hidden) if backend == "auto" else backend
     if name not in _BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {backend!r}")
-    if chunk_size is None and name != "triton":
-        chunk_size = 1024
     return _BACKENDS[name](
         hidden,
         weight,

@@ -232,16 +232,18 @@ def chunked_linear_cross_entropy(
     reduction: str = "mean",
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     vocab_chunk_size: int = 8192,
 ) -> torch.Tensor:
-    """Same loss as naive_linear_cross_entropy, holding at most [chunk_size, vocab_chunk_size] logits.
+    """Same loss as naive_linear_cross_entropy, holding at most [chunk_size, vocab_chunk_size] logits
+    (chunk_size None: 1024 tokens).
 
     hidden [N, D], weight [V, D] (this rank's vocab rows from vocab_start when tp_group
     is given), labels [N] int64 (global vocab ids or ignore_index). Returns a scalar, or
     [N] for reduction="none", in fp32 (fp64 for fp64 inputs). A weight with
     requires_grad=False (frozen, e.g. under LoRA) costs no weight-gradient work.
     """
+    chunk_size = 1024 if chunk_size is None else chunk_size
     check_inputs(hidden, weight, labels, reduction, chunk_size, vocab_start, z_loss_weight, label_smoothing, vocab_chunk_size)
     if tp_group is None:
         if vocab_start != 0:

@@ -11,13 +11,16 @@ must recompute them for the gradient (8 N V D). README.md says why this design w
 
 On CUDA the grad_weight product (its [V, D] read-modify-write makes it partly
 memory-bound) runs on a side stream, concurrently with grad_hidden's product, which is
-compute-bound; with buffers=2 it also overlaps the next chunk's logits. The side stream
-adds into grad_weight in chunk order, so results are bitwise reproducible.
+compute-bound; the next chunk's logits wait for it (they overwrite the buffer it reads).
+The side stream adds into grad_weight in chunk order, so results are bitwise reproducible.
+(Two half-size buffers, letting the next logits overlap it too, were slower in an H200
+probe: halving the chunk costs more in the grad_weight product, 315 TFLOP/s at 256 tokens
+against 465 at 512, than the overlap wins: loss_parts.json.)
 
 With reduction "mean" or "sum" and gradients wanted, the gradients are computed in the
 forward (the upstream gradient is a scalar, applied in the backward); with "none" the
 forward keeps lse [N] and the backward recomputes each chunk. The [C, V] chunk is the
-only working buffer, so peak memory is the gradients plus buffers * C * V elements.
+only working buffer, so peak memory is the gradients plus C * V elements.
 
 Vocab-parallel as reference.py: only the per-token statistics are all-reduced.
 
@@ -52,7 +55,7 @@ __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
 BLOCK_V = 2048
 PROGRAMS_PER_CHUNK = 2048  # enough (row, column range) programs to keep every SM streaming
 CHUNK_BUDGET = 0.09  # auto chunk: the logits buffer may take this fraction of inputs + gradients
-MIN_CHUNK = 512  # auto chunk: never fewer tokens (per buffer: MIN_CHUNK / buffers)
+MIN_CHUNK = 512  # auto chunk: never fewer tokens
 
 
 @triton.jit
@@ -164,27 +167,24 @@ class _Chunks:
 
     def __init__(self, hidden, weight, labels, options):
         (self.ignore_index, self.z_loss_weight, self.label_smoothing, self.reduction,
-         self.chunk_size, self.tp_group, vocab_start, self.num_buffers) = options
+         self.chunk_size, self.tp_group, vocab_start) = options
         self.hidden, self.weight = hidden, weight
         self.local = local_targets(labels, vocab_start, weight.shape[0], ignore_index=self.ignore_index).contiguous()  # [N]
         self.valid = labels != self.ignore_index  # [N]
         self.num_classes = global_vocab_size(weight.shape[0], hidden.device, self.tp_group)
         rows = max(1, min(self.chunk_size, hidden.shape[0]))  # an empty batch still gets a (tiny) buffer
-        num_buffers = min(self.num_buffers, triton.cdiv(hidden.shape[0], rows))
-        self.buffers = [torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)  # [C, V]
-                        for _ in range(num_buffers)]
+        self.buffer = torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)  # [C, V]
         self.side = _side_stream(hidden.device) if hidden.is_cuda else None
-        self.free = [None] * num_buffers  # per buffer: the event after which the side stream no longer reads it
+        self.free = None  # the event after which the side stream no longer reads the buffer
 
     def ranges(self):
         for start in range(0, self.hidden.shape[0], self.chunk_size):
             yield slice(start, min(start + self.chunk_size, self.hidden.shape[0]))
 
-    def logits(self, i_chunk, rows):
-        i_buffer = i_chunk % len(self.buffers)
-        if self.free[i_buffer] is not None:
-            torch.cuda.current_stream().wait_event(self.free[i_buffer])
-        out = self.buffers[i_buffer][: rows.stop - rows.start]  # [C, V]
+    def logits(self, rows):
+        if self.free is not None:
+            torch.cuda.current_stream().wait_event(self.free)
+        out = self.buffer[: rows.stop - rows.start]  # [C, V]
         return torch.mm(self.hidden[rows], self.weight.T, out=out)
 
     def stats_(self, logits, rows, lse, loss):
@@ -202,7 +202,7 @@ class _Chunks:
             lse[rows], target, logit_sum, self.valid[rows], self.z_loss_weight, self.label_smoothing, self.num_classes
         )
 
-    def grads_(self, i_chunk, logits, rows, lse, grad_token, grad_hidden, grad_weight):
+    def grads_(self, logits, rows, lse, grad_token, grad_hidden, grad_weight):
         """Turns logits into d loss / d logits and adds their products into the gradients."""
         num_rows, num_cols = logits.shape
         num_splits, cols_per_split = _splits(num_rows, num_cols)
@@ -215,12 +215,12 @@ class _Chunks:
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                if i_chunk == 0:  # the first chunk writes grad_weight: no [V, D] zero fill
+                if rows.start == 0:  # the first chunk writes grad_weight: no [V, D] zero fill
                     torch.mm(logits.T, self.hidden[rows], out=grad_weight)
                 else:  # one rounding per chunk, fp32 inside the product
                     grad_weight.addmm_(logits.T, self.hidden[rows])
             if self.side is not None:
-                self.free[i_chunk % len(self.buffers)] = self.side.record_event()
+                self.free = self.side.record_event()
         if grad_hidden is not None:
             torch.mm(logits, self.weight, out=grad_hidden[rows])
 
@@ -255,14 +255,15 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         grads_now = chunks.reduction != "none" and (need_hidden or need_weight)
         grad_hidden = torch.empty_like(hidden) if grads_now and need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if grads_now and need_weight else None  # [V, D]
-        grad_token = grad_per_token(torch.ones((), device=hidden.device), chunks.valid, chunks.reduction, torch.float32)
+        if grads_now:  # d loss / d loss_n for an upstream gradient of 1 (applied in the backward)
+            grad_token = grad_per_token(torch.ones((), device=hidden.device), chunks.valid, chunks.reduction, torch.float32)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
         loss = torch.empty_like(lse)  # [N]
-        for i_chunk, rows in enumerate(chunks.ranges()):
-            logits = chunks.logits(i_chunk, rows)  # [C, V]
+        for rows in chunks.ranges():
+            logits = chunks.logits(rows)  # [C, V]
             chunks.stats_(logits, rows, lse, loss)
             if grads_now:
-                chunks.grads_(i_chunk, logits, rows, lse, grad_token, grad_hidden, grad_weight)
+                chunks.grads_(logits, rows, lse, grad_token, grad_hidden, grad_weight)
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
@@ -290,26 +291,26 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         grad_token = grad_per_token(grad_loss, chunks.valid, chunks.reduction, torch.float32)  # [N]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if need_weight else None  # [V, D]
-        for i_chunk, rows in enumerate(chunks.ranges()):
-            chunks.grads_(i_chunk, chunks.logits(i_chunk, rows), rows, lse, grad_token, grad_hidden, grad_weight)
+        for rows in chunks.ranges():
+            chunks.grads_(chunks.logits(rows), rows, lse, grad_token, grad_hidden, grad_weight)
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
         return grad_hidden, grad_weight, None, None
 
 
-def auto_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int, weight_trainable: bool, num_buffers: int = 1) -> int:
-    """Tokens per chunk so the logits buffers take about CHUNK_BUDGET of inputs + gradients.
+def auto_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int, weight_trainable: bool) -> int:
+    """Tokens per chunk so the logits buffer takes about CHUNK_BUDGET of inputs + gradients.
 
     A multiple of 128 (whole cuBLAS tiles), at least MIN_CHUNK and at most num_tokens.
     Larger chunks make the grad_weight product less memory-bound (it reads and writes
     [V, D] once per chunk); smaller ones bound the peak. Below MIN_CHUNK tokens the
     products lose more time than the memory saved is worth (H200: grad_weight's product
-    ran at 317 TFLOP/s with 256 tokens, 433 with 512, 590 with 1024).
+    ran at 315 TFLOP/s with 256 tokens, 465 with 512, 596 with 1024: loss_parts.json).
     """
     inputs_and_grads = (2 * num_tokens * hidden_size + (2 if weight_trainable else 1) * vocab_size * hidden_size)
-    rows = CHUNK_BUDGET * inputs_and_grads / (num_buffers * vocab_size)
-    return max(1, min(num_tokens, max(MIN_CHUNK // num_buffers, math.floor(rows / 128) * 128)))
+    rows = CHUNK_BUDGET * inputs_and_grads / vocab_size
+    return max(1, min(num_tokens, max(MIN_CHUNK, math.floor(rows / 128) * 128)))
 
 
 def triton_linear_cross_entropy(
@@ -323,26 +324,22 @@ def triton_linear_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     chunk_size: int | None = None,
-    buffers: int = 1,
 ) -> torch.Tensor:
     """The function of reference.chunked_linear_cross_entropy with fused Triton kernels.
 
     hidden [N, D] and weight [V, D] of one float dtype (bf16 on the GPU; fp32/fp16 in the
     interpreter), labels [N] int64. Statistics and the loss are fp32; gradients come back
-    in the input dtype. Holds `buffers` [chunk_size, V] logits buffers; chunk_size None
-    picks auto_chunk_size. buffers=2 lets the next chunk's logits overlap this chunk's
-    grad_weight product (CUDA).
+    in the input dtype. Holds one [chunk_size, V] logits buffer; chunk_size None picks
+    auto_chunk_size.
     """
     if chunk_size is None:
-        chunk_size = auto_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.requires_grad, buffers)
+        chunk_size = auto_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.requires_grad)
     check_inputs(hidden, weight, labels, reduction, chunk_size, vocab_start, z_loss_weight, label_smoothing)
-    if buffers not in (1, 2):
-        raise ValueError(f"buffers must be 1 or 2, got {buffers}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}; cast one of them")
     if tp_group is None:
         if vocab_start != 0:
             raise ValueError(f"vocab_start={vocab_start} needs tp_group (a vocab shard); pass tp_group or vocab_start=0")
         check_labels_in_vocab(labels, weight.shape[0], ignore_index)
-    options = (ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, tp_group, vocab_start, buffers)
+    options = (ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, tp_group, vocab_start)
     return TritonLinearCrossEntropy.apply(hidden, weight, labels, options)
