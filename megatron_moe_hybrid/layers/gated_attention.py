@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops.sparse_attention import (
-    dense_attention,
+    causal_attention,
     positions_from_cu_seqlens,
 )
 from megatron_moe_hybrid.ops.sparse_attention.reference import apply_rope
@@ -152,7 +152,7 @@ class GatedAttention(MegatronModule):
         v = self.linear_v(x)[0].unflatten(-1, (G, D))  # [B, T, G, D]
         q = apply_rope(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)
         k = apply_rope(self.k_norm(k), positions, self.rotary_dim, self.rope_theta)
-        o, _ = dense_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)  # [B, T, H, D]
+        o = causal_attention(q, k, v, cu_seqlens=cu_seqlens)  # [B, T, H, D]: SDPA on CUDA
         o = o * torch.sigmoid(gate)
         return self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h], None
 

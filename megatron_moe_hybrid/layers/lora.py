@@ -58,6 +58,12 @@ def _init_a_(a: torch.Tensor, fan_in: int, seed: int) -> None:
         a.uniform_(-bound, bound)
 
 
+def _compute_dtype(x: torch.Tensor, adapter: torch.Tensor) -> torch.dtype:
+    """Adapters compute in the narrower of the activations' and their own dtype: fp32 adapters
+    (the optimizer's master copy) over bf16 activations run bf16 GEMMs, as under autocast."""
+    return x.dtype if x.element_size() < adapter.element_size() else adapter.dtype
+
+
 def _tp_info(base: nn.Module) -> tuple[int, int, Optional[dist.ProcessGroup]]:
     """(tp_rank, tp_size, tp_group) of a Megatron linear; (0, 1, None) for torch's."""
     group = getattr(base, "tp_group", None)
@@ -162,8 +168,9 @@ class LoRALinear(nn.Module):
         return (self.lora_B @ self.lora_A) * self.scale
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
-        u = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)  # [..., r]
-        return F.linear(u, self.lora_B) * self.scale  # [..., out(/tp)]
+        dtype = _compute_dtype(x, self.lora_A)
+        u = F.linear(self.dropout(x).to(dtype), self.lora_A.to(dtype))  # [..., r]
+        return F.linear(u, self.lora_B.to(dtype)) * self.scale  # [..., out(/tp)]
 
     def _base_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w = self.base.weight
@@ -288,7 +295,8 @@ class LoRAGroupedExperts(nn.Module):
 
     def _adapter(self, x, a, b, counts) -> torch.Tensor:
         """x [N, in] -> [N, out]: s * (x A_e^T) B_e^T per expert, or with the one shared A, B."""
-        x = self.dropout(x).to(a.dtype)
+        dtype = _compute_dtype(x, a)
+        x, a, b = self.dropout(x).to(dtype), a.to(dtype), b.to(dtype)
         if not self.per_expert:
             # Rows past the counted ones are the static dispatcher's padding and may hold
             # anything (NaN on the GPU): a dense adapter would carry them into its gradient.
@@ -435,11 +443,13 @@ def apply_lora(
     expert_adapter: str = "per_expert",
     target_modules: Iterable[str] = (),
     base_dtype: Optional[str | torch.dtype] = None,
+    adapter_dtype: Optional[str | torch.dtype] = None,
 ) -> list[str]:
     """Freezes the model and wraps the targeted modules in place; returns the wrapped paths.
 
     base_dtype (e.g. "bfloat16") casts the frozen weights of the wrapped modules; adapters
-    keep the model's parameter dtype. Draws one number from the global RNG (every adapter's
+    are stored in adapter_dtype (default: the model's parameter dtype; "float32" over a bf16
+    model gives the optimizer fp32 adapters while their GEMMs run in bf16). Draws one number from the global RNG (every adapter's
     init derives from it and its path), so call it with the same RNG state on every rank.
     """
     if not isinstance(rank, int) or rank < 1:
@@ -454,14 +464,17 @@ def apply_lora(
         if base_dtype not in _DTYPES:
             raise ValueError(f"lora.base_dtype: {base_dtype!r} is not one of {', '.join(_DTYPES)}")
         base_dtype = _DTYPES[base_dtype]
+    if isinstance(adapter_dtype, str):
+        if adapter_dtype not in _DTYPES:
+            raise ValueError(f"lora.adapter_dtype: {adapter_dtype!r} is not one of {', '.join(_DTYPES)}")
+        adapter_dtype = _DTYPES[adapter_dtype]
     found = find_lora_targets(model, targets, target_modules)
     for p in model.parameters():
         p.requires_grad_(False)
     base_seed = int(torch.randint(2**62, ()))
     for parent, name, path in found:
         child = getattr(parent, name)
-        adapter_dtype = next(child.parameters()).dtype
-        kw = dict(rslora=rslora, seed=_seed(base_seed, path), adapter_dtype=adapter_dtype)
+        kw = dict(rslora=rslora, seed=_seed(base_seed, path), adapter_dtype=adapter_dtype or next(child.parameters()).dtype)
         if hasattr(child, "weight1"):
             wrapped = LoRAGroupedExperts(child, rank, alpha, dropout, expert_adapter=expert_adapter, **kw)
         else:

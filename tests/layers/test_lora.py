@@ -404,6 +404,50 @@ def test_bf16_base_modules_match_formula():
     torch.testing.assert_close(lexp(xe, counts), torch.cat(outs), rtol=0, atol=0)
 
 
+def test_fp32_adapters_over_bf16_activations_compute_in_bf16():
+    """bf16 activations (a bf16 model on the GPU): the fp32 adapters are cast for their GEMMs,
+    as under autocast, and their gradients come back in fp32 (the optimizer's master copy)."""
+    torch.manual_seed(1)
+    base = nn.Linear(12, 10, bias=False).to(torch.bfloat16)
+    lora = LoRALinear(base, 4, 8.0, adapter_dtype=torch.float32)
+    _randomize_(lora)
+    x = torch.randn(7, 12, dtype=torch.bfloat16, requires_grad=True)
+    out = lora(x)
+    a, b = (p.detach().bfloat16().requires_grad_() for p in (lora.lora_A, lora.lora_B))
+    ref = F.linear(x, base.weight) + F.linear(F.linear(x, a), b) * lora.scale
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, lora.lora_A, lora.lora_B), g)
+    want = torch.autograd.grad(ref, (x, a, b), g)
+    assert got[1].dtype == got[2].dtype == torch.float32
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v.to(u.dtype), rtol=0, atol=0)
+
+    counts = torch.tensor([2, 0, 5])
+    experts = _experts(3, 8, 6, dtype=torch.float32).to(torch.bfloat16)
+    lexp = LoRAGroupedExperts(experts, 2, 4.0, adapter_dtype=torch.float32)
+    _randomize_(lexp)
+    twin = LoRAGroupedExperts(experts, 2, 4.0, adapter_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            if "lora_" in n:
+                p.copy_(getattr(lexp, n))
+    xe = torch.randn(7, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(lexp(xe, counts), twin(xe, counts), rtol=0, atol=0)
+
+
+def test_apply_lora_adapter_dtype(tiny_model_factory):
+    model, _ = tiny_model_factory()
+    model.to(torch.bfloat16)
+    apply_lora(model, ["linear_attention", "experts"], 4, 8.0, adapter_dtype="float32")
+    dtypes = {n.rsplit(".", 1)[-1]: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    assert dtypes and set(dtypes.values()) == {torch.float32}
+    assert model.decoder.layers[0].mlp.experts.base.weight1.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="lora.adapter_dtype"):
+        apply_lora(tiny_model_factory()[0], ["experts"], 4, 8.0, adapter_dtype="fp8")
+
+
 def test_bf16_base_model_trains_fp32_adapters(tiny_model_factory):
     model, config = tiny_model_factory()
     ref_model, _ = tiny_model_factory()

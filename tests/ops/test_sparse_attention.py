@@ -501,3 +501,38 @@ def test_backend_registry(monkeypatch):
             torch.zeros(1, 5, 1, dtype=torch.int64),
             backend="triton",
         )
+
+
+@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (6, 1)])
+def test_causal_attention_sdpa_equals_reference(H, G):
+    """The SDPA path of causal_attention (what GatedAttention runs on CUDA) computes the
+    reference's dense causal attention, forward and every gradient, GQA included."""
+    from megatron_moe_hybrid.ops.sparse_attention import causal_attention
+
+    gen = torch.Generator().manual_seed(H * 10 + G)
+    B, T, D = 2, 37, 16
+    q, k, v = (torch.randn(B, T, n, D, generator=gen, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
+    go = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    outs = []
+    for backend in ("torch", "sdpa"):
+        o = causal_attention(q, k, v, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v), go)))
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_causal_attention_refuses_what_sdpa_cannot_run():
+    from megatron_moe_hybrid.ops.sparse_attention import causal_attention
+
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="backend"):
+        causal_attention(q, q, q, backend="flash")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8]), backend="sdpa")
+    with pytest.raises(ValueError, match="S=6"):
+        causal_attention(q, q[:, :6], q[:, :6], backend="sdpa")
+    # auto keeps CPU tensors and packed batches on the reference
+    torch.testing.assert_close(
+        causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8])),
+        sa.dense_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8]))[0],
+    )

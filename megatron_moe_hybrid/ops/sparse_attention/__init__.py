@@ -180,6 +180,39 @@ def sparse_attention(
     return get_op("sparse_attention", backend, q)(q, k, v, indices, scale)
 
 
+def causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Full causal GQA attention, q [B, T, H, D], k [B, T, G, D], v [B, T, G, DV] -> [B, T, H, DV].
+
+    backend "sdpa": torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient
+    kernels on CUDA, memory linear in T); "torch": reference.dense_attention, which holds the
+    [B, T, H, T] scores. "auto" takes sdpa for CUDA tensors without cu_seqlens (packed
+    sequences stay on the reference) and the reference otherwise.
+    """
+    if backend not in ("auto", "sdpa", "torch"):
+        raise ValueError(f"backend: {backend!r} is not one of auto, sdpa, torch")
+    if backend == "auto":
+        backend = "sdpa" if q.is_cuda and cu_seqlens is None else "torch"
+    if backend == "torch":
+        return dense_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, scale=scale)[0]
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens: the sdpa backend takes unpacked batches; use backend='torch' for packed ones")
+    _, T, S, *_ = reference._check_attention_args(q, k, v)
+    if T != S:
+        raise ValueError(f"k: causal_attention needs as many keys as queries (T={T}), got S={S}")
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # [B, H, T, DV]
+    return o.transpose(1, 2)
+
+
 def attention_probs_target(
     q: Tensor,
     k: Tensor,
@@ -211,6 +244,7 @@ del _name
 __all__ = [
     *OPS,
     "SparseAttentionBackend",
+    "causal_attention",
     "dense_attention",
     "dense_masked_attention",
     "get_op",
