@@ -34,6 +34,7 @@ import argparse
 import gc
 import importlib.util
 import itertools
+import re
 import json
 import os
 import shutil
@@ -512,10 +513,12 @@ def guarded(fn, clock):
 # The run.
 
 
-def parse_job(job: str) -> tuple[str, int]:
-    if job[0] not in "abc" or not job[1:].isdigit():
-        raise SystemExit(f"error: --jobs: {job!r} is not a<T>, b<T> or c<T> (e.g. a4096)")
-    return job[0], int(job[1:])
+def parse_job(job: str) -> tuple[str, int, int | None, str]:
+    """"a4096" -> ("a", 4096, None, "a4096"); "b4096x1" fixes the batch at 1."""
+    m = re.fullmatch(r"([abc])(\d+)(?:x(\d+))?", job)
+    if m is None:
+        raise SystemExit(f"error: --jobs: {job!r} is not a<T>, b<T> or c<T>, optionally x<batch> (e.g. a4096, b4096x1)")
+    return m[1], int(m[2]), int(m[3]) if m[3] else None, job
 
 
 def shape_of(B, T, tiny):
@@ -570,8 +573,8 @@ def main():
         elif args.out != OUT:  # a CPU run never overwrites the H200 file
             _write_cpu(args.out, rows)
 
-    def batch_of(kind, T):
-        return max(1, (args.tokens_full if kind == "b" else args.tokens) // T)
+    def batch_of(kind, T, B=None):
+        return B or max(1, (args.tokens_full if kind == "b" else args.tokens) // T)
 
     # 1. The HF model with random weights, saved, then the anchor's jobs on it.
     t0 = time.perf_counter()
@@ -581,15 +584,14 @@ def main():
     log(f"HF model built and saved ({sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B params) in {time.perf_counter() - t0:.0f} s")
     anchor: dict[str, dict] = {}
     data: dict[str, list] = {}
-    first_a = next((f"a{T}" for k, T in jobs if k == "a"), None)
-    for kind, T in jobs:
-        data[f"{kind}{T}"] = batches(8 if T <= 16384 else 2, batch_of(kind, T), T, cfg.vocab_size, seed=T, device=device)
+    first_a = next((name for k, _, _, name in jobs if k == "a"), None)
+    for kind, T, B, name in jobs:
+        data[name] = batches(8 if T <= 16384 else 2, batch_of(kind, T, B), T, cfg.vocab_size, seed=T, device=device)
     # LoRA jobs first: full training moves the weights, so it runs last (and only once)
     anchor_jobs = [] if args.no_anchor else [j for j in jobs if j[0] == "a"] + [j for j in jobs if j[0] == "b"][:1]
-    for kind, T in anchor_jobs:
-        name = f"{kind}{T}"
+    for kind, T, B, name in anchor_jobs:
         steps = args.curve_steps if name == first_a else args.steps + args.warmup
-        log(f"anchor {name}: B{batch_of(kind, T)} T{T}, {steps} steps")
+        log(f"anchor {name}: B{batch_of(kind, T, B)} T{T}, {steps} steps")
         _profile_paths(args.profile, name)
         anchor[name] = guarded(lambda: hf_job(hf, {"a": "lora", "b": "full"}[kind], data[name], steps, args.warmup, clock), clock)
         log(f"anchor {name}: {_summary(anchor[name])}")
@@ -602,9 +604,8 @@ def main():
     t0 = time.perf_counter()
     run_dir = convert_to_ours(hf_dir, ours_dir, dtype)
     log(f"converted to ours in {time.perf_counter() - t0:.0f} s")
-    for kind, T in jobs:
-        name = f"{kind}{T}"
-        B = batch_of(kind, T)
+    for kind, T, B, name in jobs:
+        B = batch_of(kind, T, B)
         steps = args.curve_steps if name == first_a else args.steps + args.warmup
         pattern = "LLLS" if kind == "c" else "LLLA"
 

@@ -143,14 +143,14 @@ class LoRALinear(nn.Module):
         tp_rank, tp, _ = _tp_info(base)
         self.is_row = isinstance(base, RowParallelLinear)
         in_full = in_local * tp if self.is_row else in_local
+        device = base.weight.device  # drawn on the CPU (seeded), kept where the base lives
         a_full = torch.empty(rank, in_full, dtype=dtype)  # [r, in]: every TP rank draws the same
         _init_a_(a_full, in_full, seed)
         if self.is_row:  # A sharded like the input: this rank's columns
-            self.lora_A = nn.Parameter(a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local].clone())
-            self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype))
+            self.lora_A = nn.Parameter(a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local].to(device, copy=True))
         else:  # column (or torch) linear: B sharded like the output
-            self.lora_A = nn.Parameter(a_full)
-            self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype))
+            self.lora_A = nn.Parameter(a_full.to(device))
+        self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         if tp > 1:
             sharded, replicated, dim = (
                 (self.lora_A, self.lora_B, 1) if self.is_row else (self.lora_B, self.lora_A, 0)
@@ -259,22 +259,25 @@ class LoRAGroupedExperts(nn.Module):
         dtype = adapter_dtype or w1.dtype
         self.per_expert = expert_adapter == "per_expert"
         lead = (e,) if self.per_expert else ()
-        self.lora_A1 = nn.Parameter(torch.empty(*lead, rank, h, dtype=dtype))
-        self.lora_B1 = nn.Parameter(torch.zeros(*lead, f2, rank, dtype=dtype))
-        self.lora_A2 = nn.Parameter(torch.empty(*lead, rank, f, dtype=dtype))
-        self.lora_B2 = nn.Parameter(torch.zeros(*lead, h, rank, dtype=dtype))
+        device = w1.device  # A drawn on the CPU (seeded), kept where the base lives
+        a1, a2 = torch.empty(*lead, rank, h, dtype=dtype), torch.empty(*lead, rank, f, dtype=dtype)
         offset = getattr(base, "expert_offset", 0)
         if self.per_expert:
             # Seeded by global expert index: any EP layout holds the slice of the same full set.
             for i in range(e):
-                _init_a_(self.lora_A1.data[i], h, seed + 2 * (offset + i))
-                _init_a_(self.lora_A2.data[i], f, seed + 2 * (offset + i) + 1)
+                _init_a_(a1[i], h, seed + 2 * (offset + i))
+                _init_a_(a2[i], f, seed + 2 * (offset + i) + 1)
+        else:
+            _init_a_(a1, h, seed)
+            _init_a_(a2, f, seed + 1)
+        self.lora_A1 = nn.Parameter(a1.to(device))
+        self.lora_B1 = nn.Parameter(torch.zeros(*lead, f2, rank, dtype=dtype, device=device))
+        self.lora_A2 = nn.Parameter(a2.to(device))
+        self.lora_B2 = nn.Parameter(torch.zeros(*lead, h, rank, dtype=dtype, device=device))
+        if self.per_expert:
             for p in (self.lora_A1, self.lora_B1, self.lora_A2, self.lora_B2):
                 p.allreduce = False  # Megatron's marker: sharded by EP, skip the dense DP all-reduce
                 p.num_local_experts = e
-        else:
-            _init_a_(self.lora_A1.data, h, seed)
-            _init_a_(self.lora_A2.data, f, seed + 1)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @property

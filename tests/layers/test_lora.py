@@ -448,6 +448,15 @@ def test_apply_lora_adapter_dtype(tiny_model_factory):
         apply_lora(tiny_model_factory()[0], ["experts"], 4, 8.0, adapter_dtype="fp8")
 
 
+def test_adapters_live_on_their_base_device(tiny_model_factory):
+    """A model already on a device (the GPU; "meta" here) gets its adapters there too."""
+    model, _ = tiny_model_factory()
+    model.to("meta")
+    apply_lora(model, ["linear_attention", "experts"], 4, 8.0, adapter_dtype="float32")
+    lora = {n: p.device.type for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and set(lora.values()) == {"meta"}
+
+
 def test_bf16_base_model_trains_fp32_adapters(tiny_model_factory):
     model, config = tiny_model_factory()
     ref_model, _ = tiny_model_factory()
