@@ -58,6 +58,13 @@ def _init_a_(a: torch.Tensor, fan_in: int, seed: int) -> None:
         a.uniform_(-bound, bound)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear over the rows of x [..., in]. A 3-D input whose strides matmul will not fold
+    (Megatron's [s, 1, h] made by a transpose) would otherwise run as a batched GEMV that
+    reads the weight once per token: 60 ms instead of 0.5 at 32k tokens on an H200."""
+    return F.linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
+
+
 def _compute_dtype(x: torch.Tensor, adapter: torch.Tensor) -> torch.dtype:
     """Adapters compute in the narrower of the activations' and their own dtype: fp32 adapters
     (the optimizer's master copy) over bf16 activations run bf16 GEMMs, as under autocast."""
@@ -169,12 +176,12 @@ class LoRALinear(nn.Module):
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x, self.lora_A)
-        u = F.linear(self.dropout(x).to(dtype), self.lora_A.to(dtype))  # [..., r]
-        return F.linear(u, self.lora_B.to(dtype)) * self.scale  # [..., out(/tp)]
+        u = _linear(self.dropout(x).to(dtype), self.lora_A.to(dtype))  # [..., r]
+        return _linear(u, self.lora_B.to(dtype)) * self.scale  # [..., out(/tp)]
 
     def _base_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w = self.base.weight
-        return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+        return _linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
 
     def forward(self, x, *args, **kwargs):
         base = self.base

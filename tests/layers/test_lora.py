@@ -457,6 +457,28 @@ def test_adapters_live_on_their_base_device(tiny_model_factory):
     assert lora and set(lora.values()) == {"meta"}
 
 
+def test_lora_linear_never_runs_a_per_token_batched_matmul():
+    """Megatron hands a linear [s, 1, h] made by a transpose; matmul does not fold such a
+    tensor and runs one GEMV per token (a batched matmul that rereads the weight T times).
+    The wrapped linear flattens its rows: no aten::bmm, the same values and gradients."""
+    from torch.profiler import profile
+
+    torch.manual_seed(2)
+    lora = LoRALinear(nn.Linear(16, 24, bias=False), 4, 8.0)
+    _randomize_(lora)
+    for p in lora.base.parameters():
+        p.requires_grad_(False)
+    # [s, 1, h] with strides (h, s*h, 1); matmul folds it only when it needs its gradient
+    x = torch.randn(1, 37, 16).transpose(0, 1)
+    with profile(record_shapes=True) as prof:
+        out = lora(x)
+        out.backward(torch.ones_like(out))
+    assert not [e.input_shapes for e in prof.events() if e.name == "aten::bmm"]
+    ref = x @ lora.base.weight.T + (x @ lora.lora_A.T) @ lora.lora_B.T * lora.scale
+    torch.testing.assert_close(out, ref)
+    assert out.shape == (37, 1, 24)
+
+
 def test_bf16_base_model_trains_fp32_adapters(tiny_model_factory):
     model, config = tiny_model_factory()
     ref_model, _ = tiny_model_factory()
