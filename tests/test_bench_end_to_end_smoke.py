@@ -1,0 +1,67 @@
+"""CPU run of benchmarks/end_to_end.py --tiny: the whole issue-12 pipeline on a tiny Qwen3-Next
+(HF model with random weights, saved, converted with tools/convert_checkpoint.py, trained on
+both sides). In fp32 on the CPU, HF's torch path and ours compute the same model, so the
+first losses agree to rounding and the LoRA curves stay far within the 2% the issue asks; the
+full-parameter jobs train the same weights on both sides; the step breakdown adds up.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "end_to_end.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--jobs", "a64,b64x2,c64",
+           "--steps", "2", "--warmup", "1", "--curve_steps", "12", "--tokens", "128", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["name"].rsplit("(", 1)[-1].rstrip(")"): r for r in json.load(open(out))["rows"]}
+
+
+def test_every_job_ran_on_both_sides(rows):
+    assert set(rows) == {"a64", "b64x2", "c64"}
+    for name, r in rows.items():
+        assert "ours_error" not in r and "anchor_error" not in r, name
+        assert r["ours_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 and r["model_tflops"] >= 0, name
+    assert rows["a64"]["anchor_ms"] > 0 and rows["b64x2"]["anchor_ms"] > 0
+    assert "anchor_ms" not in rows["c64"]  # the sparse pattern has no HF counterpart
+
+
+def test_lora_losses_match_hf_and_fall(rows):
+    a = rows["a64"]
+    assert a["first_loss_rel_diff"] < 1e-5, a["first_loss_rel_diff"]
+    assert a["curve_steps"] == 12 and a["curve_within_2pct"] and a["curve_max_rel_diff"] < 1e-3
+    ours, anchor = a["ours"]["losses"], a["anchor_detail"]["losses"]
+    assert ours[-1] < ours[0] - 0.02 and anchor[-1] < anchor[0] - 0.02  # both learn the token map
+    # the same adapters: rank 16 on attention and every expert (ours fuses GDN's in_proj_qkvz
+    # and in_proj_ba into one projection, so one A instead of two)
+    assert 0.95 < a["ours"]["trainable_params"] / a["anchor_detail"]["trainable_params"] <= 1.0
+
+
+def test_full_training_trains_the_same_weights(rows):
+    b = rows["b64x2"]
+    assert b["ours"]["trainable_params"] == b["anchor_detail"]["trainable_params"]
+    for o, h in zip(b["ours"]["losses"], b["anchor_detail"]["losses"]):
+        assert abs(o - h) <= 1e-4 * abs(h), (o, h)
+
+
+def test_breakdown_adds_up(rows):
+    for name, r in rows.items():
+        for parts in (r["breakdown"], r.get("anchor_breakdown")):
+            if parts is None:
+                continue
+            named = ("attention_ms", "moe_ms", "loss_ms", "optimizer_ms")
+            assert all(parts[k] > 0 for k in named), (name, parts)
+            inner = parts["moe_router_ms"] + parts["moe_experts_ms"] + parts["moe_shared_expert_ms"]
+            assert 0 < inner <= parts["moe_ms"], (name, parts)
+            assert sum(parts[k] for k in named) <= parts["step_ms"] * 1.05, (name, parts)
