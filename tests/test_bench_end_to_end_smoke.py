@@ -65,3 +65,33 @@ def test_breakdown_adds_up(rows):
             inner = parts["moe_router_ms"] + parts["moe_experts_ms"] + parts["moe_shared_expert_ms"]
             assert 0 < inner <= parts["moe_ms"], (name, parts)
             assert sum(parts[k] for k in named) <= parts["step_ms"] * 1.05, (name, parts)
+
+
+def _run(args, out, launcher=()):
+    cmd = [sys.executable, *launcher, os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--tiny", "--no_anchor",
+           "--jobs", "a64,b64x1", "--steps", "2", "--warmup", "1", "--curve_steps", "3", "--tokens", "128",
+           "--out", str(out), *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.load(open(out))["rows"]
+
+
+def test_ep2_run_equals_one_process_on_the_global_batch(tmp_path):
+    """torchrun with 2 ranks (gloo): experts split over EP=2, each rank on its own batches,
+    dense gradients summed; its losses (averaged over the ranks) equal one process trained on
+    both ranks' batches (--emulate_ranks 2), LoRA and full-parameter, step after step."""
+    from megatron_moe_hybrid.parallel.launch import free_port
+
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    ep = _run([], tmp_path / "ep2.json", launcher)
+    one = _run(["--emulate_ranks", "2"], tmp_path / "one.json")
+    assert [r["gpus"] for r in ep] == [2, 2] and [r["gpus"] for r in one] == [1, 1]
+    for r_ep, r_one in zip(ep, one):
+        assert r_ep["name"].endswith("EP=2)"), r_ep["name"]
+        got, want = r_ep["ours"]["losses"], r_one["ours"]["losses"]
+        assert len(got) == len(want) == (3 if "a64" in r_ep["name"] else 3)
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * abs(w), (r_ep["name"], got, want)
+        assert got[-1] != got[0]  # the steps moved the weights
