@@ -95,3 +95,40 @@ def test_ep2_run_equals_one_process_on_the_global_batch(tmp_path):
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * abs(w), (r_ep["name"], got, want)
         assert got[-1] != got[0]  # the steps moved the weights
+
+
+def test_active_parameter_count_and_flops(tmp_path):
+    """count_active: every matmul weight a token passes through (all of attention, the router,
+    top-k of E experts, the shared expert, the output layer; not the embedding), counted here
+    independently from the parameter names; step_flops: 6N (4N under LoRA) per token plus
+    attention, linear in B."""
+    import importlib.util
+
+    import torch
+
+    from megatron_moe_hybrid.testing import init_megatron, teardown
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("e2e", os.path.join(ROOT, "benchmarks", "end_to_end.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    init_megatron()
+    try:
+        hf = e2e.make_hf_model(e2e.hf_config(True), torch.device("cpu"), torch.float32, seed=0)
+        hf.save_pretrained(tmp_path / "hf")
+        run = e2e.convert_to_ours(str(tmp_path / "hf"), str(tmp_path / "ours"), torch.float32)
+        config, model = e2e.our_model(run, torch.device("cpu"), "LLLA", 64, True, load=True)
+        counts = e2e.count_active(model, config)
+        E, K = config.moe.num_experts, config.moe.topk
+        want = 0
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or name.startswith("embedding") or "conv1d" in name:
+                continue
+            want += p.numel() * K // E if ".experts." in name else p.numel()
+        assert counts["active_matmul_params"] == want
+        assert counts["layers"] == {"L": 3, "A": 1}
+        f1 = e2e.step_flops(config, counts, 1, 64, "full")
+        assert e2e.step_flops(config, counts, 2, 64, "full") == 2 * f1
+        assert f1 - e2e.step_flops(config, counts, 1, 64, "lora") == 2 * want * 64
+    finally:
+        teardown()
