@@ -107,6 +107,20 @@ def test_triton_frozen_weight(reduction):
     check_against_oracle(torch.float32, 31, 8, 45, 7, reduction, seed=5, tolerance=1e-5, weight_trainable=False, z_loss_weight=0.01)
 
 
+@pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen", "trainable"])
+def test_triton_per_token_loss_with_frozen_weight_makes_logits_once(monkeypatch, weight_trainable):
+    """reduction "none" (the model's per-token loss) with a frozen weight (LoRA): the forward
+    forms d loss_n / d hidden_n and the backward only scales rows by the upstream gradient, so
+    each chunk's logits product runs once; a trainable weight needs the backward's recompute."""
+    calls = []
+    logits = triton_backend._Chunks.logits
+    monkeypatch.setattr(triton_backend._Chunks, "logits", lambda self, rows: calls.append(rows) or logits(self, rows))
+    check_against_oracle(torch.float32, 29, 8, 45, 7, "none", seed=9, tolerance=1e-5,
+                         weight_trainable=weight_trainable, z_loss_weight=0.01, label_smoothing=0.1)
+    chunks = -(-29 // 7)
+    assert len(calls) == (2 * chunks if weight_trainable else chunks)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_triton_all_ignored_gives_zero(reduction):
     hidden, weight, labels = make_inputs(11, 8, 17, seed=2, device=DEVICE)
@@ -160,26 +174,29 @@ def test_backend_triton_is_selectable_and_auto_keeps_torch_on_cpu():
         triton_linear_cross_entropy(hidden.float(), weight.half(), labels)
 
 
-def _triton_vocab_parallel_worker(rank, world_size, num_tokens, hidden_size, vocab_size, split):
+def _triton_vocab_parallel_worker(rank, world_size, num_tokens, hidden_size, vocab_size, split, weight_trainable=True):
     group = dist.new_group(list(range(world_size)))
     hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
     bounds = (0, split, vocab_size)
     outputs = loss_and_grads(
         triton_linear_cross_entropy, hidden.float(), weight[bounds[rank] : bounds[rank + 1]].float(), labels, "none", 8,
-        chunk_size=6, z_loss_weight=0.01, label_smoothing=0.1, tp_group=group, vocab_start=bounds[rank],
+        weight_trainable, chunk_size=6, z_loss_weight=0.01, label_smoothing=0.1, tp_group=group, vocab_start=bounds[rank],
     )
     return [t.numpy() for t in outputs]
 
 
 @pytest.mark.distributed
-def test_triton_vocab_parallel_matches_oracle():
+@pytest.mark.parametrize("weight_trainable", [True, False], ids=["trainable", "frozen"])
+def test_triton_vocab_parallel_matches_oracle(weight_trainable):
     num_tokens, hidden_size, vocab_size, split = 19, 8, 37, 15
-    per_rank = spawn(_triton_vocab_parallel_worker, 2, num_tokens, hidden_size, vocab_size, split)
+    per_rank = spawn(_triton_vocab_parallel_worker, 2, num_tokens, hidden_size, vocab_size, split, weight_trainable)
     inputs = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
     loss, grad_hidden, grad_weight = loss_and_grads(oracle, *inputs, "none", 8, z_loss_weight=0.01, label_smoothing=0.1)
     for rank in range(2):
         torch.testing.assert_close(torch.from_numpy(per_rank[rank][0]).double(), loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.from_numpy(per_rank[rank][1]).double(), grad_hidden, rtol=1e-5, atol=1e-5)
+    if not weight_trainable:  # the frozen path all-reduces d loss_n / d hidden_n in the forward
+        return
     grad_weight_tp = torch.from_numpy(np.concatenate([per_rank[0][2], per_rank[1][2]])).double()  # [V, D]
     torch.testing.assert_close(grad_weight_tp, grad_weight, rtol=1e-5, atol=1e-5)
 

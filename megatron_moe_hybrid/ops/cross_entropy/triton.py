@@ -18,8 +18,12 @@ probe: halving the chunk costs more in the grad_weight product, 315 TFLOP/s at 2
 against 465 at 512, than the overlap wins: loss_parts.json.)
 
 With reduction "mean" or "sum" and gradients wanted, the gradients are computed in the
-forward (the upstream gradient is a scalar, applied in the backward); with "none" the
-forward keeps lse [N] and the backward recomputes each chunk. The [C, V] chunk is the
+forward (the upstream gradient is a scalar, applied in the backward). With "none" the
+upstream gradient is one number per token; row n of grad_hidden is linear in it (only loss_n
+depends on hidden_n), so with a frozen weight (LoRA: the model's per-token loss path) the
+forward computes d loss_n / d hidden_n and the backward scales the rows: 4 N V D instead of
+6. A trainable weight's gradient mixes the rows, so there the forward keeps lse [N] and the
+backward recomputes each chunk. The [C, V] chunk is the
 only working buffer, so peak memory is the gradients plus C * V elements.
 
 Vocab-parallel as reference.py: only the per-token statistics are all-reduced.
@@ -252,7 +256,8 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         hidden, weight = hidden.contiguous(), weight.contiguous()
         chunks = _Chunks(hidden, weight, labels, options)
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grads_now = chunks.reduction != "none" and (need_hidden or need_weight)
+        per_token = chunks.reduction == "none"  # then only grad_hidden can be formed ahead (module docstring)
+        grads_now = (need_hidden or need_weight) and not (per_token and need_weight)
         grad_hidden = torch.empty_like(hidden) if grads_now and need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if grads_now and need_weight else None  # [V, D]
         if grads_now:  # d loss / d loss_n for an upstream gradient of 1 (applied in the backward)
@@ -267,7 +272,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
-        ctx.grads_now = grads_now
+        ctx.grads_now, ctx.per_token = grads_now, per_token
         if grads_now:
             ctx.save_for_backward(grad_hidden, grad_weight)
         else:
@@ -280,6 +285,8 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if ctx.grads_now:
             grad_hidden, grad_weight = ctx.saved_tensors
+            if ctx.per_token:  # d loss_n / d hidden_n times the upstream gradient of token n, in fp32
+                return (grad_hidden.float() * grad_loss.float()[:, None]).to(grad_hidden.dtype), None, None, None
             # in place: these buffers are ours, and a copy of grad_weight would add [V, D] to the peak
             if grad_hidden is not None:
                 grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
