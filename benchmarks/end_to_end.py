@@ -377,7 +377,7 @@ def attach_hf(regions: Regions, model):
 # One job on one side.
 
 
-def run_steps(side: str, loss_fn, opt, data, steps: int, warmup: int, clock: Clock, regions: Regions,
+def run_steps(loss_fn, opt, data, steps: int, warmup: int, clock: Clock, regions: Regions,
               first_layer_input, sync=None) -> dict:
     """steps optimizer steps over data (cycled); times those after warmup; then one more step
     with the region stamps on (and the first layer's input requiring grad, so that its
@@ -440,7 +440,7 @@ def hf_job(model, kind: str, data, steps, warmup, clock) -> dict:
         return net(input_ids=ids, labels=ids).loss
 
     try:
-        result = run_steps("anchor", loss_fn, opt, data, steps, warmup, clock, regions, base.model.embed_tokens)
+        result = run_steps(loss_fn, opt, data, steps, warmup, clock, regions, base.model.embed_tokens)
         profile_step(PROFILE.get("anchor"), loss_fn, opt, data[0], clock)
     finally:
         regions.remove()
@@ -482,7 +482,7 @@ def our_job(model, config, kind: str, data, steps, warmup, clock, device) -> dic
             sync_gradients(trainable, groups)
 
     try:
-        result = run_steps("ours", loss_fn, opt, data, steps, warmup, clock, regions, model.embedding, sync)
+        result = run_steps(loss_fn, opt, data, steps, warmup, clock, regions, model.embedding, sync)
         profile_step(PROFILE.get("ours"), loss_fn, opt, data[0], clock)
     finally:
         regions.remove()
