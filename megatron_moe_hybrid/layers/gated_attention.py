@@ -58,8 +58,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D]
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        # one rms_norm with the (1 + weight) scale: a fused kernel on CUDA
-        return torch.nn.functional.rms_norm(x32, (x.shape[-1],), 1.0 + self.weight.to(x32.dtype), self.eps).to(x.dtype)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
 
 
 def _validate(config) -> None:

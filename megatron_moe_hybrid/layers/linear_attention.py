@@ -42,14 +42,8 @@ def _at_least_fp32(x: Tensor) -> Tensor:
 
 
 def _l2_normalize(x: Tensor) -> Tensor:
-    """fla's l2norm (x / sqrt(sum x^2 + eps)) so weights trained with fla transfer unchanged.
-
-    As one rms_norm (a fused kernel on CUDA, forward and backward, instead of five elementwise
-    passes each way): x / sqrt(sum x^2 + eps) = x / sqrt(mean x^2 + eps / K) / sqrt(K).
-    """
-    K = x.shape[-1]
-    scale = torch.full((K,), K**-0.5, dtype=x.dtype, device=x.device)
-    return F.rms_norm(x, (K,), scale, _L2_NORM_EPS / K)
+    """fla's l2norm (x / sqrt(sum x^2 + eps)) so weights trained with fla transfer unchanged."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_NORM_EPS)
 
 
 @dataclass
@@ -71,7 +65,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:  # [..., V] each
-        y = F.rms_norm(_at_least_fp32(x), (x.shape[-1],), eps=self.eps)  # one fused kernel on CUDA
+        x32 = _at_least_fp32(x)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * y.to(x.dtype)
         return (y * F.silu(_at_least_fp32(z))).to(x.dtype)
 

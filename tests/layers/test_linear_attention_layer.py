@@ -162,17 +162,3 @@ def test_unknown_backend_raises_listing_registered():
     layer = make_layer("simple_gla", backend="bogus")
     with pytest.raises(ValueError, match=r"backend: 'bogus'.*'torch'"):
         layer(torch.randn(5, 1, HIDDEN, dtype=torch.float64))
-
-
-def test_l2_normalize_is_flas_l2norm():
-    """The fused rms_norm form equals fla's x / sqrt(sum x^2 + eps), small vectors included."""
-    from megatron_moe_hybrid.layers.linear_attention import _L2_NORM_EPS, _l2_normalize
-
-    x = torch.randn(3, 5, 2, 16, dtype=torch.float64)
-    x[0, 0, 0] *= 1e-4  # where eps matters
-    x.requires_grad_()
-    ref = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_NORM_EPS)
-    got = _l2_normalize(x)
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
-    g = torch.randn_like(ref)
-    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(ref, x, g)[0], rtol=1e-10, atol=1e-12)
