@@ -61,6 +61,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
+from common import git_sha, write_results  # noqa: E402
+
 OUT = os.path.join(HERE, "results", "h200", "end_to_end.json")
 MATMUL_CEILING = 687e12  # bf16 dense matmul, measured on one H200 here (issue 12)
 TOKENS_PER_STEP = 16384
@@ -150,7 +152,7 @@ def count_active(model, config) -> dict:
     moe = config.moe
     active, attn = 0, {}
     for i, layer in enumerate(model.decoder.layers):
-        kind = config.pattern[i % len(config.pattern)] if hasattr(config, "pattern") else "?"
+        kind = config.layer_kind(i)
         n = sum(p.numel() for p in layer.self_attention.parameters() if p.dim() == 2)
         attn.setdefault(kind, 0)
         attn[kind] += 1
@@ -604,8 +606,6 @@ def main():
         if rank != 0:
             return
         if cuda:  # rows of earlier runs (other jobs, other GPU counts) are kept
-            from common import write_results
-
             write_results(args.out, _merged(args.out, rows), ("transformers", "peft", "fla-core", "flash-linear-attention"))
         elif args.out != OUT:  # a CPU run never overwrites the H200 file
             _write_cpu(args.out, rows)
@@ -737,7 +737,7 @@ def _row(name, kind, B, T, ours, anchor, args, cuda, world=1) -> dict:
     ep = f", EP={world}" if world > 1 else ""
     row = {"name": {"a": "LoRA r16 step", "b": "full-parameter step", "c": "LoRA r16 step, LLLS sparse top-2048"}[kind]
            + f" ({name}{ep})", "shape": shape_of(B, T, args.tiny) + ep.replace(", ", "-"), "gpus": world,
-           "git_sha": _git_sha(), "command": "python " + " ".join(sys.argv)}
+           "git_sha": git_sha(), "command": "python " + " ".join(sys.argv)}
     ok = "step_ms" in ours
     row["ours_ms"] = round(ours["step_ms"], 3) if ok else None
     row["tokens_per_s_per_gpu"] = round(tokens / ours["step_ms"] * 1e3) if ok else None
@@ -780,12 +780,6 @@ def _parity(ours: list, anchor: list, curve: bool = True) -> dict:
     if curve:  # under EP the global batch is larger than the anchor's: only the first step compares
         out.update(curve_steps=n, curve_max_rel_diff=max(rel), curve_within_2pct=max(rel) <= 0.02)
     return out
-
-
-def _git_sha() -> str:
-    from common import git_sha
-
-    return git_sha()
 
 
 def _write_cpu(path, rows):

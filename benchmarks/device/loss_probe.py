@@ -13,7 +13,6 @@ tile before its K loop (so the read could overlap the compute), against cuBLAS.
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import write_results  # noqa: E402
+from common import time_and_peak, write_results  # noqa: E402
 
 from megatron_moe_hybrid.ops.cross_entropy.triton import BLOCK_V, _grad_logits_kernel, _partial_stats, _splits  # noqa: E402
 
@@ -62,18 +61,7 @@ def triton_grad_weight(g, h, w, BM=128, BN=256, BK=64, num_warps=8, num_stages=3
 
 
 def median_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_and_peak(fn, warmup, reps)[0]
 
 
 def main():

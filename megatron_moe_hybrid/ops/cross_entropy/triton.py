@@ -23,8 +23,8 @@ upstream gradient is one number per token; row n of grad_hidden is linear in it 
 depends on hidden_n), so with a frozen weight (LoRA: the model's per-token loss path) the
 forward computes d loss_n / d hidden_n and the backward scales the rows: 4 N V D instead of
 6. A trainable weight's gradient mixes the rows, so there the forward keeps lse [N] and the
-backward recomputes each chunk. The [C, V] chunk is the
-only working buffer, so peak memory is the gradients plus C * V elements.
+backward recomputes each chunk. The [C, V] chunk is the only working buffer, so peak memory
+is the gradients plus C * V elements.
 
 Vocab-parallel as reference.py: only the per-token statistics are all-reduced.
 
