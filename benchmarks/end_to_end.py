@@ -504,7 +504,7 @@ def profile_step(path, loss_fn, opt, batch, clock):
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         loss_fn(*batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -516,6 +516,10 @@ def profile_step(path, loss_fn, opt, batch, clock):
     with open(path, "a") as f:
         f.write(f"{kernels} GPU kernels, {syncs} host syncs (item/_local_scalar_dense)\n")
         f.write(table.table(sort_by=sort, row_limit=45, max_name_column_width=90) + "\n")
+        # the same by input shapes: which tensors the elementwise and copy kernels work on
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        f.write(by_shape.table(sort_by="self_" + sort, row_limit=60, max_name_column_width=40,
+                               max_shapes_column_width=80) + "\n")
 
 
 def guarded(fn, clock):

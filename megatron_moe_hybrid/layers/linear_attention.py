@@ -23,6 +23,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
 from megatron_moe_hybrid.ops.linear_attention import gated_delta_rule, simple_gla
+from megatron_moe_hybrid.ops.linear_attention.norms import gated_rms_norm, l2_normalize
+from megatron_moe_hybrid.ops.linear_attention.short_conv import causal_conv1d
 from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_linear_attention import (
     conv_halo,
@@ -34,16 +36,11 @@ from megatron_moe_hybrid.parallel.cp_linear_attention import (
 _NUM_HEAD_LOGITS = {"gated_delta_rule": 2, "simple_gla": 1}
 # fla's GLA gate normaliser: g = logsigmoid(gate) / 16 keeps the initial decay close to 1
 _GLA_GATE_NORMALIZER = 16.0
-_L2_NORM_EPS = 1e-6
+_L2_NORM_EPS = 1e-6  # fla's l2norm eps, so weights trained with fla transfer unchanged
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _l2_normalize(x: Tensor) -> Tensor:
-    """fla's l2norm (x / sqrt(sum x^2 + eps)) so weights trained with fla transfer unchanged."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + _L2_NORM_EPS)
 
 
 @dataclass
@@ -55,7 +52,7 @@ class LinearAttentionSubmodules:
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm (one weight of size V shared by all heads) times silu(z), as Qwen3-Next.
 
-    Computed in fp32 (fp64 for fp64 inputs). Under tensor parallelism each rank sees different
+    Computed in fp32 (fp64 for fp64 inputs), from x and z read in place (z may be a strided view). Under tensor parallelism each rank sees different
     heads, so the weight's gradient must be summed over the tensor-parallel group.
     """
 
@@ -64,11 +61,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: Tensor, z: Tensor) -> Tensor:  # [..., V] each
-        x32 = _at_least_fp32(x)
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(x.dtype)
-        return (y * F.silu(_at_least_fp32(z))).to(x.dtype)
+    def forward(self, x: Tensor, z: Tensor, seq_first: bool = False, backend: str = "auto") -> Tensor:
+        """x, z [B, T, H, V] -> [B, T, H, V], or [T, B, H, V] with seq_first (ops.linear_attention.norms:
+        one fused kernel each way on CUDA)."""
+        return gated_rms_norm(x, z, self.weight, self.eps, seq_first=seq_first, backend=backend)
 
 
 class LinearAttention(MegatronModule):
@@ -179,11 +175,18 @@ class LinearAttention(MegatronModule):
         proj, _ = self.in_proj(hidden_states)  # [s, b, D]
         proj = proj.transpose(0, 1)  # [B, T, D]
         q, k, v, z, *logits = proj.split(self.split_sizes, dim=-1)
+        # the conv and the per-head norms follow the op's backend: "torch*" their references
+        # (checks), "triton" their kernels, "auto" the kernels on CUDA
+        norm_backend = "torch" if self.backend.startswith("torch") else "triton" if self.backend == "triton" else "auto"
         if self.conv1d is not None:
-            qkv = self._short_conv(torch.cat([q, k, v], dim=-1), cu_seqlens, layout)
+            qkv = proj[..., : sum(self.split_sizes[:3])]  # [B, T, C]: q | k | v, a view
+            if layout is None:  # one kernel each way, reading the view in place
+                qkv = causal_conv1d(qkv, self.conv1d.weight, cu_seqlens, backend=norm_backend)
+            else:
+                qkv = self._short_conv(qkv, cu_seqlens, layout)
             q, k, v = qkv.split(self.split_sizes[:3], dim=-1)
-        q = _l2_normalize(q.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
-        k = _l2_normalize(k.unflatten(-1, (self.num_qk_heads, self.head_k_dim)))  # [B, T, Hk, K]
+        q = l2_normalize(q.unflatten(-1, (self.num_qk_heads, self.head_k_dim)), _L2_NORM_EPS, norm_backend)  # [B, T, Hk, K]
+        k = l2_normalize(k.unflatten(-1, (self.num_qk_heads, self.head_k_dim)), _L2_NORM_EPS, norm_backend)  # [B, T, Hk, K]
         # Each q/k head serves num_v_heads // num_qk_heads consecutive v heads (Qwen3-Next).
         # The ops take such grouped heads as they are; context parallelism's fold wants them
         # repeated.
@@ -208,18 +211,17 @@ class LinearAttention(MegatronModule):
             g = F.logsigmoid(_at_least_fp32(gate)) / _GLA_GATE_NORMALIZER
             op = simple_gla if layout is None else cp_simple_gla
             o, _ = op(q, k, v, g, **op_kwargs)  # [B, T, Hv, V]
-        y = self.out_norm(o, z).flatten(2)  # [B, T, Hv * V]
-        out, _ = self.out_proj(y.transpose(0, 1).contiguous())  # [s, b, h]
+        y = self.out_norm(o, z, seq_first=True, backend=norm_backend).flatten(2)  # [s, b, Hv * V]
+        out, _ = self.out_proj(y)  # [s, b, h]
         return out, None
 
-    def _short_conv(
-        self, x: Tensor, cu_seqlens: Optional[Tensor], layout: Optional[CPLayout] = None
-    ) -> Tensor:
-        """Causal depthwise conv + SiLU over [B, T, C], restarting at packed boundaries.
+    def _short_conv(self, x: Tensor, cu_seqlens: Optional[Tensor], layout: CPLayout) -> Tensor:
+        """Causal depthwise conv + SiLU over [B, T, C] under context parallelism.
 
-        Under context parallelism each piece's first segment starts from the W - 1 tokens
-        before the piece in global order (conv_halo: zero where they belong to an earlier
-        packed sequence); the other segments begin a sequence and start from zeros.
+        Each piece's first segment starts from the W - 1 tokens before the piece in global
+        order (conv_halo: zero where they belong to an earlier packed sequence); the other
+        segments begin a sequence and start from zeros. (Without context parallelism the layer
+        calls ops.linear_attention.short_conv.causal_conv1d.)
         """
         weight = self.conv1d.weight  # [C, 1, W]
         halo_len = weight.shape[-1] - 1
@@ -228,26 +230,18 @@ class LinearAttention(MegatronModule):
             seg = F.pad(seg, (halo_len, 0)) if halo is None else torch.cat([halo, seg], dim=-1)
             return F.conv1d(seg, weight, groups=weight.shape[0])
 
+        halos = conv_halo(x, layout, halo_len, cu_seqlens)  # [NPL, B, W - 1, C]
+        halos = halos.transpose(2, 3)  # [NPL, B, C, W - 1]
         x = x.transpose(1, 2)  # [B, C, T]
-        if layout is not None:
-            halos = conv_halo(x.transpose(1, 2), layout, halo_len, cu_seqlens)  # [NPL, B, W - 1, C]
-            halos = halos.transpose(2, 3)  # [NPL, B, C, W - 1]
-            segs = layout.local_segments(cu_seqlens)
-            offsets, firsts = segs.cu_seqlens.tolist(), segs.first_in_piece.tolist()
-            y = torch.cat(
-                [
-                    conv(x[..., a:b], halos[a // layout.piece_len] if first else None)
-                    for a, b, first in zip(offsets[:-1], offsets[1:], firsts)
-                ],
-                dim=-1,
-            )
-        elif cu_seqlens is None:
-            y = conv(x)
-        else:
-            offsets = cu_seqlens.tolist()
-            # an empty packed sequence has nothing to convolve (conv1d rejects a zero-length input)
-            segments = [(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
-            y = torch.cat([conv(x[..., a:b]) for a, b in segments], dim=-1)
+        segs = layout.local_segments(cu_seqlens)
+        offsets, firsts = segs.cu_seqlens.tolist(), segs.first_in_piece.tolist()
+        y = torch.cat(
+            [
+                conv(x[..., a:b], halos[a // layout.piece_len] if first else None)
+                for a, b, first in zip(offsets[:-1], offsets[1:], firsts)
+            ],
+            dim=-1,
+        )
         return F.silu(y).transpose(1, 2)  # [B, T, C]
 
 

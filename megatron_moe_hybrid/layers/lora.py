@@ -174,10 +174,17 @@ class LoRALinear(nn.Module):
         """[out(/tp), in(/tp)] s * B A: this rank's block of the weight delta (merge only)."""
         return (self.lora_B @ self.lora_A) * self.scale
 
-    def _adapter(self, x: torch.Tensor) -> torch.Tensor:
+    def _plus_adapter(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + s * (x A^T) B^T. The scale goes on the rank-r product, and where the adapter
+        computes in out's dtype the sum is the second GEMM's epilogue (addmm): no pass over
+        the [..., out] tensor besides the GEMM's own."""
         dtype = _compute_dtype(x, self.lora_A)
-        u = _linear(self.dropout(x).to(dtype), self.lora_A.to(dtype))  # [..., r]
-        return _linear(u, self.lora_B.to(dtype)) * self.scale  # [..., out(/tp)]
+        u = _linear(self.dropout(x).to(dtype), self.lora_A.to(dtype)) * self.scale  # [..., r]
+        b = self.lora_B.to(dtype)
+        if dtype != out.dtype:
+            return out + _linear(u, b).to(out.dtype)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), u.reshape(-1, u.shape[-1]), b.t())
+        return flat.view(out.shape)  # [..., out(/tp)]
 
     def _base_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w = self.base.weight
@@ -190,7 +197,7 @@ class LoRALinear(nn.Module):
         if isinstance(base, RowParallelLinear):
             return self._row_forward(x)
         out = self._base_linear(x, base.bias)
-        return out if self.merged else out + self._adapter(x).to(out.dtype)
+        return out if self.merged else self._plus_adapter(out, x)
 
     def _column_forward(self, x, weight=None, runtime_gather_output=None):
         base = self.base
@@ -202,7 +209,7 @@ class LoRALinear(nn.Module):
         x_par = copy_to_tensor_model_parallel_region(x, group=group) if tp > 1 else x
         out = self._base_linear(x_par, None if base.skip_bias_add else base.bias)  # [..., out/tp]
         if not self.merged:
-            out = out + self._adapter(x_par).to(out.dtype)
+            out = self._plus_adapter(out, x_par)
         gather = base.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and tp > 1:
             out = _GatherLastDim.apply(out, group)
@@ -214,7 +221,7 @@ class LoRALinear(nn.Module):
         x_par = x if base.input_is_parallel or tp == 1 else _ScatterLastDim.apply(x, group)
         partial = self._base_linear(x_par, None)  # [..., out], this rank's share of the sum
         if not self.merged:
-            partial = partial + self._adapter(x_par).to(partial.dtype)
+            partial = self._plus_adapter(partial, x_par)
         out = reduce_from_tensor_model_parallel_region(partial, group=group) if tp > 1 else partial
         if base.skip_bias_add:
             return out, base.bias
@@ -316,8 +323,8 @@ class LoRAGroupedExperts(nn.Module):
             valid = (torch.arange(x.shape[0], device=x.device) < total)[:, None]  # [N, 1]
             out = F.linear(F.linear(torch.where(valid, x, x.new_zeros(())), a), b) * self.scale
             return torch.where(valid, out, out.new_zeros(()))
-        u = grouped_matmul(x, a.transpose(1, 2), counts)  # [N, r]
-        return grouped_matmul(u, b.transpose(1, 2), counts) * self.scale  # [N, out]
+        u = grouped_matmul(x, a.transpose(1, 2), counts) * self.scale  # [N, r]: scaled where it is narrow
+        return grouped_matmul(u, b.transpose(1, 2), counts)  # [N, out]
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """x_sorted [N, h] grouped by local expert, tokens_per_expert [E] -> [N, h].

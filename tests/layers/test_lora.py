@@ -414,7 +414,8 @@ def test_fp32_adapters_over_bf16_activations_compute_in_bf16():
     x = torch.randn(7, 12, dtype=torch.bfloat16, requires_grad=True)
     out = lora(x)
     a, b = (p.detach().bfloat16().requires_grad_() for p in (lora.lora_A, lora.lora_B))
-    ref = F.linear(x, base.weight) + F.linear(F.linear(x, a), b) * lora.scale
+    # the scale on the rank-r product, the sum in the second GEMM's epilogue (one rounding)
+    ref = torch.addmm(F.linear(x, base.weight), F.linear(x, a) * lora.scale, b.t())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     g = torch.randn_like(out)

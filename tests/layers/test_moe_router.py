@@ -152,3 +152,30 @@ def test_capacity_drops_copies_and_their_gradient(policy):
     want = torch.autograd.grad(free_probs, [x, router.weight], g.masked_fill(dropped, 0.0))
     for a, w in zip(got, want):
         torch.testing.assert_close(a, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen", "trained"])
+def test_split_precision_logits_match_fp64_on_cuda(weight_grad):
+    """bf16 tokens with an fp32 gate: the two-GEMM split keeps fp32 accuracy (a bf16 GEMM
+    with bf16 output would be ~3e-3 off), forward and gradients."""
+    from megatron_moe_hybrid.layers.moe.router import router_logits
+
+    x = torch.randn(4096, 2048, device="cuda").bfloat16().requires_grad_(True)
+    w = (torch.randn(512, 2048, device="cuda") * 0.02).requires_grad_(weight_grad)
+    got = router_logits(x, w)
+    assert got.dtype == torch.float32
+    g = torch.randn_like(got)
+    inputs = (x, w) if weight_grad else (x,)
+    grads = torch.autograd.grad(got, inputs, g)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(weight_grad)
+    want = x64 @ w64.t()
+    want_grads = torch.autograd.grad(want, (x64, w64) if weight_grad else (x64,), g.double())
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert rel(got, want) < 2e-5
+    assert rel(grads[0], want_grads[0]) < 8e-3  # rounded to bf16, as x
+    if weight_grad:
+        assert rel(grads[1], want_grads[1]) < 2e-5

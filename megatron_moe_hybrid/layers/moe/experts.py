@@ -7,10 +7,10 @@ F expert FFN hidden size (config.moe.ffn_hidden_size).
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, swiglu_experts, uses_grouped_mm
+from megatron_moe_hybrid.ops.moe.swiglu import swiglu
 
 # (rows [N, in], counts) -> [N, out]: added to a matmul's output (a LoRA adapter)
 Extra = Callable[[torch.Tensor, object], torch.Tensor]
@@ -72,8 +72,7 @@ class GroupedExperts(MegatronModule):
         h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
         if fc1_extra is not None:
             h1 = h1 + fc1_extra(x_sorted, counts).to(h1.dtype)
-        gate, up = h1.chunk(2, dim=-1)  # [N, F] each
-        act = F.silu(gate) * up
+        act = swiglu(h1)  # [N, F]: fused on CUDA
         out = grouped_matmul(act.to(w2.dtype), w2, counts).to(act.dtype)  # [N, h]
         if fc2_extra is not None:
             out = out + fc2_extra(act, counts).to(out.dtype)

@@ -19,6 +19,57 @@ from megatron_moe_hybrid.ops.moe.reference import (
     sequence_load_balancing_loss,
 )
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class _SplitPrecisionLogits(torch.autograd.Function):
+    """x [T, h] bf16/fp16 @ w [E, h].T in fp32 -> [T, E] fp32, as half-precision GEMMs.
+
+    x is exact in its half type; w = w_hi + w_lo (each half, ~16 mantissa bits together), so
+    two tensor-core products with fp32 output give the fp32 product to ~1e-5 relative, where
+    the plain fp32 GEMM (no tensor cores) costs several times as much. The backward splits the
+    fp32 upstream gradient the same way; grad x is rounded to x's dtype, as any activation
+    gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        w_hi = w.to(x.dtype)
+        w_lo = (w - w_hi.to(w.dtype)).to(x.dtype)
+        f32 = torch.float32
+        logits = torch.mm(x, w_hi.t(), out_dtype=f32) + torch.mm(x, w_lo.t(), out_dtype=f32)
+        ctx.save_for_backward(x, w_hi, w_lo)
+        ctx.w_dtype = w.dtype
+        return logits.to(torch.promote_types(w.dtype, f32))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w_hi, w_lo = ctx.saved_tensors
+        f32 = torch.float32
+        g_hi = g.to(x.dtype)
+        g_lo = (g - g_hi.to(g.dtype)).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(g_hi, w_hi, out_dtype=f32) + torch.mm(g_lo, w_hi, out_dtype=f32)
+            dx = (dx + torch.mm(g_hi, w_lo, out_dtype=f32)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gt_hi, gt_lo = g_hi.t(), g_lo.t()
+            dw = (torch.mm(gt_hi, x, out_dtype=f32) + torch.mm(gt_lo, x, out_dtype=f32)).to(ctx.w_dtype)
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, h] @ weight [E, h].T with fp32 (or wider) output and accuracy.
+
+    On CUDA, half-precision x and an fp32 weight take _SplitPrecisionLogits (tensor cores);
+    otherwise x is widened and multiplied in the weight's precision.
+    """
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    if x.is_cuda and x.dtype in _HALF and weight.dtype == torch.float32:
+        return _SplitPrecisionLogits.apply(x, weight)
+    return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+
 DROPPED = -1  # topk_idx of a copy dropped by the capacity: it goes to no expert
 AUX_LOSS_TYPES = ("micro_batch", "seq", "global")
 
@@ -87,8 +138,7 @@ class TopKRouter(MegatronModule):
         Padding tokens are still routed (their outputs are discarded by the loss mask) and take
         capacity, but count in neither loss.
         """
-        dtype = torch.promote_types(self.weight.dtype, torch.float32)
-        logits = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
+        logits = router_logits(x, self.weight)  # [T, E] fp32+
         self._keep_expert_bias_fp32()
         probs, topk_idx, scores = router_topk(
             logits,
