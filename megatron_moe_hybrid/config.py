@@ -156,6 +156,9 @@ class MemoryConfig:
     offload_modules: list[str] = field(default_factory=lambda: ["*.mlp", "*.mlp.*"])  # module-path patterns: the MoE layers; "*.self_attention" adds attention
     offload_fraction: float = 1.0  # offload in the first ceil(fraction x num_layers) layers
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
+    # recompute the first N transformer layers in the backward (activation checkpointing): each
+    # keeps only its input; -1 recomputes every layer
+    recompute_layers: int = 0
 
 
 @dataclass
@@ -594,6 +597,11 @@ def _validate(c: HybridMoEConfig) -> None:
     # memory
     mem = c.memory
     _positive(mem.ce_chunk_size, "memory.ce_chunk_size")
+    _require(
+        isinstance(mem.recompute_layers, int) and not isinstance(mem.recompute_layers, bool) and mem.recompute_layers >= -1,
+        "memory.recompute_layers",
+        f"must be an integer: 0 (off), N (the first N layers) or -1 (every layer), got {mem.recompute_layers!r}",
+    )
     _require(
         isinstance(mem.offload_modules, list)
         and len(mem.offload_modules) > 0

@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_moe_hybrid.config import HybridMoEConfig
 from megatron_moe_hybrid.models.specs import hybrid_layer_specs
+from megatron_moe_hybrid.parallel.recompute import recompute_layers
 
 
 class HybridMoEModel(GPTModel):
@@ -52,8 +53,12 @@ class HybridMoEModel(GPTModel):
 
 
 def build_model(config: HybridMoEConfig) -> HybridMoEModel:
-    """Builds the model on CPU in config.params_dtype; call after parallel_state is initialised."""
+    """Builds the model on CPU in config.params_dtype; call after parallel_state is initialised.
+    memory.recompute_layers turns on activation checkpointing (recompute_layers)."""
     model = HybridMoEModel(config)
     if config.params_dtype != torch.float32:
         model = model.to(config.params_dtype)
+    n = config.memory.recompute_layers
+    if n:
+        recompute_layers(model, len(model.decoder.layers) if n < 0 else n)
     return model

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 import yaml
 
 from megatron_moe_hybrid.config import config_from_dict
@@ -107,3 +108,54 @@ def test_model_is_causal():
         b = model(tokens2, pos, None)
     torch.testing.assert_close(a[:, :20], b[:, :20])
     assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_recompute_layers_gives_the_same_loss_gradients_and_counts(lora):
+    """memory.recompute_layers: the same loss and gradients as storing every activation, the
+    routing counts taken once, and fewer tensors kept for the backward. Under LoRA the frozen
+    embedding's output needs no gradient: the layers' adapters must still get theirs."""
+    from megatron_moe_hybrid.layers.lora import apply_lora
+    from megatron_moe_hybrid.models import build_model
+
+    b, s = 2, 32
+    tokens = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(s).expand(b, s)
+
+    def run(recompute):
+        torch.manual_seed(0)
+        config = tiny_config(**{"memory.recompute_layers": recompute})
+        model = build_model(config).double()
+        if lora:
+            apply_lora(model, ["linear_attention", "sparse_attention", "experts"], rank=4, alpha=8.0)
+            with torch.no_grad():  # B = 0 would leave A without gradient
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.1)
+        kept = []
+        # without early stop the recompute runs each layer's forward to its end, routing counts
+        # included (with it, torch stops at the last saved tensor and hides a double count)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+                loss = model(tokens % config.vocab_size, pos, None, labels=tokens % config.vocab_size).mean()
+            loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        counts = [m.tokens_per_expert.clone() for m in model.moe_layers()]
+        return loss.detach(), grads, counts, sum(kept)
+
+    loss0, grads0, counts0, kept0 = run(0)
+    loss1, grads1, counts1, kept1 = run(-1)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    assert grads1.keys() == grads0.keys() and all(g is not None for g in grads1.values())
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-10, atol=1e-12, msg=n)
+    for c1, c0 in zip(counts1, counts0):
+        assert torch.equal(c1, c0) and c0.sum() > 0
+    assert kept1 < kept0 / 2
+
+
+def test_recompute_layers_config_error_names_the_field():
+    from megatron_moe_hybrid.config import ConfigError
+
+    with pytest.raises(ConfigError, match="memory.recompute_layers"):
+        tiny_config(**{"memory.recompute_layers": -2})

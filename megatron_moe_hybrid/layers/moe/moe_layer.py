@@ -14,6 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_moe_hybrid.ops.moe.reference import count_experts
+from megatron_moe_hybrid.parallel.recompute import is_recomputing
 from megatron_moe_hybrid.registry import MOE_DISPATCHERS
 
 from .experts import GroupedExperts
@@ -153,8 +154,9 @@ class MoELayer(MegatronModule):
 
         self.last_dropped = (topk_idx < 0).sum()
         # Counted only with grad enabled so that eval and reentrant-checkpoint recompute
-        # forwards do not count twice (Megatron's rule for its expert-bias counts).
-        if torch.is_grad_enabled():
+        # forwards do not count twice (Megatron's rule for its expert-bias counts), and not in
+        # our recompute (parallel.recompute), whose second forward has grad enabled.
+        if torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 # a discard bin E collects dropped copies and padding tokens (no boolean
                 # indexing: that would read a size back from the device)
