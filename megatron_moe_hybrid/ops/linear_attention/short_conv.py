@@ -24,12 +24,10 @@ except ImportError:  # Triton is optional on CPU
 logger = logging.getLogger(__name__)
 
 MAX_KERNEL_SIZE = 8
-# (BLOCK_T, BLOCK_C, num_warps). Chosen from an sm_90 compile's register counts, not timed:
-# the forward needs ~4 registers an element (64 at W=4 for 16 elements a thread); the backward,
-# which recomputes the pre-activation at W shifted rows, ~9 (132-144 at W=4, ~190 at W=8, no
-# spills in bf16/fp16), so it takes smaller tiles to keep 3 programs (12 warps) on an SM.
+# (BLOCK_T, BLOCK_C, num_warps). The forward's from an sm_90 compile's register counts (~4 a
+# element: 64 at W=4 for 16 elements a thread); the backward's two passes keep fewer tiles live.
 FWD_CONFIG = (32, 128, 8)
-BWD_CONFIG = (32, 64, 4)
+BWD_CONFIG = (32, 128, 8)
 _fallback_logged = False
 
 
@@ -97,18 +95,46 @@ if triton is not None:
         tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
     @triton.jit
-    def _causal_conv1d_bwd_kernel(
-        x, w, dy, dx, dw, pos, T, C, stride_xb, stride_xt,
-        W: tl.constexpr, HAS_POS: tl.constexpr, ACT: tl.constexpr,
+    def _causal_conv1d_dpre_kernel(
+        x, w, dy, dpre, pos, T, C, stride_xb, stride_xt,
+        W: tl.constexpr, HAS_POS: tl.constexpr,
         BT: tl.constexpr, BC: tl.constexpr,
     ):
-        # Rows t of this tile get dx[t] = sum_s w[W-1-s] * dpre[t+s], where dpre = dy * silu'(pre)
-        # at row t+s is recomputed from x (W shifted loads, served by the cache) rather than
-        # stored by the forward. The same product x[t] * dpre[t+s] summed over the tile's t is
-        # this tile's share of dw[:, W-1-s]: every (t, t+s) pair is counted in t's tile only.
-        # dw is always written, even for a frozen weight: its stores keep the compiler from
-        # merging the shifted x loads across iterations, which without them spills (W=8: ~9 KB
-        # of stack a thread on sm_90).
+        """dpre = dy * silu'(pre), pre recomputed from x as the forward does (SiLU only)."""
+        i_bt, i_c = tl.program_id(0), tl.program_id(1)
+        num_t = tl.cdiv(T, BT)
+        i_b, i_t = i_bt // num_t, i_bt % num_t
+        o_t = i_t * BT + tl.arange(0, BT)
+        o_c = i_c * BC + tl.arange(0, BC)
+        m_t, m_c = o_t < T, o_c < C
+        if HAS_POS:
+            b_pos = tl.load(pos + o_t, mask=m_t, other=0)
+        else:
+            b_pos = o_t
+        p_x = x + i_b.to(tl.int64) * stride_xb + o_c[None, :]
+        b_pre = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            shift = W - 1 - j
+            m_tap = m_t & (b_pos >= shift)
+            b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+            o_src = (o_t - shift).to(tl.int64) * stride_xt
+            b_x = tl.load(p_x + o_src[:, None], mask=m_tap[:, None] & m_c[None, :], other=0.0)
+            b_pre += b_x.to(tl.float32) * b_w[None, :]
+        o_out = (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
+        m = m_t[:, None] & m_c[None, :]
+        b_dy = tl.load(dy + o_out, mask=m, other=0.0).to(tl.float32)
+        b_sig = tl.sigmoid(b_pre)
+        tl.store(dpre + o_out, (b_dy * b_sig * (1.0 + b_pre * (1.0 - b_sig))).to(dpre.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _causal_conv1d_bwd_kernel(
+        x, w, dpre, dx, dw, pos, T, C, stride_xb, stride_xt,
+        W: tl.constexpr, HAS_POS: tl.constexpr,
+        BT: tl.constexpr, BC: tl.constexpr,
+    ):
+        # Rows t of this tile get dx[t] = sum_s w[W-1-s] * dpre[t+s] (W shifted loads of dpre,
+        # served by the cache); the same products x[t] * dpre[t+s] summed over the tile's t are
+        # its share of dw[:, W-1-s]: every (t, t+s) pair is counted in t's tile only.
         i_bt, i_c = tl.program_id(0), tl.program_id(1)
         num_t = tl.cdiv(T, BT)
         i_b, i_t = i_bt // num_t, i_bt % num_t
@@ -116,7 +142,7 @@ if triton is not None:
         o_c = i_c * BC + tl.arange(0, BC)
         m_t, m_c = o_t < T, o_c < C
         p_x = x + i_b.to(tl.int64) * stride_xb + o_c[None, :]
-        p_dy = dy + i_b.to(tl.int64) * T * C + o_c[None, :]
+        p_dpre = dpre + i_b.to(tl.int64) * T * C + o_c[None, :]
         b_x0 = tl.load(
             p_x + o_t.to(tl.int64)[:, None] * stride_xt, mask=m_t[:, None] & m_c[None, :], other=0.0
         ).to(tl.float32)  # [BT, BC] x at the tile's own rows
@@ -128,21 +154,10 @@ if triton is not None:
                 b_pos = tl.load(pos + o_r, mask=m_r, other=0)
             else:
                 b_pos = o_r
-            m_rc = m_r[:, None] & m_c[None, :]
-            b_dpre = tl.load(p_dy + o_r.to(tl.int64)[:, None] * C, mask=m_rc, other=0.0).to(tl.float32)
-            if ACT:
-                b_pre = tl.zeros([BT, BC], dtype=tl.float32)
-                for j in tl.static_range(W):
-                    shift = W - 1 - j
-                    m_tap = m_r & (b_pos >= shift)
-                    b_wj = tl.load(w + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-                    o_src = (o_r - shift).to(tl.int64) * stride_xt
-                    b_x = tl.load(p_x + o_src[:, None], mask=m_tap[:, None] & m_c[None, :], other=0.0)
-                    b_pre += b_x.to(tl.float32) * b_wj[None, :]
-                b_sig = tl.sigmoid(b_pre)
-                b_dpre = b_dpre * b_sig * (1.0 + b_pre * (1.0 - b_sig))
             # row t + s read row t iff tap W-1-s (shift s) stayed inside its sequence
-            b_dpre = tl.where((m_r & (b_pos >= s))[:, None], b_dpre, 0.0)
+            m_read = m_r & (b_pos >= s)
+            b_dpre = tl.load(p_dpre + o_r.to(tl.int64)[:, None] * C, mask=m_read[:, None] & m_c[None, :],
+                             other=0.0).to(tl.float32)
             b_ws = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(tl.float32)
             b_dx += b_dpre * b_ws[None, :]
             b_dws = tl.sum(b_x0 * b_dpre, axis=0)  # [BC]
@@ -187,7 +202,12 @@ def causal_conv1d_fwd(x: Tensor, w_CW: Tensor, pos: Tensor | None, activation: b
 def causal_conv1d_bwd(
     x: Tensor, w_CW: Tensor, dy: Tensor, pos: Tensor | None, activation: bool, need_dw: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """dy [B, T, C] contiguous -> dx [B, T, C] in x's dtype, dw [C, W] in w's dtype (or None)."""
+    """dy [B, T, C] contiguous -> dx [B, T, C] in x's dtype, dw [C, W] in w's dtype (or None).
+
+    Two passes: dpre = dy * silu'(pre) (pre recomputed; dy itself without the activation),
+    then dx and dw's partial sums from W shifted reads of dpre. (One kernel that recomputed
+    pre at each of the W shifted rows did W^2 loads a tile and ran 2.2 ms for [4, 4096, 8192]
+    on the H200.)"""
     B, T, C = x.shape
     W = w_CW.shape[1]
     BT, BC, num_warps = BWD_CONFIG
@@ -196,10 +216,16 @@ def causal_conv1d_bwd(
     # [programs over (B, T-blocks), C, W] fp32 partial sums, added up below: deterministic
     dw_partial = _alloc((grid[0], C, W), torch.float32, x.device)
     if dx.numel():
+        dpre = dy
+        if activation:
+            dpre = _alloc((B, T, C), torch.float32, x.device)  # fp32: dw sums it over every token
+            _causal_conv1d_dpre_kernel[grid](
+                x, w_CW, dy, dpre, pos, T, C, x.stride(0), x.stride(1),
+                W=W, HAS_POS=pos is not None, BT=BT, BC=BC, num_warps=num_warps,
+            )
         _causal_conv1d_bwd_kernel[grid](
-            x, w_CW, dy, dx, dw_partial, pos, T, C, x.stride(0), x.stride(1),
-            W=W, HAS_POS=pos is not None, ACT=activation,
-            BT=BT, BC=BC, num_warps=num_warps,
+            x, w_CW, dpre, dx, dw_partial, pos, T, C, x.stride(0), x.stride(1),
+            W=W, HAS_POS=pos is not None, BT=BT, BC=BC, num_warps=num_warps,
         )
     if not need_dw:
         return dx, None
