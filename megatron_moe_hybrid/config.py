@@ -204,6 +204,7 @@ class TrainingConfig:
     init_from: Optional[str] = None  # a checkpoint directory whose model weights start the run
     progress_bar: bool = True
     deterministic: bool = True  # torch deterministic algorithms; bitwise-repeatable runs
+    device: str = "auto"  # "auto" (CUDA when visible, one GPU per rank: LOCAL_RANK), "cuda" or "cpu"
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps are skipped; this many in a row stop the run
     on_save_error: str = "stop"  # "stop" | "continue" when a checkpoint cannot be written (e.g. disk full)
     on_corrupt_checkpoint: str = "error"  # "error" | "previous": resume from the newest loadable one
@@ -668,6 +669,15 @@ def _validate(c: HybridMoEConfig) -> None:
 
     # training
     t = c.training
+    _require(t.device in ("auto", "cuda", "cpu"), "training.device", f"{t.device!r} is not 'auto', 'cuda' or 'cpu'")
+    if t.device == "cuda":
+        import torch
+
+        _require(
+            torch.cuda.is_available(),
+            "training.device",
+            "is 'cuda' but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver); use 'auto' or 'cpu'",
+        )
     _require(t.lr >= 0, "training.lr", f"must be >= 0, got {t.lr}; a typical value is 3e-4")
     _require(
         0 <= t.min_lr <= t.lr,

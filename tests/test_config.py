@@ -70,6 +70,8 @@ INVALID = [
     ("offload-fraction-zero", {"memory.offload_fraction": 0.0}, 1, "memory.offload_fraction"),
     ("cp-layout-unknown", {"parallel.cp_layout": "ring"}, 1, "parallel.cp_layout"),
     ("zero-ce-chunk", {"memory.ce_chunk_size": 0}, 1, "memory.ce_chunk_size"),
+    ("bad-recompute", {"memory.recompute_layers": -3}, 1, "memory.recompute_layers"),
+    ("bad-device", {"training.device": "gpu"}, 1, "training.device"),
     ("unknown-group", {"mooe.num_experts": 8}, 1, "mooe"),
     ("unknown-field-typo", {"moe.num_expert": 8}, 1, "moe.num_expert"),
     ("unknown-model-field", {"model.hiden_size": 8}, 1, "model.hiden_size"),
@@ -158,3 +160,11 @@ def test_cli_bad_config_exits_2_with_one_line():
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert "moe.num_experts" in lines[0]
+
+
+def test_cuda_device_without_a_gpu_names_the_field(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="training.device: is 'cuda' but no CUDA device is visible"):
+        config_from_dict(tiny_raw(), {"training.device": "cuda"})

@@ -95,10 +95,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], groups: ParallelGroup
     expert (summed over expert-dp, then over ep).
     """
     params = [p for p in params if p.grad is not None]
+    # the collectives' device (NCCL takes CUDA tensors only), also for a kind with no gradients
+    device = params[0].grad.device if params else torch.device("cpu")
 
     def sq(kind) -> torch.Tensor:
         grads = [p.grad.to_local() if is_fsdp_param(p) else p.grad for p in params if kind(p)]
-        return sum((g.float().pow(2).sum() for g in grads), torch.zeros(())).reshape(1).clone()
+        return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=device)).reshape(1).clone()
 
     dense_sq = sq(lambda p: not is_expert_param(p) and not is_fsdp_param(p))
     expert_sq = sq(lambda p: is_expert_param(p) and not is_fsdp_param(p))

@@ -53,7 +53,7 @@ def apply_fsdp(model: nn.Module, config) -> nn.Module:
         param_dtype=_dtype(p.fsdp_param_dtype, "parallel.fsdp_param_dtype"),
         reduce_dtype=_dtype(p.fsdp_reduce_dtype, "parallel.fsdp_reduce_dtype"),
     )
-    device = next(model.parameters()).device.type  # the trainer keeps the model on the CPU today
+    device = next(model.parameters()).device.type  # training.device: the meshes live where the model does
     # Context-parallel ranks are data-parallel replicas of the weights (they hold other tokens
     # of the same sequences): dense modules shard over dp x cp; expert-dp already spans them.
     dp_mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), device)

@@ -85,10 +85,15 @@ def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) 
                 continue
             e_local = experts[name].num_local_experts
             for i in range(e_local):
-                out[f"{name}.expert{ep_rank * e_local + i}"] = tensor[i].detach().contiguous().clone()
+                out[f"{name}.expert{ep_rank * e_local + i}"] = _host_copy(tensor[i])
         elif _rank() == 0:
-            out[name] = tensor.detach().contiguous().clone()
+            out[name] = _host_copy(tensor)
     return out
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy (safetensors and the checksums read host memory)."""
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def _atomic_write_text(path: str, text: str) -> None:

@@ -39,8 +39,36 @@ class RunResult:
     adapter_dir: Optional[str] = None
 
 
+def training_device(config: HybridMoEConfig) -> torch.device:
+    """training.device resolved: this rank's GPU (LOCAL_RANK) or the CPU.
+
+    "auto" takes the GPU when every process on this node has one of its own (LOCAL_WORLD_SIZE
+    <= visible GPUs) and no gloo group was set up before (tests spawn CPU ranks over gloo);
+    otherwise the CPU. "cuda" insists, and says what is wrong when it cannot."""
+    want = config.training.device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if want == "auto":
+        enough = torch.cuda.is_available() and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count()
+        preset_gloo = dist.is_initialized() and dist.get_backend() != "nccl"
+        want = "cuda" if enough and not preset_gloo else "cpu"
+    if want == "cpu":
+        return torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend() == "nccl":  # a group made elsewhere picked the GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    if local_rank >= torch.cuda.device_count():
+        from megatron_moe_hybrid.config import ConfigError
+
+        raise ConfigError(
+            "training.device",
+            f"rank with LOCAL_RANK={local_rank} has no GPU of its own ({torch.cuda.device_count()} visible); "
+            "launch at most one process per GPU (torchrun --nproc-per-node) or set training.device: cpu",
+        )
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(config: HybridMoEConfig) -> None:
-    """A gloo group (a 1-process one when not under torchrun) and Megatron's parallel_state."""
+    """A process group (a 1-process one when not under torchrun): NCCL with one GPU per rank,
+    gloo on the CPU; and Megatron's parallel_state."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -49,9 +77,15 @@ def init_distributed(config: HybridMoEConfig) -> None:
 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        # The trainer keeps the model on the CPU for now (the GPU path is issue 12), so its
-        # collectives run over gloo even where CUDA exists.
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.parallel.collective_timeout_s))
+        device = training_device(config)
+        timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+        if device.type == "cuda":
+            if config.training.deterministic:  # cuBLAS is deterministic only with a fixed workspace
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     _check_launch(config)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -126,7 +160,10 @@ class Trainer:
 
         self.config, self.mode = config, mode
         t = config.training
-        torch.use_deterministic_algorithms(t.deterministic)
+        self.device = training_device(config)
+        # On CUDA a few ops have no deterministic kernel: torch warns about those instead of
+        # stopping the run (the MoE and loss paths are written deterministic).
+        torch.use_deterministic_algorithms(t.deterministic, warn_only=self.device.type == "cuda")
         self.rank = dist.get_rank()
         self.groups = ParallelGroups.from_parallel_state()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -163,8 +200,10 @@ class Trainer:
         if self.rank == 0:  # fine-tuning runs and users reuse it: keep it with the run
             _copy_atomic(str(self.tokenizer.model_path), os.path.join(self.output_dir, "tokenizer.model"))
 
+        _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
-        self.model = build_model(config)
+        # Built and initialised on the CPU, then moved: one seed gives the same weights on any device.
+        self.model = build_model(config).to(self.device)
         if t.init_from is not None:
             ckpt.load_model_weights(t.init_from, self.model)
         if config.lora.enabled:
@@ -263,6 +302,8 @@ class Trainer:
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def _adapters_only(self) -> bool:
         return self.config.lora.enabled and self.config.lora.adapters_only_checkpoint
@@ -285,7 +326,7 @@ class Trainer:
         t = self.config.training
         per_rank = t.global_batch_size // self.data_dp_size
         start = step * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
-        return batch(self.dataset, start, t.micro_batch_size)
+        return batch(self.dataset, start, t.micro_batch_size)  # on the CPU
 
     def _moe_stats(self) -> dict:
         """Global expert load (all ranks' routed copies) per MoE layer; updates expert bias."""
@@ -339,14 +380,15 @@ class Trainer:
         self.tracker.reset()
         # Auxiliary losses (MoE balancing, indexer KL) are averaged over micro-batches like
         # the LM loss, so the gradient does not depend on how the batch is split.
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro))
-        loss_sum = torch.zeros(())
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro, device=self.device))
+        loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.num_micro):
             tokens, labels = self._batch(self.step, micro)  # [b, s] int64
             # [b, s / CP]: this rank's pieces; the loss below is their mean, and averaging the
             # gradients over the CP ranks (equal shares) makes it the mean over the sequence.
             tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
-            position_ids = self.cp_layout.positions().expand_as(tokens)
+            position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
+            tokens, labels = tokens.to(self.device), labels.to(self.device)
             with self.activation_offload:  # a no-op context unless memory.activation_offload
                 loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
                 loss = loss_bs.mean()
@@ -425,6 +467,8 @@ class Trainer:
             "skipped": self.skipped,
             "rng": torch.get_rng_state(),
         }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         meta = {"mode": self.mode, "config": self.config.to_dict()}
         try:
             path = ckpt.save_checkpoint(
