@@ -25,9 +25,11 @@ logger = logging.getLogger(__name__)
 
 MAX_KERNEL_SIZE = 8
 # (BLOCK_T, BLOCK_C, num_warps). The forward's from an sm_90 compile's register counts (~4 a
-# element: 64 at W=4 for 16 elements a thread); the backward's two passes keep fewer tiles live.
+# element: 64 at W=4 for 16 elements a thread); the backward's the fastest of five tried on the
+# H200 at B4-T4096-C8192 (benchmarks/results/h200/short_conv.json: 2.14 ms forward and backward,
+# against 3.18 with the forward's shape).
 FWD_CONFIG = (32, 128, 8)
-BWD_CONFIG = (32, 128, 8)
+BWD_CONFIG = (64, 64, 4)
 _fallback_logged = False
 
 
