@@ -52,8 +52,9 @@ class LinearAttentionSubmodules:
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm (one weight of size V shared by all heads) times silu(z), as Qwen3-Next.
 
-    Computed in fp32 (fp64 for fp64 inputs), from x and z read in place (z may be a strided view). Under tensor parallelism each rank sees different
-    heads, so the weight's gradient must be summed over the tensor-parallel group.
+    Computed in fp32 (fp64 for fp64 inputs), from x and z read in place (z may be a strided
+    view). Under tensor parallelism each rank sees different heads, so the weight's gradient
+    must be summed over the tensor-parallel group.
     """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):

@@ -321,7 +321,7 @@ class LoRAGroupedExperts(nn.Module):
             # them): mask the output too, so that no padding row reaches A or B either way.
             total = counts.sum() if torch.is_tensor(counts) else sum(counts)  # no host sync
             valid = (torch.arange(x.shape[0], device=x.device) < total)[:, None]  # [N, 1]
-            out = F.linear(F.linear(torch.where(valid, x, x.new_zeros(())), a), b) * self.scale
+            out = F.linear(F.linear(torch.where(valid, x, x.new_zeros(())), a) * self.scale, b)
             return torch.where(valid, out, out.new_zeros(()))
         u = grouped_matmul(x, a.transpose(1, 2), counts) * self.scale  # [N, r]: scaled where it is narrow
         return grouped_matmul(u, b.transpose(1, 2), counts)  # [N, out]

@@ -93,7 +93,7 @@ def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy (safetensors and the checksums read host memory)."""
-    return t.detach().to("cpu", copy=True).contiguous()
+    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
 
 def _atomic_write_text(path: str, text: str) -> None:

@@ -29,7 +29,8 @@ def test_gpu_run_matches_cpu_resumes_and_fine_tunes(corpus, cache_dir, tmp_path,
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "gpu"), **steps)
     (gpu,) = spawn(_train, 1, raw, ov, backend="nccl")
     assert gpu["on_gpu"] and not cpu["on_gpu"] and len(gpu["losses"]) == 8
-    # fp32 on both; the GPU runs the Triton kernels (tf32 dots inside) and cuBLAS
+    # fp32 on both; on the GPU cuBLAS and the conv/norm kernels (the tiny fp32 shapes keep the
+    # Gated DeltaNet and sparse attention on their references there too)
     for a, b in zip(gpu["losses"], cpu["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b), (gpu["losses"], cpu["losses"])
 

@@ -178,8 +178,8 @@ class _GatedRMSNorm(torch.autograd.Function):
 def _backend(backend: str, x: Tensor) -> str:
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "auto":
-        return "triton" if x.is_cuda and triton is not None else "torch"
+    if backend == "auto":  # the kernels compute in fp32: fp64 inputs keep the reference's fp64
+        return "triton" if x.is_cuda and triton is not None and x.dtype != torch.float64 else "torch"
     if backend == "triton" and triton is None:
         raise ValueError("backend: 'triton' needs the triton package (pip install triton), or use backend='torch'")
     return backend
