@@ -211,7 +211,7 @@ class SparseAttention(MegatronModule):
 
         if self.sa.stage == "sparse":
             # [B, T, K]; selection is not differentiable, so the indexer gets no gradient here.
-            indices = ops.indexer_topk(
+            indices = ops.lightning_indexer_topk(
                 q_idx.detach(),
                 k_idx.detach(),
                 weights.detach(),
@@ -219,14 +219,14 @@ class SparseAttention(MegatronModule):
                 cu_seqlens=cu_seqlens,
                 backend=backend,
             )
-            o, _ = ops.sparse_attention(q, k, v, indices, backend=backend)
+            o, lse = ops.sparse_attention(q, k, v, indices, backend=backend)
         else:
-            indices = None
+            indices = lse = None
             o, _ = ops.dense_attention(q, k, v, cu_seqlens=cu_seqlens)
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
 
         if with_loss:
-            loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, cu_seqlens)
+            loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens)
             self.last_indexer_loss = loss.detach()
             output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
         return output, bias
@@ -271,18 +271,12 @@ class SparseAttention(MegatronModule):
             output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
         return output, bias
 
-    def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, cu_seqlens) -> Tensor:
-        backend = self.sa.backend
-        target = ops.attention_probs_target(
-            q.detach(), k.detach(), indices, cu_seqlens=cu_seqlens, backend=backend
+    def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens) -> Tensor:
+        # Each rank holds H / tp heads; the target sums all of them (the loss renormalises).
+        tp_group = self._tp_group() if self.config.tensor_model_parallel_size > 1 else None
+        loss, _ = ops.chunked_indexer_kl_loss(
+            q, k, q_idx, k_idx, weights, indices,
+            cu_seqlens=cu_seqlens, tp_group=tp_group, backend=self.sa.backend,
+            lse=None if lse is None else lse.detach(),
         )
-        if self.config.tensor_model_parallel_size > 1:
-            # Each rank holds H / tp heads; the target sums all of them (the loss renormalises).
-            torch.distributed.all_reduce(target, group=self._tp_group())
-        if indices is None:
-            scores = ops.lightning_indexer(
-                q_idx, k_idx, weights, cu_seqlens=cu_seqlens, backend=backend
-            )
-        else:
-            scores = ops.lightning_indexer_sparse(q_idx, k_idx, weights, indices, backend=backend)
-        return ops.indexer_kl_loss(scores, target, indices, backend=backend)
+        return loss

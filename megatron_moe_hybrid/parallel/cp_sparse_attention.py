@@ -14,9 +14,11 @@ hands it to the owner: the backward is the mirror of the forward with no code of
 Memory per rank: the gathered K, V and indexer keys are O(T) (one head per group) but
 transient: the selections are index_select, whose backward needs the indices only, so what
 autograd keeps is the [B, Tl, K] selected rows, linear in the local length (a test checks
-the saved shapes); the indexer scores live block_size queries at a time ([B, block_size, HI,
-T]). The dense warm-up is dense attention by definition: it keeps the gathered keys and its
-reference builds [B, Tl, T].
+the saved shapes); the reference indexer scores block_size queries at a time ([B,
+block_size, HI, T]), the Triton one (auto on bf16/fp16 CUDA tensors) memory-bounded query
+chunks without the per-head logits. The dense warm-up is dense attention by definition: it
+keeps the gathered keys and its reference builds [B, Tl, T]. The KL loss runs in query
+chunks under checkpointing (ops.chunked_indexer_kl_loss), so it holds no [B, Tl, T] target.
 
 Indexer KL loss: indexer_kl_loss is a mean over the valid queries (those with a key and a
 target). A rank's loss covers its own queries, scaled by its share of the valid queries
@@ -126,30 +128,16 @@ def cp_sparse_attention_core(
             backend=backend,
             q_positions=q_pos,
         )
-        o, _ = ops.sparse_attention(q, k_all, v_all, indices, backend=backend)
+        o, lse = ops.sparse_attention(q, k_all, v_all, indices, backend=backend)
     else:
-        indices = None
+        indices = lse = None
         o, _ = ops.dense_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_positions=q_pos)
     if not indexer_loss:
         return o, None
 
-    target = ops.attention_probs_target(
-        q.detach(),
-        k_all.detach(),
-        indices,
-        cu_seqlens=cu_seqlens,
-        backend=backend,
-        q_positions=q_pos,
-    )  # [B, Tl, T or K]
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        # Each TP rank holds H / tp heads; the target sums all of them (the loss renormalises).
-        dist.all_reduce(target, group=tp_group)
-    if indices is None:
-        scores = ops.lightning_indexer(
-            q_idx, k_idx_all, weights, cu_seqlens=cu_seqlens, backend=backend, q_positions=q_pos
-        )
-    else:
-        scores = ops.lightning_indexer_sparse(q_idx, k_idx_all, weights, indices, backend=backend)
-    loss = ops.indexer_kl_loss(scores, target, indices, backend=backend)
-    valid = ops.indexer_kl_valid_queries(scores.detach(), target, indices)  # [B, Tl]
+    loss, valid = ops.chunked_indexer_kl_loss(
+        q, k_all, q_idx, k_idx_all, weights, indices,
+        cu_seqlens=cu_seqlens, q_positions=q_pos, tp_group=tp_group, backend=backend,
+        lse=None if lse is None else lse.detach(),
+    )  # valid [B, Tl]
     return o, _valid_share(loss, valid, layout)

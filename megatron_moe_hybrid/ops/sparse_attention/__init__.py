@@ -6,8 +6,9 @@ dim, DV value head dim, HI / DI indexer heads / head dim, K top-k. Layout [B, T,
 
 Each public function takes backend="auto" | a registered name. Backends live in a small
 registry (name -> SparseAttentionBackend): "torch" (reference.py) implements every op;
-"triton" (triton_sparse.py, when triton is installed) implements sparse_attention for bf16/fp16
-CUDA tensors. "auto" takes the first registered backend of _AUTO_ORDER that implements the op
+"triton" (when triton is installed) implements sparse_attention (triton_sparse.py) and the
+indexer's fused scoring + top-k, lightning_indexer_topk and indexer_topk (triton_indexer.py),
+for bf16/fp16 CUDA tensors. "auto" takes the first registered backend of _AUTO_ORDER that implements the op
 and whose supports(op, x) accepts the op's first tensor; a CUDA call that a fused backend
 declines is logged once before it runs on the torch reference.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from . import reference
@@ -40,6 +42,7 @@ class SparseAttentionBackend:
     lightning_indexer_sparse: Optional[Callable[..., Tensor]] = None
     topk_indices: Optional[Callable[..., Tensor]] = None
     indexer_topk: Optional[Callable[..., Tensor]] = None
+    lightning_indexer_topk: Optional[Callable[..., Tensor]] = None
     sparse_attention: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
     attention_probs_target: Optional[Callable[..., Tensor]] = None
     indexer_kl_loss: Optional[Callable[..., Tensor]] = None
@@ -108,6 +111,30 @@ def _triton_sparse_attention(q, k, v, indices, scale=None):
     return sparse_attention_triton(q, k, v, indices, scale)
 
 
+def _triton_lightning_indexer_topk(
+    q_idx, k_idx, weights, topk, cu_seqlens=None, block_size=None, causal=True, q_positions=None
+):
+    from .triton_indexer import lightning_indexer_topk_triton
+
+    return lightning_indexer_topk_triton(
+        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
+    )
+
+
+def _triton_indexer_topk(
+    q_idx, k_idx, weights, topk, block_size=256, causal=True, cu_seqlens=None, q_positions=None
+):
+    """indexer_topk's contract (int64) from the fused kernel; block_size (the reference's
+    queries per block) is checked but not needed: the kernel bounds its memory itself."""
+    reference._check(
+        isinstance(block_size, int) and block_size > 0,
+        f"block_size must be a positive int (queries per block), got {block_size!r}",
+    )
+    return _triton_lightning_indexer_topk(
+        q_idx, k_idx, weights, topk, cu_seqlens, None, causal, q_positions
+    ).long()
+
+
 def _triton_supports(op: str, x: Tensor) -> bool:
     """What auto sends to Triton: bf16/fp16 CUDA tensors. CPU tensors stay on the reference
     (backend="triton" runs them in Triton's interpreter, fp32 only, for tests), and so do fp32
@@ -118,7 +145,11 @@ def _triton_supports(op: str, x: Tensor) -> bool:
 if importlib.util.find_spec("triton") is not None:
     register_backend(
         SparseAttentionBackend(
-            name="triton", sparse_attention=_triton_sparse_attention, supports=_triton_supports
+            name="triton",
+            sparse_attention=_triton_sparse_attention,
+            lightning_indexer_topk=_triton_lightning_indexer_topk,
+            indexer_topk=_triton_indexer_topk,
+            supports=_triton_supports,
         )
     )
 
@@ -164,8 +195,24 @@ def indexer_topk(
     backend: str = "auto",
     q_positions: Optional[Tensor] = None,
 ) -> Tensor:
-    return get_op("indexer_topk", backend)(
+    return get_op("indexer_topk", backend, q_idx)(
         q_idx, k_idx, weights, topk, block_size, causal, cu_seqlens, q_positions=q_positions
+    )
+
+
+def lightning_indexer_topk(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    topk: int,
+    cu_seqlens: Optional[Tensor] = None,
+    block_size: Optional[int] = None,
+    causal: bool = True,
+    q_positions: Optional[Tensor] = None,
+    backend: str = "auto",
+) -> Tensor:
+    return get_op("lightning_indexer_topk", backend, q_idx)(
+        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
     )
 
 
@@ -237,6 +284,188 @@ def indexer_kl_loss(
     return get_op("indexer_kl_loss", backend)(index_scores, attn_probs_target, indices)
 
 
+# Bytes of one query chunk's intermediates in chunked_indexer_kl_loss.
+KL_CHUNK_BUDGET_BYTES = 1 << 30
+
+
+def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in fp32 (fp64 stays fp64): 16-bit CUDA operands on tensor cores with an fp32
+    output, anything else converted first."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    dtype = reference._compute_dtype(a)
+    return torch.bmm(a.to(dtype), b.to(dtype))
+
+
+class _SparseIndexScores(torch.autograd.Function):
+    """lightning_indexer_sparse for 16-bit CUDA tensors: the per-head logits on tensor cores
+    with an fp32 result, the head sum and the gradients' elementwise parts in fp32."""
+
+    @staticmethod
+    def forward(ctx, q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        B, T, HI, DI = q_idx.shape
+        K = indices.shape[-1]
+        k_sel = reference._select_keys(k_idx, indices).view(B * T, K, DI)
+        logits = _bmm_f32(q_idx.reshape(B * T, HI, DI), k_sel.transpose(1, 2))  # [BT, HI, K]
+        w = weights.reshape(B * T, HI, 1).float()
+        scores = (logits.relu() * w).sum(1).view(B, T, K)
+        ctx.save_for_backward(q_idx, k_idx, weights, indices)
+        return scores.masked_fill(indices < 0, reference.NEG_INF)
+
+    @staticmethod
+    def backward(ctx, d_scores: Tensor):
+        q_idx, k_idx, weights, indices = ctx.saved_tensors
+        B, T, HI, DI = q_idx.shape
+        K = indices.shape[-1]
+        k_sel = reference._select_keys(k_idx, indices).view(B * T, K, DI)
+        q2 = q_idx.reshape(B * T, HI, DI)
+        logits = _bmm_f32(q2, k_sel.transpose(1, 2))  # recomputed, [BT, HI, K]
+        ds = d_scores.masked_fill(indices < 0, 0.0).reshape(B * T, 1, K).float()
+        d_weights = (logits.relu() * ds).sum(-1).view(B, T, HI).to(weights.dtype)
+        d_logits = (ds * weights.reshape(B * T, HI, 1).float()).masked_fill(logits <= 0, 0.0)
+        d_logits = d_logits.to(q_idx.dtype)
+        d_q = torch.bmm(d_logits, k_sel).view(B, T, HI, DI)
+        d_sel = torch.bmm(d_logits.transpose(1, 2), q2).float()  # [BT, K, DI]
+        rows = (indices.clamp(min=0) + torch.arange(B, device=indices.device)[:, None, None] * k_idx.shape[1])
+        d_k = torch.zeros((B * k_idx.shape[1], DI), dtype=torch.float32, device=k_idx.device)
+        d_k.index_add_(0, rows.reshape(-1), d_sel.view(-1, DI))
+        return d_q, d_k.view(k_idx.shape).to(k_idx.dtype), d_weights, None
+
+
+def _index_scores_sparse(q_idx, k_idx, weights, indices, backend):
+    if backend in ("auto", "triton") and q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16):
+        reference._check_indexer_args(q_idx, k_idx, weights)
+        return _SparseIndexScores.apply(q_idx, k_idx, weights, indices)
+    return lightning_indexer_sparse(q_idx, k_idx, weights, indices, backend)
+
+
+@torch.no_grad()
+def sparse_probs_target(
+    q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: Optional[float] = None,
+    budget_bytes: Optional[int] = None,
+) -> Tensor:
+    """The sparse-stage KL target from the attention's own log-sum-exps, before normalising.
+
+    q [B, T, H, D], k [B, S, G, D], indices [B, T, K], lse [B, T, H] (what sparse_attention
+    returned for these inputs) -> [B, T, K] fp32 (fp64 for fp64 inputs) sum over heads of exp(scale q_h . k_j - lse_h),
+    0 in the -1 slots: attention_probs_target(q, k, indices) times H, without a softmax of its
+    own. The products run in the inputs' dtype with an fp32 result on CUDA, queries in
+    chunks of budget_bytes.
+    """
+    B, T, S, H, G, D = reference._check_attention_args(q, k, k)
+    reference._check(
+        tuple(lse.shape) == (B, T, H),
+        f"lse must be [B, T, H] = {(B, T, H)} (sparse_attention's second output), got {tuple(lse.shape)}",
+    )
+    scale = D**-0.5 if scale is None else scale
+    R, K = H // G, indices.shape[-1]
+    out = torch.empty((B, T, K), dtype=reference._compute_dtype(q), device=q.device)
+    budget = KL_CHUNK_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    Tc = max(1, min(T, budget // max(1, B * K * (2 * G * D * q.element_size() + 8 * H))))
+    for t0 in range(0, T, Tc):
+        t1 = min(T, t0 + Tc)
+        n, idx = t1 - t0, indices[:, t0:t1]
+        k_sel = reference._select_keys(k, idx)  # [B, n, K, G, D]
+        q_g = q[:, t0:t1].reshape(B * n * G, R, D)
+        k_t = k_sel.permute(0, 1, 3, 4, 2).reshape(B * n * G, D, K)
+        s = _bmm_f32(q_g, k_t).view(B, n, G, R, K)
+        lse_c = lse[:, t0:t1].to(out.dtype).reshape(B, n, G, R, 1)
+        p = torch.exp(s * scale - lse_c.masked_fill(lse_c == float("-inf"), 0.0))
+        out[:, t0:t1] = p.masked_fill((idx < 0)[:, :, None, None, :], 0.0).sum((2, 3))
+    return out
+
+
+def chunked_indexer_kl_loss(
+    q: Tensor,
+    k: Tensor,
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    indices: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    q_positions: Optional[Tensor] = None,
+    tp_group=None,
+    lse: Optional[Tensor] = None,
+    budget_bytes: Optional[int] = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The indexer KL loss straight from the attention and indexer inputs, in query chunks.
+
+    q [B, T, H, D], k [B, S, G, D] (detached here: the loss trains the indexer only),
+    q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI]; indices [B, T, K] for the
+    sparse stage, None for the dense warm-up; cu_seqlens / q_positions as in
+    lightning_indexer. tp_group: the target is summed over its ranks' heads (each holds
+    H / tp). lse [B, T, H]: the sparse stage's attention log-sum-exps (sparse_attention's
+    second output); with them the target is sparse_probs_target, one product per head and
+    slot, instead of a softmax of its own. Returns (the mean KL over the valid queries,
+    valid [B, T] bool), equal to indexer_kl_loss(lightning_indexer[_sparse](...),
+    attention_probs_target(...), indices).
+
+    The sparse stage's target is computed once, without gradient, into [B, T, K]; then each
+    chunk of queries computes its index scores and KL sum under activation checkpointing,
+    so that only one chunk's [Tc, HI, K] intermediates are alive at a time (forward and
+    backward). The dense warm-up computes each chunk's [Tc, H, S] target inside the chunk:
+    it never holds [T, S] attention at long context. Memory is linear in T.
+    """
+    B, T, H, _ = reference._shape(q, "q", "[B, T, H, D]")
+    S = k.shape[1]
+    X = S if indices is None else indices.shape[-1]
+    HI, DI = q_idx.shape[2:]
+    budget = KL_CHUNK_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    per_query = B * X * (4 * (2 * HI + 4) + 2 * DI)
+    if indices is None:  # the chunk also makes its target
+        per_query += B * X * (4 * H + 4 * k.shape[2] * k.shape[3])
+    Tc = max(1, min(T, budget // max(per_query, 1)))
+    q, k = q.detach(), k.detach()
+    tp = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
+    if indices is None:
+        pos = reference._query_positions(q_positions, T, S, q.device)
+    else:
+        with torch.no_grad():
+            if lse is not None:
+                target = sparse_probs_target(q, k, indices, lse, scale, budget)
+            else:
+                target = torch.cat([
+                    attention_probs_target(q[:, t0:t0 + Tc], k, indices[:, t0:t0 + Tc], scale, backend=backend)
+                    for t0 in range(0, T, Tc)
+                ], dim=1) if T else q.new_zeros((B, 0, X), dtype=torch.float32)
+            if tp:
+                torch.distributed.all_reduce(target, group=tp_group)
+
+    def chunk(t0: int, t1: int, q_idx_c: Tensor, k_idx: Tensor, weights_c: Tensor):
+        if indices is None:
+            with torch.no_grad():
+                target_c = attention_probs_target(
+                    q[:, t0:t1], k, None, scale, True, cu_seqlens, backend, q_positions=pos[t0:t1]
+                )
+                if tp:
+                    torch.distributed.all_reduce(target_c, group=tp_group)
+            scores = lightning_indexer(
+                q_idx_c, k_idx, weights_c, True, cu_seqlens, backend, q_positions=pos[t0:t1]
+            )
+            idx = None
+        else:
+            idx, target_c = indices[:, t0:t1], target[:, t0:t1]
+            scores = _index_scores_sparse(q_idx_c, k_idx, weights_c, idx, backend)
+        valid = indexer_kl_valid_queries(scores.detach(), target_c, idx)
+        return indexer_kl_loss(scores, target_c, idx, backend) * valid.sum(), valid
+
+    total, valid = [], []
+    for t0 in range(0, T, Tc):
+        t1 = min(T, t0 + Tc)
+        args = (t0, t1, q_idx[:, t0:t1], k_idx, weights[:, t0:t1])
+        if Tc >= T or not torch.is_grad_enabled():
+            kl_sum, v = chunk(*args)
+        else:
+            kl_sum, v = torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False)
+        total.append(kl_sum)
+        valid.append(v)
+    valid = torch.cat(valid, dim=1) if valid else q.new_zeros((B, 0), dtype=torch.bool)
+    loss = torch.stack(total).sum() if total else q_idx.new_zeros(()).float()
+    return loss / valid.sum().clamp_min(1), valid
+
+
 for _name in OPS:
     globals()[_name].__doc__ = getattr(reference, _name).__doc__
 del _name
@@ -245,6 +474,8 @@ __all__ = [
     *OPS,
     "SparseAttentionBackend",
     "causal_attention",
+    "chunked_indexer_kl_loss",
+    "sparse_probs_target",
     "dense_attention",
     "dense_masked_attention",
     "get_op",

@@ -254,6 +254,72 @@ def indexer_topk(
     return torch.cat(blocks, dim=1) if blocks else q_idx.new_empty((B, 0, topk), dtype=torch.int64)
 
 
+def _block_topk(scores: Tensor, topk: int, block_size: int) -> Tensor:
+    """Block mode of lightning_indexer_topk on [B, Tc, S] masked scores -> [B, Tc, topk] int64."""
+    B, Tc, S = scores.shape
+    nb = -(-S // block_size)
+    padded = torch.nn.functional.pad(scores, (0, nb * block_size - S), value=NEG_INF)
+    blocks = padded.view(B, Tc, nb, block_size)
+    # A block scores its best key; equal blocks go to the lower one (a stable sort).
+    order = torch.sort(blocks.amax(-1), dim=-1, descending=True, stable=True).indices
+    chosen = order[..., : min(-(-topk // block_size), nb)].sort(-1).values  # ascending keys
+    key = chosen[..., None] * block_size + torch.arange(block_size, device=scores.device)
+    key = key.flatten(2)  # [B, Tc, chosen keys], ascending
+    in_range = key < S
+    picked = padded.view(B, Tc, -1).gather(-1, key).masked_fill(~in_range, NEG_INF)
+    values, order = torch.sort(picked, dim=-1, descending=True, stable=True)
+    kept = min(topk, key.shape[-1])
+    index = key.gather(-1, order[..., :kept]).masked_fill(values[..., :kept] == NEG_INF, -1)
+    if kept < topk:
+        index = torch.cat([index, index.new_full((B, Tc, topk - kept), -1)], dim=-1)
+    return index
+
+
+@torch.no_grad()
+def lightning_indexer_topk(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    topk: int,
+    cu_seqlens: Tensor | None = None,
+    block_size: int | None = None,
+    causal: bool = True,
+    q_positions: Tensor | None = None,
+) -> Tensor:
+    """The indexer's key selection: int32 [B, T, topk] key indices in [-1, S), -1 padded.
+
+    q_idx [B, T, HI, DI], k_idx [B, S, DI] (one key head shared by all indexer heads),
+    weights [B, T, HI]; masks as in lightning_indexer. Token mode (block_size None): the topk
+    highest scores among the keys query t may read, in descending order, equal scores to the
+    lower key index (topk_indices' rule). Block mode (block_size = bs): keys form blocks
+    [i bs, (i + 1) bs); each block scores its best key, the ceil(topk / bs) best blocks are
+    kept (equal blocks: the lower one), and the topk best readable keys inside them are
+    returned in the same order. No gradient: selection is not differentiable. This
+    reference scores 256 queries at a time; the Triton backend never holds the per-head
+    [T, HI, S] logits and works through the queries in memory-bounded chunks.
+    """
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_topk(topk)
+    _check(
+        block_size is None or (isinstance(block_size, int) and block_size > 0),
+        f"block_size must be None (token mode) or a positive int (keys per block), got {block_size!r}",
+    )
+    q_pos = _query_positions(q_positions, T, S, q_idx.device)
+    seg = _segment_ids(cu_seqlens, B, S)
+    blocks = []
+    for t0 in range(0, T, 256):
+        t1 = min(t0 + 256, T)
+        scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
+        scores = scores.masked_fill(~_key_mask(q_pos[t0:t1], S, causal, seg), NEG_INF)
+        if block_size is None:
+            blocks.append(topk_indices(scores, topk))
+        else:
+            blocks.append(_block_topk(scores, topk, block_size))
+    if not blocks:
+        return q_idx.new_empty((B, 0, topk), dtype=torch.int32)
+    return torch.cat(blocks, dim=1).to(torch.int32)
+
+
 def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
     """x [B, S, *] rows picked by indices [B, T, K] (-1 reads row 0; callers mask it) -> [B, T, K, *].
 

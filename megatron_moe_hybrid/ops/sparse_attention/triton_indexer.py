@@ -1,0 +1,189 @@
+"""The lightning indexer's scoring fused with top-k key selection, in Triton.
+
+Shape legend: B batch, T queries, S keys, HI indexer heads, DI indexer head dim, K top-k,
+Tc queries per chunk, Sc keys a chunk can read (its last readable key + 1).
+
+    I[b, t, s] = sum_j w[b, t, j] * relu(q_idx[b, t, j] . k_idx[b, s])
+
+_score_keys_kernel computes a [BQ, BS] tile of I for all HI heads in registers (the key tile
+is loaded once and reused by every head; the [T, HI, S] per-head logits of the reference
+never exist) and writes it as one int64 sort key per (query, key):
+
+    key = ord(I) << 32 | (2^32 - 1 - s)
+
+ord maps fp32 bits to int32 with the float order (-0.0 taken as +0.0), so the largest key is
+the highest score, and among equal scores the lowest key index: the reference's tie rule
+(a stable descending sort) without a stable sort. Keys a query may not read (after it, or in
+another packed sequence) get I = -inf and decode to -1. torch.topk over the keys then gives
+the selection in order. Queries are processed Tc at a time so that the [Tc, Sc] key buffer
+stays under SCORE_BUDGET_BYTES: memory is linear in T for a fixed budget, and no [T, S]
+tensor is ever held. Each chunk reads only the keys up to its last readable one (Sc), so a
+causal chunk early in the sequence costs little.
+
+Block mode (block_size=bs): the keys are cut into blocks [i bs, (i + 1) bs); a block scores
+its best key (the max sort key, so ties go to the lower block), the ceil(K / bs) best blocks
+are kept, and the top-K readable keys inside them are returned in order: the selection is a
+few contiguous runs of keys, so neighbouring queries share their loads.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import _check, _check_indexer_args, _check_topk, _query_positions, _segment_ids
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Bytes of one chunk's [B, Tc, Sc] int64 sort keys (torch.topk's working set comes on top).
+SCORE_BUDGET_BYTES = 2 << 30
+LOW_MASK = (1 << 32) - 1
+# ord(-inf): the high word of every unreadable key's sort key.
+ORD_NEG_INF = -2139095041
+# Launch config on a GPU (benchmarks/sparse_layer.py --sweep times others); the interpreter
+# takes 16 x 16 tiles so that small tests cross tile edges.
+CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _score_keys_kernel(
+    q, k, w, lo, hi, out,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, so_b, so_t,
+    t0, t1, S_out,
+    HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
+):
+    """Sort keys of queries [t0 + i_q BQ, + BQ) x keys [i_s BS, + BS) into out[b, t - t0, s].
+
+    lo[t] <= s <= hi[t] is what query t may read (hi < lo: nothing)."""
+    i_s, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_t = t0 + i_q * BQ + tl.arange(0, BQ)
+    o_s = i_s * BS + tl.arange(0, BS)
+    o_d = tl.arange(0, DIP)
+    m_t = o_t < t1
+    b_lo = tl.load(lo + o_t, mask=m_t, other=1 << 30)
+    b_hi = tl.load(hi + o_t, mask=m_t, other=-1)
+    b_acc = tl.zeros([BQ, BS], dtype=tl.float32)
+    # Skip the products where no query of the tile reads any key of it (causal upper half).
+    if (i_s * BS <= tl.max(b_hi, 0)) & (i_s * BS + BS > tl.min(b_lo, 0)):
+        p_k = k + i_b * sk_b + o_s[:, None].to(tl.int64) * sk_s + o_d[None, :]
+        b_k = tl.load(p_k, mask=(o_s < S_out)[:, None] & (o_d < DI)[None, :], other=0.0)
+        p_q = q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + o_d[None, :]
+        m_q = m_t[:, None] & (o_d < DI)[None, :]
+        p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
+        for j in range(HI):
+            b_q = tl.load(p_q + j * sq_h, mask=m_q, other=0.0)
+            b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_k))
+            b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
+    m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
+    # + 0.0 turns -0.0 into +0.0, which the reference's sort takes as equal.
+    b_i = tl.where(m_read, b_acc + 0.0, float("-inf"))
+    b_bits = b_i.to(tl.int32, bitcast=True)
+    b_ord = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
+    b_key = (b_ord.to(tl.int64) << 32) + (4294967295 - o_s.to(tl.int64))[None, :]
+    p_o = out + i_b * so_b + (o_t - t0)[:, None].to(tl.int64) * so_t + o_s[None, :]
+    tl.store(p_o, b_key, mask=m_t[:, None] & (o_s < S_out)[None, :])
+
+
+def decode_keys(keys: Tensor) -> Tensor:
+    """Sort keys -> int32 key indices, -1 where the key was unreadable."""
+    index = (LOW_MASK - (keys & LOW_MASK)).to(torch.int32)
+    # <=: block mode's padding keys (int64 min) and NaN scores also decode to -1
+    return index.masked_fill((keys >> 32) <= ORD_NEG_INF, -1)
+
+
+def read_ranges(
+    B: int, T: int, S: int, causal: bool, cu_seqlens: Tensor | None, q_positions: Tensor | None,
+    device,
+) -> tuple[Tensor, Tensor]:
+    """int32 [T] lo, hi: query t reads keys lo[t] <= s <= hi[t] (the reference's mask as a range)."""
+    pos = _query_positions(q_positions, T, S, device)
+    seg = _segment_ids(cu_seqlens, B, S)
+    if seg is None:
+        lo = torch.zeros_like(pos)
+        end = torch.full_like(pos, S)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        lo, end = cu[seg[pos]], cu[seg[pos] + 1]
+    hi = pos if causal else end - 1
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+
+
+def _select(keys: Tensor, topk: int, block_size: int | None) -> Tensor:
+    """[B, Tc, Sc] sort keys -> [B, Tc, topk] int32 indices (descending, -1 padded)."""
+    B, Tc, Sc = keys.shape
+    if block_size is not None:
+        nb = -(-Sc // block_size)
+        pad = nb * block_size - Sc
+        if pad:  # padding keys rank below every real one (also below -inf keys)
+            keys = torch.cat([keys, keys.new_full((B, Tc, pad), torch.iinfo(torch.int64).min)], -1)
+        blocks = keys.view(B, Tc, nb, block_size)
+        best = blocks.amax(-1).topk(min(-(-topk // block_size), nb), dim=-1).indices
+        keys = blocks.gather(2, best[..., None].expand(-1, -1, -1, block_size)).flatten(2)
+    kept = min(topk, keys.shape[-1])
+    index = decode_keys(keys.topk(kept, dim=-1).values)
+    if kept < topk:
+        index = torch.cat([index, index.new_full((B, Tc, topk - kept), -1)], -1)
+    return index
+
+
+@torch.no_grad()
+def lightning_indexer_topk_triton(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    topk: int,
+    cu_seqlens: Tensor | None = None,
+    block_size: int | None = None,
+    causal: bool = True,
+    q_positions: Tensor | None = None,
+    budget_bytes: int | None = None,
+) -> Tensor:
+    """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> int32 [B, T, topk]."""
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_topk(topk)
+    _check(
+        block_size is None or (isinstance(block_size, int) and block_size > 0),
+        f"block_size must be None (token mode) or a positive int (keys per block), got {block_size!r}",
+    )
+    DI = q_idx.shape[-1]
+    _check(DI <= 256, f"q_idx: indexer head dim {DI} > 256 is not supported by the Triton indexer")
+    _check(
+        q_idx.dtype == k_idx.dtype,
+        f"k_idx must have q_idx's dtype {q_idx.dtype}, got {k_idx.dtype}",
+    )
+    out = torch.empty((B, T, topk), dtype=torch.int32, device=q_idx.device)
+    if T == 0:
+        return out
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    lo, hi = read_ranges(B, T, S, causal, cu_seqlens, q_positions, q_idx.device)
+    cfg = dict(CONFIG, BQ=16, BS=16) if _INTERPRET else dict(CONFIG)
+    BQ, BS = cfg["BQ"], cfg["BS"]
+    DIP = max(16, triton.next_power_of_2(DI))
+    budget = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    # The last key each query can read decides how many keys its chunk scores: one sync.
+    hi_host = hi.cpu()
+    t0 = 0
+    while t0 < T:
+        # As many queries as fit the budget at the widest key range they could reach.
+        Sc_max = int(hi_host[t0:].max()) + 1
+        Tc = max(BQ, (budget // max(1, 8 * B * max(Sc_max, 1))) // BQ * BQ)
+        t1 = min(T, t0 + Tc)
+        Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
+        keys = torch.empty((B, t1 - t0, Sc), dtype=torch.int64, device=q_idx.device)
+        grid = (triton.cdiv(Sc, BS), triton.cdiv(t1 - t0, BQ), B)
+        _score_keys_kernel[grid](
+            q_idx, k_idx, weights, lo, hi, keys,
+            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+            weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
+            t0, t1, Sc,
+            HI=q_idx.shape[2], DI=DI, DIP=DIP, BQ=BQ, BS=BS,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        out[:, t0:t1] = _select(keys, topk, block_size)
+        del keys
+        t0 = t1
+    return out

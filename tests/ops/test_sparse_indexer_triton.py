@@ -1,0 +1,312 @@
+"""The fused lightning indexer + top-k (ops/sparse_attention/triton_indexer.py) and the chunked
+indexer KL loss, against the PyTorch reference.
+
+CPU: Triton's interpreter in fp32 (tests/conftest.py sets TRITON_INTERPRET=1). Integer-valued
+inputs make every score exact in any summation order, so there are many real ties and the
+selections must be equal element for element (recall exactly 1.0 under the tie rule: equal
+scores go to the lower key index). GPU (-m gpu): bf16 at the issue's indexer shapes.
+
+Shape legend: B batch, T queries, S keys, HI / DI indexer heads / head dim, K top-k;
+q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI].
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_moe_hybrid.ops import sparse_attention as sa
+from megatron_moe_hybrid.ops.sparse_attention import reference, triton_indexer
+
+interpreter = pytest.mark.skipif(
+    not triton_indexer._INTERPRET,
+    reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)",
+)
+
+
+def indexer_inputs(B, T, HI, DI, S=None, integer=True, seed=0, device="cpu", dtype=torch.float32):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    S = T if S is None else S
+
+    def make(*shape):
+        if integer:  # small integers: exact products and sums, many equal scores
+            return torch.randint(-2, 3, shape, generator=gen, device=device).to(dtype)
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    return make(B, T, HI, DI), make(B, S, DI), make(B, T, HI)
+
+
+def full_topk(q_idx, k_idx, w, topk, cu_seqlens=None, causal=True, q_positions=None):
+    """The definition: every score, masked, then a stable descending sort."""
+    scores = reference.lightning_indexer(q_idx, k_idx, w, causal, cu_seqlens, q_positions=q_positions)
+    return reference.topk_indices(scores, topk).to(torch.int32)
+
+
+def block_topk_brute(q_idx, k_idx, w, topk, bs, cu_seqlens=None, causal=True):
+    """Block mode written out per query with Python loops (independent of _block_topk)."""
+    scores = reference.lightning_indexer(q_idx, k_idx, w, causal, cu_seqlens)
+    B, T, S = scores.shape
+    nb = -(-S // bs)
+    out = torch.full((B, T, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            row = scores[b, t].tolist()
+            best = [max(row[i * bs:(i + 1) * bs]) for i in range(nb)]
+            blocks = sorted(range(nb), key=lambda i: (-best[i], i))[: -(-topk // bs)]
+            keys = [s for i in sorted(blocks) for s in range(i * bs, min(S, (i + 1) * bs))]
+            keys = [s for s in sorted(keys, key=lambda s: (-row[s], s)) if row[s] != float("-inf")]
+            out[b, t, : min(topk, len(keys))] = torch.tensor(keys[:topk], dtype=torch.int32)
+    return out
+
+
+PACKED = torch.tensor([0, 5, 5, 40, 70])  # an empty sequence in the middle
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cu", [None, PACKED])
+@pytest.mark.parametrize("topk", [9, 80])  # 80 > T: every readable key, then -1
+def test_reference_lightning_indexer_topk_is_the_definition(causal, cu, topk):
+    q_idx, k_idx, w = indexer_inputs(1, 70, 3, 8)
+    got = reference.lightning_indexer_topk(q_idx, k_idx, w, topk, cu, causal=causal)
+    assert got.dtype == torch.int32 and got.shape == (1, 70, topk)
+    assert torch.equal(got, full_topk(q_idx, k_idx, w, topk, cu, causal))
+
+
+@pytest.mark.parametrize("bs, topk", [(4, 9), (16, 9), (8, 16), (32, 40)])
+@pytest.mark.parametrize("cu", [None, PACKED])
+def test_reference_block_mode_matches_brute_force(bs, topk, cu):
+    q_idx, k_idx, w = indexer_inputs(1, 70, 2, 4, seed=1)
+    got = reference.lightning_indexer_topk(q_idx, k_idx, w, topk, cu, block_size=bs)
+    assert torch.equal(got, block_topk_brute(q_idx, k_idx, w, topk, bs, cu))
+    # every selected key lies in at most ceil(topk / bs) blocks
+    for row in got[0].tolist():
+        assert len({s // bs for s in row if s >= 0}) <= -(-topk // bs)
+
+
+def test_block_mode_with_whole_blocks_is_token_mode_when_one_block_holds_all():
+    """bs >= S: one block, every key in it: block mode = token mode."""
+    q_idx, k_idx, w = indexer_inputs(1, 33, 2, 4, seed=2)
+    token = reference.lightning_indexer_topk(q_idx, k_idx, w, 7)
+    assert torch.equal(reference.lightning_indexer_topk(q_idx, k_idx, w, 7, block_size=64), token)
+
+
+@interpreter
+@pytest.mark.parametrize("B, T, HI, DI", [(1, 70, 3, 24), (2, 37, 1, 16), (1, 50, 4, 40)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_triton_equals_reference_with_ties(B, T, HI, DI, causal, block_size):
+    q_idx, k_idx, w = indexer_inputs(B, T, HI, DI, seed=T)
+    for topk in (5, 16, T + 3):
+        want = reference.lightning_indexer_topk(q_idx, k_idx, w, topk, block_size=block_size, causal=causal)
+        got = sa.lightning_indexer_topk(q_idx, k_idx, w, topk, block_size=block_size, causal=causal, backend="triton")
+        assert got.dtype == torch.int32
+        assert torch.equal(got, want), (topk, (got != want).sum())
+
+
+@interpreter
+@pytest.mark.parametrize("block_size", [None, 4, 16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_packed_sequences(block_size, causal):
+    q_idx, k_idx, w = indexer_inputs(1, 70, 2, 16, seed=3)
+    want = reference.lightning_indexer_topk(q_idx, k_idx, w, 12, PACKED, block_size, causal)
+    got = sa.lightning_indexer_topk(q_idx, k_idx, w, 12, PACKED, block_size, causal, backend="triton")
+    assert torch.equal(got, want)
+    # a query never selects a key of another packed sequence or a later one
+    seq = torch.searchsorted(PACKED[1:], torch.arange(70), right=True)
+    for t, row in enumerate(got[0].tolist()):
+        for s in row:
+            if s >= 0:
+                assert seq[s] == seq[t] and (s <= t or not causal)
+
+
+@interpreter
+def test_triton_queries_among_keys():
+    """q_positions (context parallelism): T queries at given global indices among S keys."""
+    q_idx, k_idx, w = indexer_inputs(1, 20, 2, 16, S=64, seed=4)
+    pos = torch.tensor(sorted(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:20].tolist()))
+    want = full_topk(q_idx, k_idx, w, 10, q_positions=pos)
+    got = sa.lightning_indexer_topk(q_idx, k_idx, w, 10, q_positions=pos, backend="triton")
+    assert torch.equal(got, want)
+    # the int64 indexer_topk contract from the same kernel
+    got64 = sa.indexer_topk(q_idx, k_idx, w, 10, q_positions=pos, backend="triton")
+    assert got64.dtype == torch.int64 and torch.equal(got64, want.long())
+
+
+@interpreter
+def test_triton_real_valued_scores_select_the_top():
+    """Random normal inputs: the kernel sums heads in another order than the reference, so
+    scores may differ in the last ulp; the selected keys' reference scores must equal the
+    reference's top-k scores (within rounding), row by row."""
+    q_idx, k_idx, w = indexer_inputs(2, 64, 4, 32, integer=False, seed=5)
+    scores = reference.lightning_indexer(q_idx, k_idx, w)
+    got = sa.lightning_indexer_topk(q_idx, k_idx, w, 20, backend="triton").long()
+    want = reference.topk_indices(scores, 20)
+    assert torch.equal(got < 0, want < 0)
+    picked = scores.gather(-1, got.clamp(min=0)).masked_fill(got < 0, 0)
+    best = scores.gather(-1, want.clamp(min=0)).masked_fill(want < 0, 0)
+    torch.testing.assert_close(picked, best, rtol=1e-5, atol=1e-5)
+    assert (got == want).float().mean() > 0.99
+
+
+@interpreter
+def test_triton_chunks_bound_memory(monkeypatch):
+    """A small budget splits the queries into chunks; each chunk's [Tc, Sc] int64 keys stay
+    within it (or one BQ-row tile); the result does not change."""
+    q_idx, k_idx, w = indexer_inputs(1, 96, 2, 16, seed=6)
+    want = reference.lightning_indexer_topk(q_idx, k_idx, w, 8)
+    shapes = []
+    select = triton_indexer._select
+
+    def spy(keys, topk, block_size):
+        shapes.append(tuple(keys.shape))
+        return select(keys, topk, block_size)
+
+    monkeypatch.setattr(triton_indexer, "_select", spy)
+    budget = 16 * 96 * 8 * 2  # two 16-query tiles at the full width
+    got = triton_indexer.lightning_indexer_topk_triton(q_idx, k_idx, w, 8, budget_bytes=budget)
+    assert torch.equal(got, want)
+    assert len(shapes) > 1
+    for _, Tc, Sc in shapes:
+        assert Tc * Sc * 8 <= budget
+    # causal: a chunk reads only the keys up to its last query
+    assert shapes[0][2] == shapes[0][1]
+
+
+def test_bad_arguments_name_the_field():
+    q_idx, k_idx, w = indexer_inputs(1, 8, 2, 4)
+    for backend in ("torch",) + (("triton",) if triton_indexer._INTERPRET else ()):
+        with pytest.raises(ValueError, match="block_size must be None"):
+            sa.lightning_indexer_topk(q_idx, k_idx, w, 2, block_size=0, backend=backend)
+        with pytest.raises(ValueError, match="topk must"):
+            sa.lightning_indexer_topk(q_idx, k_idx, w, 0, backend=backend)
+        with pytest.raises(ValueError, match="weights must"):
+            sa.lightning_indexer_topk(q_idx, k_idx, w[:, :, :1], 2, backend=backend)
+
+
+# --- the chunked KL loss ----------------------------------------------------------------------
+
+
+def kl_inputs(T, H=4, G=2, D=8, HI=3, DI=8, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, D, generator=gen, dtype=dtype)
+    k = torch.randn(1, T, G, D, generator=gen, dtype=dtype)
+    q_idx = torch.randn(1, T, HI, DI, generator=gen, dtype=dtype, requires_grad=True)
+    k_idx = torch.randn(1, T, DI, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(1, T, HI, generator=gen, dtype=dtype, requires_grad=True)
+    return q, k, q_idx, k_idx, w
+
+
+@pytest.mark.parametrize("stage", ["dense", "sparse"])
+@pytest.mark.parametrize("cu", [None, PACKED[PACKED <= 40].tolist() + [45]])
+def test_chunked_kl_loss_equals_the_one_shot_loss(stage, cu):
+    T = 45
+    cu = None if cu is None else torch.tensor(cu)
+    q, k, q_idx, k_idx, w = kl_inputs(T)
+    indices = None
+    if stage == "sparse":
+        indices = reference.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), 6, cu).long()
+    # the definition: whole [T, S or K] scores and target
+    target = reference.attention_probs_target(q, k, indices, cu_seqlens=cu)
+    if indices is None:
+        scores = reference.lightning_indexer(q_idx, k_idx, w, cu_seqlens=cu)
+    else:
+        scores = reference.lightning_indexer_sparse(q_idx, k_idx, w, indices)
+    want = reference.indexer_kl_loss(scores, target, indices)
+    want_valid = reference.indexer_kl_valid_queries(scores.detach(), target, indices)
+    want_grads = torch.autograd.grad(want, (q_idx, k_idx, w))
+    for budget in (None, 1):  # one chunk; one query per chunk
+        got, valid = sa.chunked_indexer_kl_loss(
+            q, k, q_idx, k_idx, w, indices, cu_seqlens=cu, budget_bytes=budget
+        )
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(valid, want_valid)
+        for g, e in zip(torch.autograd.grad(got, (q_idx, k_idx, w)), want_grads):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_target_from_the_attention_lse_equals_the_softmax_target():
+    """sparse_probs_target (attention lse, no softmax of its own) = attention_probs_target x H,
+    in chunks too; the loss with lse equals the loss without, value and gradients."""
+    T = 45
+    q, k, q_idx, k_idx, w = kl_inputs(T, seed=7)
+    indices = reference.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), 6).long()
+    _, lse = reference.sparse_attention(q, k, k, indices)
+    want = reference.attention_probs_target(q, k, indices) * q.shape[2]
+    for budget in (None, 1):
+        got = sa.sparse_probs_target(q, k, indices, lse, budget_bytes=budget)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    plain, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, indices)
+    g_plain = torch.autograd.grad(plain, (q_idx, k_idx, w))
+    with_lse, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, indices, lse=lse, budget_bytes=1)
+    torch.testing.assert_close(with_lse, plain, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(with_lse, (q_idx, k_idx, w)), g_plain):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="lse must be"):
+        sa.sparse_probs_target(q, k, indices, lse[:, :, :1])
+
+
+def test_chunked_kl_loss_holds_one_chunk_at_a_time():
+    """With a budget of a few queries, what autograd keeps is the inputs, not [T, S] scores."""
+    T = 64
+    q, k, q_idx, k_idx, w = kl_inputs(T, dtype=torch.float32)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, budget_bytes=8 * 64 * 60)
+    assert max(saved) < T * T  # no [T, S] tensor is kept for the backward
+    loss.backward()
+    assert q_idx.grad is not None and torch.isfinite(q_idx.grad).all()
+
+
+# --- GPU (bf16) -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("HI, DI, T", [(64, 128, 4096), (16, 64, 8192)])
+def test_gpu_bf16_selection(HI, DI, T):
+    # integer-valued bf16: exact scores, so the selection equals the reference's exactly
+    q_idx, k_idx, w = indexer_inputs(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
+    want = reference.lightning_indexer_topk(q_idx, k_idx, w, 2048)
+    got = sa.lightning_indexer_topk(q_idx, k_idx, w, 2048)  # auto: the Triton kernel
+    assert torch.equal(got, want)
+    block = sa.lightning_indexer_topk(q_idx, k_idx, w, 2048, block_size=64)
+    assert torch.equal(block, reference.lightning_indexer_topk(q_idx, k_idx, w, 2048, block_size=64))
+    # real-valued bf16: the selected keys' fp32 reference scores are the top ones
+    q_idx, k_idx, w = (x.float().div(4).bfloat16() for x in indexer_inputs(1, T, HI, DI, integer=False, device="cuda"))
+    got = sa.lightning_indexer_topk(q_idx, k_idx, w, 2048).long()
+    want = reference.lightning_indexer_topk(q_idx, k_idx, w, 2048).long()
+    assert torch.equal(got < 0, want < 0)
+    rows = torch.arange(0, T, 97, device="cuda")
+    scores = reference.lightning_indexer(q_idx[:, rows], k_idx, w[:, rows], q_positions=rows)
+    picked = scores.gather(-1, got[:, rows].clamp(min=0)).masked_fill(got[:, rows] < 0, 0)
+    best = scores.gather(-1, want[:, rows].clamp(min=0)).masked_fill(want[:, rows] < 0, 0)
+    torch.testing.assert_close(picked, best, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("H, G, D, DV", [(16, 1, 576, 512), (16, 4, 128, 128)])
+def test_gpu_bf16_chunked_kl_loss(H, G, D, DV):
+    """The bf16 fast paths (target from the Triton attention's lse with bf16 products, index
+    scores at the selection on tensor cores) against the fp32 reference loss and gradients."""
+    T, K = 1024, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, T, H, D, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(1, T, G, D, generator=gen, device="cuda").bfloat16()
+    q_idx, k_idx, w = (x.float().div(4).bfloat16().requires_grad_() for x in indexer_inputs(1, T, 8, 64, integer=False, device="cuda"))
+    idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K)
+    _, lse = sa.sparse_attention(q, k, k[..., :DV], idx)  # Triton
+    got, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=64 << 20)
+    grads = torch.autograd.grad(got, (q_idx, k_idx, w))
+    f32 = [x.detach().float().requires_grad_() for x in (q_idx, k_idx, w)]
+    target = reference.attention_probs_target(q.float(), k.float(), idx.long())
+    want = reference.indexer_kl_loss(reference.lightning_indexer_sparse(*f32, idx.long()), target, idx.long())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-3)
+    for g, e in zip(grads, torch.autograd.grad(want, f32)):
+        err = ((g.float() - e).norm() / e.norm()).item()
+        assert err < 2e-2, err
