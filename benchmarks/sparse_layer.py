@@ -15,7 +15,8 @@ idx<S>: the lightning indexer + top-2048 alone (DeepSeek-V3.2's 64 heads x 128, 
 mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no gradient),
   sparse attention over the selection (gradients to q, k, v), and the sparse-stage indexer
   KL loss (gradients to the indexer's q, k and weights; target from the detached q and k).
-  ours = lightning_indexer_topk + Triton sparse_attention + chunked_indexer_kl_loss; naive =
+  ours = lightning_indexer_topk + Triton sparse_attention + chunked_indexer_kl_loss (its
+  target from the attention's lse); naive =
   reference indexer_topk + the gather chain of benchmarks/sparse_attention.py + the
   reference KL loss on whole [T, K] tensors; dense = causal SDPA (cuDNN / flash / efficient,
   the first that runs) with the same heads, without indexer. MLA: 128 heads, absorbed
@@ -173,8 +174,8 @@ def bench_layer(key, args, rows, log):
     def ours():
         idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
         kk, vv = attn_inputs()
-        o, _ = sa.sparse_attention(q, kk, vv, idx, backend="triton")
-        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx)
+        o, lse = sa.sparse_attention(q, kk, vv, idx, backend="triton")
+        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse.detach())
         return o, loss
 
     def naive():
@@ -200,6 +201,8 @@ def bench_layer(key, args, rows, log):
     # the parts of ours, one at a time
     idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
     kk, vv = attn_inputs()
+    with torch.no_grad():
+        lse = sa.sparse_attention(q, kk, vv, idx, backend="triton")[1]
     parts = {}
     parts["indexer_topk"] = measure(lambda: sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos))[0]
 
@@ -208,7 +211,7 @@ def bench_layer(key, args, rows, log):
         torch.autograd.grad(o, [x for x in (q, k, v) if x is not None], do)
 
     def kl():
-        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx)
+        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse)
         torch.autograd.grad(loss, (q_idx, k_idx, w))
 
     parts["sparse_attention_fwd_bwd"] = measure(attn)[0]
