@@ -310,3 +310,45 @@ def test_gpu_bf16_chunked_kl_loss(H, G, D, DV):
     for g, e in zip(grads, torch.autograd.grad(want, f32)):
         err = ((g.float() - e).norm() / e.norm()).item()
         assert err < 2e-2, err
+
+
+@interpreter
+@pytest.mark.parametrize("HI, DI", [(3, 24), (1, 16), (20, 40)])
+def test_triton_sparse_index_scores_forward_and_gradients(HI, DI):
+    """lightning_indexer_sparse_triton (forward and every gradient) against the reference, with
+    -1 slots, a key chosen by many queries, and B = 2; the backward's key contributions are
+    summed in chunks (a small CONTRIB_BUDGET_BYTES) and must not change the result."""
+    B, T, K = 2, 29, 11
+    gen = torch.Generator().manual_seed(HI)
+    q_idx = torch.randn(B, T, HI, DI, generator=gen, requires_grad=True)
+    k_idx = torch.randn(B, T, DI, generator=gen, requires_grad=True)
+    w = torch.randn(B, T, HI, generator=gen, requires_grad=True)
+    idx = reference.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K).long()
+    idx[:, 5, 3] = -1  # a hole inside a row
+    want = reference.lightning_indexer_sparse(q_idx, k_idx, w, idx)
+    d = torch.randn(want.shape, generator=gen).masked_fill(idx < 0, 0.0)
+    want_g = torch.autograd.grad(want, (q_idx, k_idx, w), d)
+    for budget in (triton_indexer.CONTRIB_BUDGET_BYTES, K * DI * 4 * 2 * 3):
+        triton_indexer.CONTRIB_BUDGET_BYTES, saved = budget, triton_indexer.CONTRIB_BUDGET_BYTES
+        try:
+            got = triton_indexer.lightning_indexer_sparse_triton(q_idx, k_idx, w, idx.int())
+            got_g = torch.autograd.grad(got, (q_idx, k_idx, w), d)
+        finally:
+            triton_indexer.CONTRIB_BUDGET_BYTES = saved
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, e in zip(got_g, want_g):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+@interpreter
+def test_chunked_kl_loss_on_the_triton_index_scores():
+    """The loss with backend="triton" (the Triton index scores) equals the reference loss."""
+    q, k, q_idx, k_idx, w = kl_inputs(40, dtype=torch.float32, seed=9)
+    idx = reference.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), 6).long()
+    _, lse = reference.sparse_attention(q, k, k, idx)
+    want, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, backend="torch")
+    want_g = torch.autograd.grad(want, (q_idx, k_idx, w))
+    got, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=1, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, e in zip(torch.autograd.grad(got, (q_idx, k_idx, w)), want_g):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)

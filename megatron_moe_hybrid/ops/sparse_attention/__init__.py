@@ -297,45 +297,14 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.to(dtype), b.to(dtype))
 
 
-class _SparseIndexScores(torch.autograd.Function):
-    """lightning_indexer_sparse for 16-bit CUDA tensors: the per-head logits on tensor cores
-    with an fp32 result, the head sum and the gradients' elementwise parts in fp32."""
-
-    @staticmethod
-    def forward(ctx, q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        B, T, HI, DI = q_idx.shape
-        K = indices.shape[-1]
-        k_sel = reference._select_keys(k_idx, indices).view(B * T, K, DI)
-        logits = _bmm_f32(q_idx.reshape(B * T, HI, DI), k_sel.transpose(1, 2))  # [BT, HI, K]
-        w = weights.reshape(B * T, HI, 1).float()
-        scores = (logits.relu() * w).sum(1).view(B, T, K)
-        ctx.save_for_backward(q_idx, k_idx, weights, indices)
-        return scores.masked_fill(indices < 0, reference.NEG_INF)
-
-    @staticmethod
-    def backward(ctx, d_scores: Tensor):
-        q_idx, k_idx, weights, indices = ctx.saved_tensors
-        B, T, HI, DI = q_idx.shape
-        K = indices.shape[-1]
-        k_sel = reference._select_keys(k_idx, indices).view(B * T, K, DI)
-        q2 = q_idx.reshape(B * T, HI, DI)
-        logits = _bmm_f32(q2, k_sel.transpose(1, 2))  # recomputed, [BT, HI, K]
-        ds = d_scores.masked_fill(indices < 0, 0.0).reshape(B * T, 1, K).float()
-        d_weights = (logits.relu() * ds).sum(-1).view(B, T, HI).to(weights.dtype)
-        d_logits = (ds * weights.reshape(B * T, HI, 1).float()).masked_fill(logits <= 0, 0.0)
-        d_logits = d_logits.to(q_idx.dtype)
-        d_q = torch.bmm(d_logits, k_sel).view(B, T, HI, DI)
-        d_sel = torch.bmm(d_logits.transpose(1, 2), q2).float()  # [BT, K, DI]
-        rows = (indices.clamp(min=0) + torch.arange(B, device=indices.device)[:, None, None] * k_idx.shape[1])
-        d_k = torch.zeros((B * k_idx.shape[1], DI), dtype=torch.float32, device=k_idx.device)
-        d_k.index_add_(0, rows.reshape(-1), d_sel.view(-1, DI))
-        return d_q, d_k.view(k_idx.shape).to(k_idx.dtype), d_weights, None
-
-
 def _index_scores_sparse(q_idx, k_idx, weights, indices, backend):
-    if backend in ("auto", "triton") and q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16):
-        reference._check_indexer_args(q_idx, k_idx, weights)
-        return _SparseIndexScores.apply(q_idx, k_idx, weights, indices)
+    """lightning_indexer_sparse for the KL loss: the Triton kernels for 16-bit CUDA tensors under
+    auto (and for any tensor with backend="triton", as the tests do), else the backend's op."""
+    fused = q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16)
+    if backend == "triton" or (backend == "auto" and fused and "triton" in _BACKENDS):
+        from .triton_indexer import lightning_indexer_sparse_triton
+
+        return lightning_indexer_sparse_triton(q_idx, k_idx, weights, indices)
     return lightning_indexer_sparse(q_idx, k_idx, weights, indices, backend)
 
 
@@ -365,13 +334,16 @@ def sparse_probs_target(
     for t0 in range(0, T, Tc):
         t1 = min(T, t0 + Tc)
         n, idx = t1 - t0, indices[:, t0:t1]
-        k_sel = reference._select_keys(k, idx)  # [B, n, K, G, D]
-        q_g = q[:, t0:t1].reshape(B * n * G, R, D)
-        k_t = k_sel.permute(0, 1, 3, 4, 2).reshape(B * n * G, D, K)
-        s = _bmm_f32(q_g, k_t).view(B, n, G, R, K)
+        q_c = q[:, t0:t1].reshape(B, n, G, R, D)
         lse_c = lse[:, t0:t1].to(out.dtype).reshape(B, n, G, R, 1)
-        p = torch.exp(s * scale - lse_c.masked_fill(lse_c == float("-inf"), 0.0))
-        out[:, t0:t1] = p.masked_fill((idx < 0)[:, :, None, None, :], 0.0).sum((2, 3))
+        lse_c = lse_c.masked_fill(lse_c == float("-inf"), 0.0)
+        acc = None
+        for g in range(G):  # one group's keys at a time: the gathered rows feed bmm as they are
+            k_sel = reference._select_keys(k[:, :, g], idx).view(B * n, K, D)
+            s = _bmm_f32(q_c[:, :, g].reshape(B * n, R, D), k_sel.transpose(1, 2)).view(B, n, R, K)
+            p = torch.exp(s * scale - lse_c[:, :, g]).sum(2)
+            acc = p if acc is None else acc + p
+        out[:, t0:t1] = acc.masked_fill(idx < 0, 0.0)
     return out
 
 
@@ -418,6 +390,8 @@ def chunked_indexer_kl_loss(
         per_query += B * X * (4 * H + 4 * k.shape[2] * k.shape[3])
     Tc = max(1, min(T, budget // max(per_query, 1)))
     q, k = q.detach(), k.detach()
+    # backend picks the index scores' implementation; ops a backend lacks run under auto
+    rest = backend if backend in ("auto", "torch") else "auto"
     tp = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     if indices is None:
         pos = reference._query_positions(q_positions, T, S, q.device)
@@ -427,7 +401,7 @@ def chunked_indexer_kl_loss(
                 target = sparse_probs_target(q, k, indices, lse, scale, budget)
             else:
                 target = torch.cat([
-                    attention_probs_target(q[:, t0:t0 + Tc], k, indices[:, t0:t0 + Tc], scale, backend=backend)
+                    attention_probs_target(q[:, t0:t0 + Tc], k, indices[:, t0:t0 + Tc], scale, backend=rest)
                     for t0 in range(0, T, Tc)
                 ], dim=1) if T else q.new_zeros((B, 0, X), dtype=torch.float32)
             if tp:
@@ -437,19 +411,19 @@ def chunked_indexer_kl_loss(
         if indices is None:
             with torch.no_grad():
                 target_c = attention_probs_target(
-                    q[:, t0:t1], k, None, scale, True, cu_seqlens, backend, q_positions=pos[t0:t1]
+                    q[:, t0:t1], k, None, scale, True, cu_seqlens, rest, q_positions=pos[t0:t1]
                 )
                 if tp:
                     torch.distributed.all_reduce(target_c, group=tp_group)
             scores = lightning_indexer(
-                q_idx_c, k_idx, weights_c, True, cu_seqlens, backend, q_positions=pos[t0:t1]
+                q_idx_c, k_idx, weights_c, True, cu_seqlens, rest, q_positions=pos[t0:t1]
             )
             idx = None
         else:
             idx, target_c = indices[:, t0:t1], target[:, t0:t1]
             scores = _index_scores_sparse(q_idx_c, k_idx, weights_c, idx, backend)
         valid = indexer_kl_valid_queries(scores.detach(), target_c, idx)
-        return indexer_kl_loss(scores, target_c, idx, backend) * valid.sum(), valid
+        return indexer_kl_loss(scores, target_c, idx, rest) * valid.sum(), valid
 
     total, valid = [], []
     for t0 in range(0, T, Tc):

@@ -187,3 +187,145 @@ def lightning_indexer_topk_triton(
         del keys
         t0 = t1
     return out
+
+
+# --- index scores at the selected keys (the sparse-stage KL loss), forward and backward -----
+#
+# I[b, t, j] = sum_h w[b, t, h] relu(q_idx[b, t, h] . k_idx[b, idx[b, t, j]]), -inf at -1 slots.
+# One program per query streams its K slots BK at a time (rows of k_idx gathered by index);
+# the [HI, BK] logits live in registers only. The backward recomputes them and writes dq_idx,
+# dw and, per (query, slot), the key gradient contribution [K, DI] (fp32) into a chunk buffer
+# that index_add_ sums into dk_idx: no [T, HI, K] tensor in either direction.
+SCORES_BK = 64
+# Bytes of the backward's [Tc, K, DI] fp32 key-gradient contributions per chunk.
+CONTRIB_BUDGET_BYTES = 1 << 30
+
+
+@triton.jit
+def _load_query(q, w, i_b, i_t, sq_b, sq_t, sq_h, sw_b, sw_t,
+                HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr):
+    """q_idx[b, t] [HIP, DIP] (padded heads and dims read 0) and w[b, t] [HIP] fp32."""
+    o_h, o_d = tl.arange(0, HIP), tl.arange(0, DIP)
+    p_q = q + i_b * sq_b + i_t * sq_t + o_h[:, None] * sq_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=(o_h < HI)[:, None] & (o_d < DI)[None, :], other=0.0)
+    b_w = tl.load(w + i_b * sw_b + i_t * sw_t + o_h, mask=o_h < HI, other=0.0).to(tl.float32)
+    return b_q, b_w
+
+
+@triton.jit
+def _load_selected(k, idx, i_b, i_t, k0, K, sk_b, sk_s, si_b, si_t,
+                   DI: tl.constexpr, DIP: tl.constexpr, BK: tl.constexpr):
+    """Slots [k0, k0 + BK) of query t: o_k, m_k (slot holds a key), key rows [BK, DIP]."""
+    o_k, o_d = k0 + tl.arange(0, BK), tl.arange(0, DIP)
+    b_i = tl.load(idx + i_b * si_b + i_t * si_t + o_k, mask=o_k < K, other=-1).to(tl.int64)
+    m_k = b_i >= 0
+    p_k = k + i_b * sk_b + tl.where(m_k, b_i, 0)[:, None] * sk_s + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_k[:, None] & (o_d < DI)[None, :], other=0.0)
+    return o_k, m_k, b_k
+
+
+@triton.jit
+def _sparse_scores_fwd_kernel(
+    q, k, w, idx, out,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, si_b, si_t, so_b, so_t, K,
+    HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BK: tl.constexpr,
+):
+    i_t, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    b_q, b_w = _load_query(q, w, i_b, i_t, sq_b, sq_t, sq_h, sw_b, sw_t, HI, HIP, DI, DIP)
+    for k0 in range(0, K, BK):
+        o_k, m_k, b_k = _load_selected(k, idx, i_b, i_t, k0, K, sk_b, sk_s, si_b, si_t, DI, DIP, BK)
+        b_s = tl.dot(b_q, tl.trans(b_k))  # [HIP, BK]
+        b_i = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)
+        tl.store(out + i_b * so_b + i_t * so_t + o_k, tl.where(m_k, b_i, float("-inf")), mask=o_k < K)
+
+
+@triton.jit
+def _sparse_scores_bwd_kernel(
+    q, k, w, idx, ds, dq, dw, dkc,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, si_b, si_t, sd_b, sd_t, sc_b, sc_t, t0, K,
+    HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BK: tl.constexpr,
+):
+    """dq_idx[b, t], dw[b, t] (like q_idx / w) and dkc[b, t - t0, j] = the gradient of the key
+    in slot j (zeros for -1 slots), for queries t0 + program_id(0)."""
+    i_t = t0 + tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_h, o_d = tl.arange(0, HIP), tl.arange(0, DIP)
+    b_q, b_w = _load_query(q, w, i_b, i_t, sq_b, sq_t, sq_h, sw_b, sw_t, HI, HIP, DI, DIP)
+    b_dq = tl.zeros([HIP, DIP], dtype=tl.float32)
+    b_dw = tl.zeros([HIP], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k, m_k, b_k = _load_selected(k, idx, i_b, i_t, k0, K, sk_b, sk_s, si_b, si_t, DI, DIP, BK)
+        b_ds = tl.load(ds + i_b * sd_b + i_t * sd_t + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k))  # [HIP, BK]
+        b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_ds[None, :], 1)
+        b_dl = tl.where(b_s > 0, b_w[:, None] * b_ds[None, :], 0.0).to(b_k.dtype)
+        b_dq += tl.dot(b_dl, b_k)
+        b_dk = tl.dot(tl.trans(b_dl), b_q)  # [BK, DIP]
+        p_c = dkc + i_b * sc_b + (i_t - t0) * sc_t + o_k[:, None] * DI + o_d[None, :]
+        tl.store(p_c, b_dk, mask=(o_k < K)[:, None] & (o_d < DI)[None, :])
+    p_dq = dq + i_b * sq_b + i_t * sq_t + o_h[:, None] * sq_h + o_d[None, :]
+    tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=(o_h < HI)[:, None] & (o_d < DI)[None, :])
+    tl.store(dw + i_b * sw_b + i_t * sw_t + o_h, b_dw.to(dw.dtype.element_ty), mask=o_h < HI)
+
+
+def _scores_meta(q_idx: Tensor) -> dict:
+    HI, DI = q_idx.shape[2:]
+    return dict(HI=HI, HIP=max(16, triton.next_power_of_2(HI)), DI=DI,
+                DIP=max(16, triton.next_power_of_2(DI)), BK=16 if _INTERPRET else SCORES_BK)
+
+
+class SparseIndexScores(torch.autograd.Function):
+    """lightning_indexer_sparse in Triton: [B, T, K] fp32 scores, gradients to q_idx, k_idx, w."""
+
+    @staticmethod
+    def forward(ctx, q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        B, T, K = indices.shape
+        q_idx, k_idx, weights, indices = (x.contiguous() for x in (q_idx, k_idx, weights, indices))
+        out = torch.empty((B, T, K), dtype=torch.float32, device=q_idx.device)
+        if T and K:
+            _sparse_scores_fwd_kernel[(T, B)](
+                q_idx, k_idx, weights, indices, out,
+                q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+                weights.stride(0), weights.stride(1), indices.stride(0), indices.stride(1),
+                out.stride(0), out.stride(1), K, **_scores_meta(q_idx), num_warps=4,
+            )
+        ctx.save_for_backward(q_idx, k_idx, weights, indices)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_scores: Tensor):
+        q_idx, k_idx, weights, indices = ctx.saved_tensors
+        B, T, K = indices.shape
+        S, DI = k_idx.shape[1:]
+        d_scores = d_scores.float().contiguous()
+        dq = torch.empty_like(q_idx)
+        dw = torch.empty_like(weights)
+        dk = torch.zeros((B * S, DI), dtype=torch.float32, device=k_idx.device)
+        Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(1, B * K * DI * 4)))
+        rows = indices.long().clamp(min=0) + torch.arange(B, device=indices.device)[:, None, None] * S
+        for t0 in range(0, T, Tc):
+            n = min(Tc, T - t0)
+            dkc = torch.empty((B, n, K, DI), dtype=torch.float32, device=q_idx.device)
+            _sparse_scores_bwd_kernel[(n, B)](
+                q_idx, k_idx, weights, indices, d_scores, dq, dw, dkc,
+                q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+                weights.stride(0), weights.stride(1), indices.stride(0), indices.stride(1),
+                d_scores.stride(0), d_scores.stride(1), dkc.stride(0), dkc.stride(1), t0, K,
+                **_scores_meta(q_idx), num_warps=4,
+            )
+            dk.index_add_(0, rows[:, t0:t0 + n].reshape(-1), dkc.view(-1, DI))
+        return dq, dk.view(B, S, DI).to(k_idx.dtype), dw, None
+
+
+def lightning_indexer_sparse_triton(q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+    """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI], indices [B, T, K] -> [B, T, K]
+    fp32 index scores at the selected keys (-inf at -1 slots), differentiable."""
+    _check_indexer_args(q_idx, k_idx, weights)
+    B, T = q_idx.shape[:2]
+    _check(
+        indices.dim() == 3 and tuple(indices.shape[:2]) == (B, T) and not indices.is_floating_point(),
+        f"indices must be an integer [B, T, K] = [{B}, {T}, K] tensor, got {indices.dtype} {tuple(indices.shape)}",
+    )
+    _check(q_idx.shape[-1] <= 256 and q_idx.shape[2] <= 128,
+           f"q_idx: {tuple(q_idx.shape[2:])} indexer heads x dim; the Triton kernel takes HI <= 128, DI <= 256")
+    return SparseIndexScores.apply(q_idx, k_idx, weights, indices)
