@@ -536,6 +536,7 @@ def guarded(fn, clock):
     try:
         return fn()
     except torch.OutOfMemoryError as e:
+        traceback.print_exc(limit=-6)  # where it ran out: the innermost frames
         peak = torch.cuda.max_memory_allocated() if clock.cuda else None
         return {"error": f"OutOfMemoryError: {str(e).splitlines()[0][:200]}", "peak_mem_bytes": peak}
     except Exception as e:  # one job failing leaves the others
