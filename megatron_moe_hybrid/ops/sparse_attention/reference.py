@@ -275,6 +275,17 @@ def _block_topk(scores: Tensor, topk: int, block_size: int) -> Tensor:
     return index
 
 
+def _check_selection_args(q_idx, k_idx, weights, topk, block_size) -> tuple[int, int, int]:
+    """lightning_indexer_topk's argument checks (every backend): B, T, S."""
+    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_topk(topk)
+    _check(
+        block_size is None or (isinstance(block_size, int) and block_size > 0),
+        f"block_size must be None (token mode) or a positive int (keys per block), got {block_size!r}",
+    )
+    return B, T, S
+
+
 @torch.no_grad()
 def lightning_indexer_topk(
     q_idx: Tensor,
@@ -298,12 +309,7 @@ def lightning_indexer_topk(
     reference scores 256 queries at a time; the Triton backend never holds the per-head
     [T, HI, S] logits and works through the queries in memory-bounded chunks.
     """
-    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
-    _check_topk(topk)
-    _check(
-        block_size is None or (isinstance(block_size, int) and block_size > 0),
-        f"block_size must be None (token mode) or a positive int (keys per block), got {block_size!r}",
-    )
+    B, T, S = _check_selection_args(q_idx, k_idx, weights, topk, block_size)
     q_pos = _query_positions(q_positions, T, S, q_idx.device)
     seg = _segment_ids(cu_seqlens, B, S)
     blocks = []

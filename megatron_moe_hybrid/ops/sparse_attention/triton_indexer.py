@@ -33,7 +33,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .reference import _check, _check_indexer_args, _check_topk, _query_positions, _segment_ids
+from .reference import (
+    _check,
+    _check_indexer_args,
+    _check_selection_args,
+    _query_positions,
+    _segment_ids,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Bytes of one chunk's [B, Tc, Sc] int64 sort keys (torch.topk's working set comes on top).
@@ -141,12 +147,7 @@ def lightning_indexer_topk_triton(
     budget_bytes: int | None = None,
 ) -> Tensor:
     """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> int32 [B, T, topk]."""
-    B, T, S = _check_indexer_args(q_idx, k_idx, weights)
-    _check_topk(topk)
-    _check(
-        block_size is None or (isinstance(block_size, int) and block_size > 0),
-        f"block_size must be None (token mode) or a positive int (keys per block), got {block_size!r}",
-    )
+    B, T, S = _check_selection_args(q_idx, k_idx, weights, topk, block_size)
     DI = q_idx.shape[-1]
     _check(DI <= 256, f"q_idx: indexer head dim {DI} > 256 is not supported by the Triton indexer")
     _check(
