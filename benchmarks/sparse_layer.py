@@ -155,6 +155,13 @@ def _recall(got, want):
     return hits / max(total, 1)
 
 
+def sparse_tflops(T, S, H, D, DV, ms):
+    """The sparse attention's fwd+bwd TFLOP/s by issue 4's count, 2 h k (d_qk + d_v) forward and
+    2 h k (3 d_qk + 2 d_v) backward per query, k = the query's selected keys min(K, its keys)."""
+    keys = sum(min(K, S - T + t + 1) for t in range(T))
+    return round(2 * H * keys * (4 * D + 3 * DV) / ms / 1e9, 1)
+
+
 def bench_layer(key, args, rows, log):
     _, T, S, H, G, D, DV = JOBS[key]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -217,6 +224,7 @@ def bench_layer(key, args, rows, log):
     parts["sparse_attention_fwd_bwd"] = measure(attn)[0]
     parts["kl_loss_fwd_bwd"] = measure(kl)[0]
     row["ours_parts_ms"] = {n: round(m, 2) for n, m in parts.items()}
+    row["sparse_attention_tflops"] = sparse_tflops(T, S, H, D, DV, parts["sparse_attention_fwd_bwd"])
     log(f"parts {row['ours_parts_ms']}")
     torch.cuda.empty_cache()
     notes = ["median of CUDA events; queries are the last T of S keys"]
