@@ -352,3 +352,21 @@ def test_chunked_kl_loss_on_the_triton_index_scores():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, e in zip(torch.autograd.grad(got, (q_idx, k_idx, w)), want_g):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("H, G, D", [(4, 2, 8), (20, 1, 24), (3, 3, 40)])
+def test_triton_kl_target_equals_the_gathered_one(H, G, D):
+    """sparse_probs_target's Triton kernel (one program per query, key rows read in place,
+    heads in blocks of 16, D split as the attention kernels split it) = the torch path."""
+    B, T, K = 2, 23, 9
+    gen = torch.Generator().manual_seed(H + D)
+    q = torch.randn(B, T, H, D, generator=gen)
+    k = torch.randn(B, T, G, D, generator=gen)
+    idx = torch.stack([reference.lightning_indexer_topk(*indexer_inputs(1, T, 2, 8, seed=b), K)[0] for b in range(B)])
+    idx[1, 7, 2] = -1
+    _, lse = reference.sparse_attention(q, k, k, idx.long())
+    want = sa.sparse_probs_target(q, k, idx.long(), lse, backend="torch")
+    got = sa.sparse_probs_target(q, k, idx, lse, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got[idx < 0] == 0).all()

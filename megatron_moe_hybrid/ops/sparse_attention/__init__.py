@@ -311,16 +311,23 @@ def _index_scores_sparse(q_idx, k_idx, weights, indices, backend):
 @torch.no_grad()
 def sparse_probs_target(
     q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: Optional[float] = None,
-    budget_bytes: Optional[int] = None,
+    budget_bytes: Optional[int] = None, backend: str = "auto",
 ) -> Tensor:
     """The sparse-stage KL target from the attention's own log-sum-exps, before normalising.
 
     q [B, T, H, D], k [B, S, G, D], indices [B, T, K], lse [B, T, H] (what sparse_attention
     returned for these inputs) -> [B, T, K] fp32 (fp64 for fp64 inputs) sum over heads of exp(scale q_h . k_j - lse_h),
     0 in the -1 slots: attention_probs_target(q, k, indices) times H, without a softmax of its
-    own. The products run in the inputs' dtype with an fp32 result on CUDA, queries in
-    chunks of budget_bytes.
+    own. backend "triton" (auto for 16-bit CUDA tensors): one Triton program per query reads
+    the selected key rows once (triton_sparse.sparse_probs_target_triton); else the products
+    run on gathered rows, in the inputs' dtype with an fp32 result on CUDA, queries in chunks
+    of budget_bytes.
     """
+    fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if backend == "triton" or (backend == "auto" and fused and "triton" in _BACKENDS):
+        from .triton_sparse import sparse_probs_target_triton
+
+        return sparse_probs_target_triton(q, k, indices, lse, scale)
     B, T, S, H, G, D = reference._check_attention_args(q, k, k)
     reference._check(
         tuple(lse.shape) == (B, T, H),
@@ -398,7 +405,7 @@ def chunked_indexer_kl_loss(
     else:
         with torch.no_grad():
             if lse is not None:
-                target = sparse_probs_target(q, k, indices, lse, scale, budget)
+                target = sparse_probs_target(q, k, indices, lse, scale, budget, backend)
             else:
                 target = torch.cat([
                     attention_probs_target(q[:, t0:t0 + Tc], k, indices[:, t0:t0 + Tc], scale, backend=rest)

@@ -564,3 +564,66 @@ def sparse_attention_triton(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale)
+
+
+# --- the indexer KL loss's sparse-stage target from the attention's lse ----------------------
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _target_kernel(
+    q, k, idx, lse, out,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, si_b, si_t, sl_b, sl_t, so_b, so_t,
+    scale_log2, T, K, G,
+    R: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr,
+    BH: tl.constexpr, BK: tl.constexpr,
+):
+    """One query t: out[b, t, j] = sum_h exp(scale q_h . k[idx_j, g(h)] - lse_h), 0 at -1 slots.
+
+    The slots' key rows are read once per group straight from k (no gathered copy); the heads
+    of the group BH at a time; the sum over heads stays in registers."""
+    i_t, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    NHB: tl.constexpr = (R + BH - 1) // BH
+    p_idx = idx + i_b * si_b + i_t * si_t
+    p_q = q + i_b * sq_b + i_t * sq_t
+    p_l = lse + i_b * sl_b + i_t * sl_t
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_acc = tl.zeros([BK], dtype=tl.float32)
+        m_s = o_k < 0
+        for i_g in range(G):
+            p_k = k + i_b * sk_b + i_g * sk_g
+            m_s, b_k1, b_k2, _ = _load_slots(p_idx, o_k, K, p_k, sk_s, p_k, sk_s, D, D1, D1, D2, HAS_D2,
+                                             D1, True, BK)
+            for i_hb in tl.static_range(NHB):
+                o_r = i_hb * BH + tl.arange(0, BH)
+                m_r = o_r < R
+                o_h = i_g * R + o_r
+                b_q1, b_q2 = _load_q(p_q, o_h, sq_h, m_r, D, D1, D2, HAS_D2, BH)
+                b_l = tl.load(p_l + o_h, mask=m_r, other=float("inf")) * 1.4426950408889634
+                b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2) * scale_log2  # [BH, BK]
+                b_p = tl.exp2(b_s - b_l[:, None])
+                b_acc += tl.sum(tl.where(m_r[:, None] & m_s[None, :], b_p, 0.0), 0)
+        tl.store(out + i_b * so_b + i_t * so_t + o_k, b_acc, mask=o_k < K)
+
+
+def sparse_probs_target_triton(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: float | None = None) -> Tensor:
+    """ops.sparse_probs_target in Triton: q [B, T, H, D], k [B, S, G, D], indices [B, T, K],
+    lse [B, T, H] -> [B, T, K] fp32 sum over heads of exp(scale q_h . k_j - lse_h)."""
+    _check(q, k, k, indices)
+    B, T, H, D = q.shape
+    if tuple(lse.shape) != (B, T, H):
+        raise ValueError(f"lse must be [B, T, H] = {(B, T, H)} (sparse_attention's second output), got {tuple(lse.shape)}")
+    scale = D**-0.5 if scale is None else float(scale)
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    indices, lse = indices.contiguous(), lse.float().contiguous()
+    sh = _Shape(q, k, k, indices)
+    out = _alloc((B, T, sh.K), torch.float32, q.device)
+    consts = {"R": sh.R, "D": D, "D1": sh.D1, "D2": sh.D2, "HAS_D2": sh.has_d2}
+    _launch(
+        _target_kernel, "KL target", ("target", *sh.key(q)),
+        lambda c: (T, B),
+        (q, k, indices, lse, out, *_row_strides(q), *_row_strides(k), indices.stride(0), indices.stride(1),
+         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale * LOG2E, T, sh.K, sh.G),
+        consts, _candidates("fwd", sh.R, sh.width, _INTERPRET),
+    )
+    return out
