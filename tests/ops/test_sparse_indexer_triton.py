@@ -370,3 +370,20 @@ def test_triton_kl_target_equals_the_gathered_one(H, G, D):
     got = sa.sparse_probs_target(q, k, idx, lse, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert (got[idx < 0] == 0).all()
+
+
+@interpreter
+def test_triton_kl_kernels_name_bad_arguments():
+    q_idx, k_idx, w = indexer_inputs(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="indices must be an integer"):
+        triton_indexer.lightning_indexer_sparse_triton(q_idx, k_idx, w, torch.zeros(1, 8, 4))
+    with pytest.raises(ValueError, match="HI <= 128"):
+        triton_indexer.lightning_indexer_sparse_triton(
+            torch.zeros(1, 8, 129, 16), k_idx, torch.zeros(1, 8, 129), torch.zeros(1, 8, 4, dtype=torch.int32)
+        )
+    q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16)
+    idx = torch.zeros(1, 8, 4, dtype=torch.int64)
+    from megatron_moe_hybrid.ops.sparse_attention.triton_sparse import sparse_probs_target_triton
+
+    with pytest.raises(ValueError, match="lse must be"):
+        sparse_probs_target_triton(q, k, idx, torch.zeros(1, 8, 3))
