@@ -105,6 +105,11 @@ class MLAConfig:
     rope_mscale_all_dim: float = 0.0  # > 0 also scales the softmax by mscale(factor, this)^2
     rope_attention_factor: Optional[float] = None  # cos/sin scale; None: derived from the mscales
     rope_truncate: bool = True
+    # false: HF's DeepseekV32Attention step for step (dense [T, S] indexer scores, per-head k
+    # and v, exact HF parity). true: absorbed MLA through the fused sparse ops: W_UK folded into
+    # q and W_UV applied after attention over the one shared latent kv [C + R], the indexer's
+    # top-k by lightning_indexer_topk, memory linear in T (long contexts).
+    absorbed: bool = False
 
 
 @dataclass
@@ -455,6 +460,9 @@ def _validate(c: HybridMoEConfig) -> None:
             _require(getattr(mla, name) >= 0, f"mla.{name}", f"must be >= 0 (0: unset), got {getattr(mla, name)!r}")
         if mla.rope_attention_factor is not None:
             _positive(mla.rope_attention_factor, "mla.rope_attention_factor")
+    _require(
+        isinstance(mla.absorbed, bool), "mla.absorbed", f"must be true or false, got {mla.absorbed!r}"
+    )
     _require(
         mla.qk_rope_head_dim % 2 == 0,
         "mla.qk_rope_head_dim",

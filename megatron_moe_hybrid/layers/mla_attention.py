@@ -20,6 +20,13 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
   Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
   KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
   indexer reads detached inputs), attached like the MoE aux loss; last_indexer_loss keeps it.
+With mla.absorbed (off by default) the same function runs in DeepSeek's absorbed form through
+the fused sparse ops: q_nope . k_nope = (W_UK^T q_nope) . c puts every head on the one latent
+kv [kv_layernorm(c) | k_rope] (MQA over C + R channels, v its first C), W_UV maps the latent
+output to v's, the indexer's top-k comes from ops.lightning_indexer_topk (equal scores to the
+lower key, where HF's torch.topk leaves ties open) and the KL loss from
+ops.chunked_indexer_kl_loss: no [T, S] tensor, so long contexts fit
+(tests/layers/test_mla_absorbed.py: equal to the HF form).
 Config: heads = model.num_attention_heads; dims, rope_theta and the RoPE scaling (mla.rope_type
 "default" or "yarn", as HF's _compute_yarn_parameters: ramped inverse frequencies, cos/sin times
 the attention factor, and with rope_mscale_all_dim the softmax scale times mscale^2) from the
@@ -191,6 +198,7 @@ class MLAttention(MegatronModule):
         self.last_indexer_loss = torch.zeros(())
         self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
         self.backend = sa.backend
+        self.absorbed = getattr(mla, "absorbed", False)
         dtype, h, H = config.params_dtype, config.hidden_size, self.num_heads
         column, row = tp_linear_builders(config, pg_collection)
 
@@ -223,14 +231,21 @@ class MLAttention(MegatronModule):
 
         x [B, T, h], q_latent [B, T, Q or h]. The op order copies DeepseekV32Indexer (scores in
         fp32, the same matmuls) so that exact ties resolve as HF resolves them."""
+        HI, DI = self.index_heads, self.index_dim
+        q, k, w = self.index_inputs(x, q_latent, cos, sin)
+        logits = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * DI**-0.5  # [B, T, HI, S]
+        w = w.float() * HI**-0.5  # [B, T, HI]
+        return torch.matmul(w.unsqueeze(-2), logits.relu()).squeeze(-2)  # [B, T, S]
+
+    def index_inputs(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The indexer's q [B, T, HI, DI] and k [B, S, DI] (RoPE'd) and weights [B, T, HI],
+        unscaled (index_scores applies DI^-0.5 and HI^-0.5)."""
         HI, DI, R = self.index_heads, self.index_dim, self.rope_dim
         q = self.linear_index_q(q_latent)[0].unflatten(-1, (HI, DI))  # [B, T, HI, DI]
         k = self.index_k_norm(self.linear_index_k(x)[0]).unsqueeze(2)  # [B, T, 1, DI]
         q = torch.cat([rope_half(q[..., :R], cos, sin), q[..., R:]], dim=-1)
         k = torch.cat([rope_half(k[..., :R], cos, sin), k[..., R:]], dim=-1).squeeze(2)  # [B, S, DI]
-        logits = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * DI**-0.5  # [B, T, HI, S]
-        w = self.linear_index_weights(x)[0].float() * HI**-0.5  # [B, T, HI]
-        return torch.matmul(w.unsqueeze(-2), logits.relu()).squeeze(-2)  # [B, T, S]
+        return q, k, self.linear_index_weights(x)[0]
 
     @torch.no_grad()
     def index_topk(self, scores: Tensor, readable: Tensor) -> Tensor:
@@ -242,6 +257,63 @@ class MLAttention(MegatronModule):
         # Early queries have fewer than K readable keys: their extra picks are dropped here.
         picked = readable.expand(B, T, T).gather(-1, indices)
         return indices.masked_fill(~picked, -1)
+
+    def absorbed_weights(self) -> tuple[Tensor, Tensor]:
+        """linear_kv_up_proj's weight split per head: W_UK [H, N, C] and W_UV [H, V, C], with an
+        unmerged LoRA adapter's delta included (differentiable in the adapter)."""
+        H, N, V, C = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        lin = self.linear_kv_up_proj
+        base = getattr(lin, "base", lin)
+        if getattr(base, "bias", None) is not None:
+            raise ValueError("mla.absorbed: linear_kv_up_proj has a bias, which absorbed MLA does not fold in; set mla.absorbed false")
+        w = lin.weight
+        if hasattr(lin, "delta_weight") and not lin.merged:
+            if not isinstance(lin.dropout, nn.Identity):
+                raise ValueError(
+                    "mla.absorbed: LoRA dropout on linear_kv_up_proj acts on its input, which absorbed MLA "
+                    "never forms; set lora.dropout 0 or mla.absorbed false"
+                )
+            dtype = torch.promote_types(w.dtype, lin.lora_A.dtype)
+            w = w.to(dtype) + lin.delta_weight().to(dtype)
+        w = w.view(H, N + V, C)
+        return w[:, :N], w[:, N:]
+
+    def _absorbed_forward(self, x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens):
+        """Attention over the one shared latent kv [C + R] (absorbed MLA), through the fused ops.
+
+        q [B, T, H, N + R] (RoPE'd), latent [B, S, C], k_rope [B, S, R] (RoPE'd). q_nope . k_nope
+        = (W_UK^T q_nope) . c, so q becomes [W_UK^T q_nope | q_rope] and every head reads
+        kv = [kv_layernorm(latent) | k_rope]; the attention's latent output times W_UV is v's.
+        The indexer's scales (DI^-0.5 inside the relu, HI^-0.5 on the weights; both positive)
+        are folded into its q and weights."""
+        N, C = self.nope_dim, self.kv_lora_rank
+        w_uk, w_uv = self.absorbed_weights()
+        c = self.kv_layernorm(latent)  # [B, S, C]
+        q_abs = torch.einsum("bthn,hnc->bthc", q[..., :N], w_uk.to(q.dtype))
+        q_full = torch.cat([q_abs, q[..., N:]], dim=-1)  # [B, T, H, C + R]
+        kv = torch.cat([c, k_rope.to(c.dtype)], dim=-1).unsqueeze(2)  # [B, S, 1, C + R]
+
+        train_indexer = self.indexer_loss_coeff > 0 and self.training and torch.is_grad_enabled()
+        with torch.set_grad_enabled(train_indexer):  # the indexer reads detached inputs, as in HF
+            q_idx, k_idx, w = self.index_inputs(x.detach(), q_latent.detach(), cos, sin)
+            q_idx = q_idx * self.index_dim**-0.5
+            w = w * self.index_heads**-0.5
+        S = kv.shape[1]
+        indices = ops.lightning_indexer_topk(
+            q_idx.detach(), k_idx.detach(), w.detach(), min(self.topk, S), cu_seqlens=cu_seqlens,
+            backend=self.backend,
+        )  # [B, T, K] int32, -1 past the readable keys
+        o, lse = ops.sparse_attention(q_full, kv, kv[..., :C], indices, scale=self.scale, backend=self.backend)
+        o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
+        output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
+        if train_indexer:
+            loss, _ = ops.chunked_indexer_kl_loss(
+                q_full, kv, q_idx, k_idx, w, indices, scale=self.scale, cu_seqlens=cu_seqlens,
+                lse=lse.detach(), backend=self.backend,
+            )
+            self.last_indexer_loss = loss.detach()
+            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)
+        return output, bias
 
     def forward(
         self,
@@ -260,7 +332,10 @@ class MLAttention(MegatronModule):
             raise NotImplementedError("MLAttention keeps no KV cache for decoding")
         s, b, _ = hidden_states.shape
         H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
-        positions, readable = _positions_and_mask(packed_seq_params, s, b, hidden_states.device)
+        if self.absorbed:
+            positions, cu_seqlens = _positions_and_cu_seqlens(packed_seq_params, s, b, hidden_states.device)
+        else:
+            positions, readable = _positions_and_mask(packed_seq_params, s, b, hidden_states.device)
         x = hidden_states.transpose(0, 1)  # [B, T, h]
         if positions.device not in self._inv_freq:
             self._inv_freq[positions.device] = next(iter(self._inv_freq.values())).to(positions.device)
@@ -277,6 +352,9 @@ class MLAttention(MegatronModule):
         q = torch.cat([q[..., :N], rope_interleaved(q[..., N:], cos, sin)], dim=-1)
 
         latent, k_rope = self.linear_kv_down_proj(x)[0].split([C, R], dim=-1)  # [B, S, C], [B, S, R]
+        if self.absorbed:
+            k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # [B, S, R]
+            return self._absorbed_forward(x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent))[0].unflatten(-1, (H, N + self.v_dim))
         k_nope, v = kv.split([N, self.v_dim], dim=-1)  # [B, S, H, N], [B, S, H, V]
         k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, R], shared by the heads
@@ -300,21 +378,29 @@ class MLAttention(MegatronModule):
         return output, bias
 
 
-def _positions_and_mask(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Tensor]:
-    """[1, T] positions (restarting per packed sequence) and [1, T, S] bool readable keys."""
+def _positions_and_cu_seqlens(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Optional[Tensor]]:
+    """[1, T] positions (restarting per packed sequence) and the packed cu_seqlens or None."""
     t = torch.arange(s, device=device)
-    causal = t[None, :] <= t[:, None]  # [T, S]
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
-        return t[None], causal[None]
+        return t[None], None
     cu_seqlens = packed_seq_params.cu_seqlens_q
     cu_kv = packed_seq_params.cu_seqlens_kv
     if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
         raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
     if b != 1:
         raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
-    seg = torch.searchsorted(cu_seqlens[1:].to(device), t, right=True)  # [T] sequence id
-    positions = ops.positions_from_cu_seqlens(cu_seqlens, s)
-    return positions[None], (causal & (seg[None, :] == seg[:, None]))[None]
+    return ops.positions_from_cu_seqlens(cu_seqlens, s)[None], cu_seqlens.to(device)
+
+
+def _positions_and_mask(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Tensor]:
+    """[1, T] positions (restarting per packed sequence) and [1, T, S] bool readable keys."""
+    positions, cu_seqlens = _positions_and_cu_seqlens(packed_seq_params, s, b, device)
+    t = torch.arange(s, device=device)
+    causal = t[None, :] <= t[:, None]  # [T, S]
+    if cu_seqlens is None:
+        return positions, causal[None]
+    seg = torch.searchsorted(cu_seqlens[1:], t, right=True)  # [T] sequence id
+    return positions, (causal & (seg[None, :] == seg[:, None]))[None]
 
 
 def _hf_names(module: MLAttention) -> dict[str, Tensor]:

@@ -1,0 +1,179 @@
+"""mla.absorbed: MLAttention (pattern letter "M") through the fused sparse ops in absorbed form
+equals its HF-exact form (tests/layers/test_deepseek_v32_parity.py ties that one to
+transformers) on the same weights: output, input gradient, every weight gradient, the indexer
+loss and its gradients, packed sequences, and a LoRA adapter on the kv up-projection.
+
+fp64 on the CPU: the two forms differ only in rounding (W_UK folded into q, W_UV after the
+attention; the indexer's scales folded into its inputs), except that the HF form scores the
+indexer in fp32, so the indexer loss and its gradients agree to fp32's precision. Both select
+with the fused ops' tie rule (the HF form's torch.topk patched to a stable sort).
+
+Shape legend: s tokens, b batch, h hidden; H heads, C kv latent, N / R / V no-rope / rope /
+value head dims, HI / DI indexer heads / head dim.
+"""
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe_hybrid.config import ConfigError, MLAConfig, SparseAttentionConfig, config_from_dict
+from megatron_moe_hybrid.layers.mla_attention import MLAttention, MLAttentionSubmodules
+from megatron_moe_hybrid.testing import init_megatron, teardown
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    init_megatron()
+    yield
+    teardown()
+
+
+def pair(topk: int, q_lora=16, seed=0):
+    """(HF-exact layer, absorbed layer) with the same random weights (norms around 1)."""
+    layers = []
+    for absorbed in (False, True):
+        cfg = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=3, use_cpu_initialization=True,
+                                params_dtype=F64)
+        cfg.mla = MLAConfig(q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                            v_head_dim=12, absorbed=absorbed)
+        cfg.sparse_attention = SparseAttentionConfig(topk=topk, index_n_heads=3, index_head_dim=8)
+        layers.append(MLAttention(cfg, MLAttentionSubmodules()))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layers[0].named_parameters():
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.3)
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers[0].index_topk = stable_index_topk.__get__(layers[0])
+    return layers
+
+
+@torch.no_grad()
+def stable_index_topk(self, scores, readable):
+    """The HF form's selection with the fused ops' tie rule (equal scores to the lower key).
+    HF's torch.topk leaves ties open, and relu makes them common: a key every indexer head
+    scores below zero gets exactly 0."""
+    B, T, _ = scores.shape
+    scores = scores.masked_fill(~readable, float("-inf"))
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    K = min(self.topk, T)
+    return indices[..., :K].masked_fill(values[..., :K] == float("-inf"), -1)
+
+
+def run(layer, x, dy, **kwargs):
+    layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    y, _ = layer(xi, attention_mask=None, **kwargs)
+    (y * dy).sum().backward()
+    return y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+INDEXER = ("linear_index_q.weight", "linear_index_k.weight", "index_k_norm.weight", "index_k_norm.bias",
+           "linear_index_weights.weight")
+
+
+def assert_runs_equal(a, b):
+    """Equal to fp64 rounding; the indexer's gradients to fp32's, as the HF form scores in fp32."""
+    (y0, gx0, g0), (y1, gx1, g1) = a, b
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-9, atol=1e-10)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert (g0[n] is None) == (g1[n] is None), n
+        if g0[n] is not None:
+            tol = dict(rtol=1e-5, atol=1e-7) if n in INDEXER else dict(rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(g1[n], g0[n], **tol, msg=n)
+
+
+@pytest.mark.parametrize("topk", [5, 64], ids=["sparse", "dense"])
+@pytest.mark.parametrize("q_lora", [16, None])
+@pytest.mark.parametrize("b,s", [(2, 23), (1, 1)])
+def test_absorbed_equals_the_hf_form(topk, q_lora, b, s):
+    hf_form, absorbed = pair(topk, q_lora, seed=s)
+    x = torch.randn(s, b, 48, dtype=F64)
+    dy = torch.randn(s, b, 48, dtype=F64)
+    assert_runs_equal(run(hf_form, x, dy), run(absorbed, x, dy))
+
+
+def test_absorbed_packed_sequences():
+    hf_form, absorbed = pair(4, seed=3)
+    lengths = [9, 0, 1, 14]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    x = torch.randn(sum(lengths), 1, 48, dtype=F64)
+    dy = torch.randn(sum(lengths), 1, 48, dtype=F64)
+    assert_runs_equal(run(hf_form, x, dy, packed_seq_params=params), run(absorbed, x, dy, packed_seq_params=params))
+
+
+def test_absorbed_indexer_loss_and_its_gradients():
+    """With indexer_loss_coeff > 0 the indexer trains on the same KL loss (value and gradients)."""
+    hf_form, absorbed = pair(5, seed=4)
+    for layer in (hf_form, absorbed):
+        layer.indexer_loss_coeff = 0.5
+    x = torch.randn(19, 2, 48, dtype=F64)
+    dy = torch.randn(19, 2, 48, dtype=F64)
+    a, b = run(hf_form, x, dy), run(absorbed, x, dy)
+    assert_runs_equal(a, b)
+    torch.testing.assert_close(absorbed.last_indexer_loss, hf_form.last_indexer_loss.to(F64), rtol=1e-6, atol=0)
+    assert b[2]["linear_index_q.weight"].abs().sum() > 0
+
+
+def test_absorbed_with_a_lora_adapter_on_the_kv_up_projection():
+    from megatron_moe_hybrid.layers.lora import apply_lora
+
+    hf_form, absorbed = pair(5, seed=5)
+    for layer in (hf_form, absorbed):
+        apply_lora(layer, ["sparse_attention"], rank=2, alpha=4.0)
+    with torch.no_grad():  # B = 0 would make the adapter a no-op
+        for n, p in hf_form.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    absorbed.load_state_dict(hf_form.state_dict())
+    assert hasattr(absorbed.linear_kv_up_proj, "lora_A")
+    x = torch.randn(17, 2, 48, dtype=F64)
+    dy = torch.randn(17, 2, 48, dtype=F64)
+    a, b = run(hf_form, x, dy), run(absorbed, x, dy)
+    assert_runs_equal(a, b)
+    assert b[2]["linear_kv_up_proj.lora_A"].abs().sum() > 0
+    # merged, the adapter is in the weight: still equal
+    for layer in (hf_form, absorbed):
+        layer.linear_kv_up_proj.merge()
+    assert_runs_equal(run(hf_form, x, dy), run(absorbed, x, dy))
+
+
+def test_absorbed_refuses_lora_dropout_and_bad_config():
+    from megatron_moe_hybrid.layers.lora import apply_lora
+
+    _, absorbed = pair(5)
+    apply_lora(absorbed, ["sparse_attention"], rank=2, alpha=4.0, dropout=0.1)
+    with pytest.raises(ValueError, match="mla.absorbed: LoRA dropout"):
+        absorbed(torch.randn(5, 1, 48, dtype=F64), attention_mask=None)
+    with pytest.raises(ConfigError, match="mla.absorbed"):
+        config_from_dict({"model": {"pattern": "LLLM"}}, {"mla.absorbed": "yes"}).validate()
+
+
+def test_absorbed_on_the_triton_kernels():
+    """backend "triton" (Triton's interpreter here, fp32): the fused indexer top-k, sparse
+    attention, KL target and index scores give the torch backend's output and gradients."""
+    pytest.importorskip("triton")
+    from megatron_moe_hybrid.ops.sparse_attention import triton_sparse
+
+    if not triton_sparse._INTERPRET:
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+    _, torch_layer = pair(5, seed=7)
+    _, triton_layer = pair(5, seed=7)
+    for layer, backend in ((torch_layer, "torch"), (triton_layer, "triton")):
+        layer.float()
+        layer.backend = backend
+        layer.indexer_loss_coeff = 0.5
+    x = torch.randn(21, 1, 48)
+    dy = torch.randn(21, 1, 48)
+    (y0, gx0, g0), (y1, gx1, g1) = run(torch_layer, x, dy), run(triton_layer, x, dy)
+    torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-4, atol=1e-5)
+    for n in g0:
+        if g0[n] is not None:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+    torch.testing.assert_close(triton_layer.last_indexer_loss, torch_layer.last_indexer_loss, rtol=1e-5, atol=0)
