@@ -316,9 +316,9 @@ def sparse_probs_target(
     """The sparse-stage KL target from the attention's own log-sum-exps, before normalising.
 
     q [B, T, H, D], k [B, S, G, D], indices [B, T, K], lse [B, T, H] (what sparse_attention
-    returned for these inputs) -> [B, T, K] fp32 (fp64 for fp64 inputs) sum over heads of exp(scale q_h . k_j - lse_h),
-    0 in the -1 slots: attention_probs_target(q, k, indices) times H, without a softmax of its
-    own. backend "triton": one Triton program per query reads the selected key rows once
+    returned for these inputs) -> [B, T, K] fp32 (fp64 for fp64 inputs): the sum over heads of
+    exp(scale q_h . k_j - lse_h), 0 in the -1 slots; attention_probs_target(q, k, indices)
+    times H, without a softmax of its own. backend "triton": one Triton program per query reads the selected key rows once
     (triton_sparse.sparse_probs_target_triton); auto takes it for 16-bit CUDA tensors with at
     most 64 heads per kv group (GQA: on the H200 at 64 heads / 4 groups / d 128 the KL loss
     took 228 ms with it against 458 without, 32k queries). Otherwise (and for absorbed MLA's
