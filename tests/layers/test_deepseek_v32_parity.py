@@ -342,16 +342,19 @@ def test_config_validates_mla(overrides, field):
     assert e.value.field == field
 
 
-def test_model_with_mla_layers_trains_on_cpu():
+@pytest.mark.parametrize("absorbed", [False, True], ids=["hf_form", "absorbed"])
+def test_model_with_mla_layers_trains_on_cpu(absorbed):
     """Pattern "LLLM" builds through the Megatron specs; every trainable weight of the M layer
-    gets a finite, non-zero gradient and the indexer (trained by its own loss) gets none."""
+    gets a finite, non-zero gradient and the indexer (trained by its own loss) gets none (in
+    both forms: mla.absorbed)."""
     from megatron_moe_hybrid.models import build_model
 
-    config = config_from_dict(_tiny_raw("LLLM", 4), {"mla.rope_theta": 1e6})
+    config = config_from_dict(_tiny_raw("LLLM", 4), {"mla.rope_theta": 1e6, "mla.absorbed": absorbed})
     torch.manual_seed(0)
     model = build_model(config)
     mla_layers = [l.self_attention for l in model.decoder.layers if isinstance(l.self_attention, MLAttention)]
     assert len(mla_layers) == 1 and mla_layers[0].rope_theta == 1e6 and mla_layers[0].topk == 6
+    assert mla_layers[0].absorbed is absorbed
     tokens = torch.randint(0, 128, (2, 19))
     positions = torch.arange(19)[None].expand(2, 19)
     out = model(tokens, positions, attention_mask=None)
