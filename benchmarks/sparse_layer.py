@@ -95,16 +95,14 @@ def bench_indexer(key, args, rows, log):
     lo, hi = triton_indexer.read_ranges(1, T, S, True, None, pos, "cuda")
     keys = torch.empty((1, T, S), dtype=torch.int64, device="cuda") if T * S * 8 <= 40e9 else None
     if keys is not None:
-        cfg = triton_indexer.CONFIG
-        grid = (triton.cdiv(S, cfg["BS"]), triton.cdiv(T, cfg["BQ"]), 1)
-
-        def score():
+        def score(c):
+            grid = (triton.cdiv(S, c["BS"]), triton.cdiv(T, c["BQ"]), 1)
             triton_indexer._score_keys_kernel[grid](
                 q_idx, k_idx, w, lo, hi, keys, *q_idx.stride()[:3], *k_idx.stride()[:2],
                 *w.stride()[:2], *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
-                BQ=cfg["BQ"], BS=cfg["BS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                BQ=c["BQ"], BS=c["BS"], num_warps=c["num_warps"], num_stages=c["num_stages"])
 
-        ms_s, _, _, _ = measure(score)
+        ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))
         ms_k, _, _, _ = measure(lambda: keys.topk(K, dim=-1))
         fp = torch.randn(1, T, S, device="cuda")
         ms_f, _, _, _ = measure(lambda: fp.topk(K, dim=-1))
@@ -115,12 +113,8 @@ def bench_indexer(key, args, rows, log):
         if args.sweep:
             sweep = []
             for c in SWEEP:
-                grid = (triton.cdiv(S, c["BS"]), triton.cdiv(T, c["BQ"]), 1)
                 try:
-                    m, _, _, _ = measure(lambda c=c, grid=grid: triton_indexer._score_keys_kernel[grid](
-                        q_idx, k_idx, w, lo, hi, keys, *q_idx.stride()[:3], *k_idx.stride()[:2],
-                        *w.stride()[:2], *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
-                        BQ=c["BQ"], BS=c["BS"], num_warps=c["num_warps"], num_stages=c["num_stages"]))
+                    m, _, _, _ = measure(lambda c=c: score(c))
                     sweep.append({**c, "scoring_ms": round(m, 3)})
                 except Exception as err:  # noqa: BLE001 - a config that fails is recorded
                     sweep.append({**c, "error": f"{type(err).__name__}: {str(err)[:100]}"})

@@ -194,8 +194,8 @@ def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
     assert len([r for r in caplog.records if "do not take" in r.getMessage()]) == 1
     # ops the triton backend does not implement stay on torch under auto, for CUDA tensors too
     assert sa.get_op("lightning_indexer", "auto", cuda[torch.bfloat16]) is reference.lightning_indexer
-    # the fused indexer top-k takes 16-bit CUDA tensors too
-    for op in ("indexer_topk", "lightning_indexer_topk"):
+    # the fused indexer top-k and selected-key scores take 16-bit CUDA tensors too
+    for op in ("indexer_topk", "lightning_indexer_topk", "lightning_indexer_sparse"):
         assert sa.get_op(op, "auto", cuda[torch.bfloat16]) is getattr(sa._BACKENDS["triton"], op)
         assert sa.get_op(op, "auto", cuda[torch.float32]) is getattr(reference, op)
 

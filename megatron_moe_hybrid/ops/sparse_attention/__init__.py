@@ -7,8 +7,8 @@ dim, DV value head dim, HI / DI indexer heads / head dim, K top-k. Layout [B, T,
 Each public function takes backend="auto" | a registered name. Backends live in a small
 registry (name -> SparseAttentionBackend): "torch" (reference.py) implements every op;
 "triton" (when triton is installed) implements sparse_attention (triton_sparse.py) and the
-indexer's fused scoring + top-k, lightning_indexer_topk and indexer_topk (triton_indexer.py),
-for bf16/fp16 CUDA tensors. "auto" takes the first registered backend of _AUTO_ORDER that implements the op
+indexer's fused scoring + top-k, lightning_indexer_topk and indexer_topk, and the scores at
+the selected keys, lightning_indexer_sparse (triton_indexer.py), for bf16/fp16 CUDA tensors. "auto" takes the first registered backend of _AUTO_ORDER that implements the op
 and whose supports(op, x) accepts the op's first tensor; a CUDA call that a fused backend
 declines is logged once before it runs on the torch reference.
 """
@@ -121,15 +121,18 @@ def _triton_lightning_indexer_topk(
     )
 
 
+def _triton_lightning_indexer_sparse(q_idx, k_idx, weights, indices):
+    from .triton_indexer import lightning_indexer_sparse_triton
+
+    return lightning_indexer_sparse_triton(q_idx, k_idx, weights, indices)
+
+
 def _triton_indexer_topk(
     q_idx, k_idx, weights, topk, block_size=256, causal=True, cu_seqlens=None, q_positions=None
 ):
     """indexer_topk's contract (int64) from the fused kernel; block_size (the reference's
     queries per block) is checked but not needed: the kernel bounds its memory itself."""
-    reference._check(
-        isinstance(block_size, int) and block_size > 0,
-        f"block_size must be a positive int (queries per block), got {block_size!r}",
-    )
+    reference.check_query_block(block_size)
     return _triton_lightning_indexer_topk(
         q_idx, k_idx, weights, topk, cu_seqlens, None, causal, q_positions
     ).long()
@@ -149,6 +152,7 @@ if importlib.util.find_spec("triton") is not None:
             sparse_attention=_triton_sparse_attention,
             lightning_indexer_topk=_triton_lightning_indexer_topk,
             indexer_topk=_triton_indexer_topk,
+            lightning_indexer_sparse=_triton_lightning_indexer_sparse,
             supports=_triton_supports,
         )
     )
@@ -177,7 +181,7 @@ def lightning_indexer(
 def lightning_indexer_sparse(
     q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor, backend: str = "auto"
 ) -> Tensor:
-    return get_op("lightning_indexer_sparse", backend)(q_idx, k_idx, weights, indices)
+    return get_op("lightning_indexer_sparse", backend, q_idx)(q_idx, k_idx, weights, indices)
 
 
 def topk_indices(scores: Tensor, topk: int, backend: str = "auto") -> Tensor:
@@ -297,17 +301,6 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.to(dtype), b.to(dtype))
 
 
-def _index_scores_sparse(q_idx, k_idx, weights, indices, backend):
-    """lightning_indexer_sparse for the KL loss: the Triton kernels for 16-bit CUDA tensors under
-    auto (and for any tensor with backend="triton", as the tests do), else the backend's op."""
-    fused = q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16)
-    if backend == "triton" or (backend == "auto" and fused and "triton" in _BACKENDS):
-        from .triton_indexer import lightning_indexer_sparse_triton
-
-        return lightning_indexer_sparse_triton(q_idx, k_idx, weights, indices)
-    return lightning_indexer_sparse(q_idx, k_idx, weights, indices, backend)
-
-
 @torch.no_grad()
 def sparse_probs_target(
     q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: Optional[float] = None,
@@ -389,7 +382,9 @@ def chunked_indexer_kl_loss(
     chunk of queries computes its index scores and KL sum under activation checkpointing,
     so that only one chunk's [Tc, HI, K] intermediates are alive at a time (forward and
     backward). The dense warm-up computes each chunk's [Tc, H, S] target inside the chunk:
-    it never holds [T, S] attention at long context. Memory is linear in T.
+    it never holds [T, S] attention at long context. Memory is linear in T. The index scores
+    and the target go through the backend's ops (auto: Triton for 16-bit CUDA tensors); an op
+    the named backend lacks runs under auto.
     """
     B, T, H, _ = reference._shape(q, "q", "[B, T, H, D]")
     S = k.shape[1]
@@ -432,9 +427,8 @@ def chunked_indexer_kl_loss(
             idx = None
         else:
             idx, target_c = indices[:, t0:t1], target[:, t0:t1]
-            scores = _index_scores_sparse(q_idx_c, k_idx, weights_c, idx, backend)
-        valid = indexer_kl_valid_queries(scores.detach(), target_c, idx)
-        return indexer_kl_loss(scores, target_c, idx, rest) * valid.sum(), valid
+            scores = lightning_indexer_sparse(q_idx_c, k_idx, weights_c, idx, backend)
+        return reference.indexer_kl_sum(scores, target_c, idx)  # (KL sum, valid [B, n])
 
     total, valid = [], []
     for t0 in range(0, T, Tc):

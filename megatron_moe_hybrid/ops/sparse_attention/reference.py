@@ -239,18 +239,32 @@ def indexer_topk(
     """
     B, T, S = _check_indexer_args(q_idx, k_idx, weights)
     _check_topk(topk)
+    check_query_block(block_size)
+    return _select(q_idx, k_idx, weights, topk, block_size, None, causal, cu_seqlens, q_positions)
+
+
+def check_query_block(block_size) -> None:
     _check(
         isinstance(block_size, int) and block_size > 0,
         f"block_size must be a positive int (queries per block), got {block_size!r}",
     )
+
+
+def _select(q_idx, k_idx, weights, topk, query_block, key_block, causal, cu_seqlens, q_positions) -> Tensor:
+    """indexer_topk / lightning_indexer_topk: masked scores query_block queries at a time, then
+    token mode (key_block None) or block mode -> [B, T, topk] int64."""
+    B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
     q_pos = _query_positions(q_positions, T, S, q_idx.device)
     seg = _segment_ids(cu_seqlens, B, S)
     blocks = []
-    for t0 in range(0, T, block_size):
-        t1 = min(t0 + block_size, T)
+    for t0 in range(0, T, query_block):
+        t1 = min(t0 + query_block, T)
         scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
         scores = scores.masked_fill(~_key_mask(q_pos[t0:t1], S, causal, seg), NEG_INF)
-        blocks.append(topk_indices(scores, topk))
+        if key_block is None:
+            blocks.append(topk_indices(scores, topk))
+        else:
+            blocks.append(_block_topk(scores, topk, key_block))
     return torch.cat(blocks, dim=1) if blocks else q_idx.new_empty((B, 0, topk), dtype=torch.int64)
 
 
@@ -309,21 +323,8 @@ def lightning_indexer_topk(
     reference scores 256 queries at a time; the Triton backend never holds the per-head
     [T, HI, S] logits and works through the queries in memory-bounded chunks.
     """
-    B, T, S = _check_selection_args(q_idx, k_idx, weights, topk, block_size)
-    q_pos = _query_positions(q_positions, T, S, q_idx.device)
-    seg = _segment_ids(cu_seqlens, B, S)
-    blocks = []
-    for t0 in range(0, T, 256):
-        t1 = min(t0 + 256, T)
-        scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
-        scores = scores.masked_fill(~_key_mask(q_pos[t0:t1], S, causal, seg), NEG_INF)
-        if block_size is None:
-            blocks.append(topk_indices(scores, topk))
-        else:
-            blocks.append(_block_topk(scores, topk, block_size))
-    if not blocks:
-        return q_idx.new_empty((B, 0, topk), dtype=torch.int32)
-    return torch.cat(blocks, dim=1).to(torch.int32)
+    _check_selection_args(q_idx, k_idx, weights, topk, block_size)
+    return _select(q_idx, k_idx, weights, topk, 256, block_size, causal, cu_seqlens, q_positions).to(torch.int32)
 
 
 def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
@@ -520,6 +521,15 @@ def indexer_kl_loss(
     left out of the mean (indexer_kl_valid_queries says which count). Under context
     parallelism a rank's T queries are a subset of all: scale by its share of the valid queries.
     """
+    kl_sum, valid_query = indexer_kl_sum(index_scores, attn_probs_target, indices)
+    return kl_sum / valid_query.sum().clamp_min(1)
+
+
+def indexer_kl_sum(
+    index_scores: Tensor, attn_probs_target: Tensor, indices: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """indexer_kl_loss before the mean: (the KL summed over the valid queries, valid [B, T]
+    bool, what indexer_kl_valid_queries gives). Chunks of queries add their sums and counts."""
     B, T, X = _shape(index_scores, "index_scores", "[B, T, S or K]")
     _check(
         tuple(attn_probs_target.shape) == (B, T, X),
@@ -542,4 +552,4 @@ def indexer_kl_loss(
     # Rows left out get finite dummy logits so their log_softmax (and its gradient) is not NaN.
     log_q = torch.log_softmax(index_scores.to(dtype).masked_fill(~valid_query[..., None], 0.0), -1)
     kl = torch.where(p > 0, p * (p.log() - log_q), 0.0).sum(-1)  # [B, T]
-    return torch.where(valid_query, kl, 0.0).sum() / valid_query.sum().clamp_min(1)
+    return torch.where(valid_query, kl, 0.0).sum(), valid_query

@@ -167,10 +167,11 @@ def lightning_indexer_topk_triton(
     budget = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     # The last key each query can read decides how many keys its chunk scores: one sync.
     hi_host = hi.cpu()
+    reach = hi_host.flip(0).cummax(0).values.flip(0)  # [T] the widest range from query t on
     t0 = 0
     while t0 < T:
         # As many queries as fit the budget at the widest key range they could reach.
-        Sc_max = int(hi_host[t0:].max()) + 1
+        Sc_max = int(reach[t0]) + 1
         Tc = max(BQ, (budget // max(1, 8 * B * max(Sc_max, 1))) // BQ * BQ)
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
