@@ -256,6 +256,14 @@ class StaticAllToAllDispatcher:
         (summed on demand, not in the hot path)."""
         return sum((st.expand.tokens_per_expert.sum() for st in self._last_states), torch.zeros((), dtype=torch.int64))
 
+    def release(self, states=()) -> None:
+        """Drops the routing weights, the states' only tensors in the autograd graph, once the
+        forward has used them (the layouts stay, for last_received). A module attribute that
+        holds a graph keeps every activation it saved alive until the next forward; under
+        activation recompute that is the recomputed layer's (~11 GB per layer of job c131072)."""
+        for st in [self.state, *self._last_states, *states]:
+            st.send_probs = st.recv_probs = None
+
     # -- the six steps, on self.state ---------------------------------------------------------
 
     def dispatch_preprocess(
@@ -359,25 +367,28 @@ class StaticAllToAllDispatcher:
         n = max(1, min(self.num_chunks, num_tokens))
         bounds = [num_tokens * i // n for i in range(n + 1)]
         states, sends = [], []
-        for i in range(n):
-            part = slice(bounds[i], bounds[i + 1])
-            sends.append(self.dispatch_preprocess(x[part], topk_idx[part], None if probs is None else probs[part]))
-            states.append(self.state)
-        in_flight, outs = [None] * n, [None] * n
-        self.state = states[0]
-        in_flight[0] = self.token_dispatch(sends[0], async_op=True)
-        shared = shared_expert(x) if shared_expert is not None else None
-        for i in range(n):
-            if i + 1 < n:
-                self.state = states[i + 1]
-                in_flight[i + 1] = self.token_dispatch(sends[i + 1], async_op=True)
-            self.state = states[i]
-            x_sorted, counts = self.dispatch_postprocess(in_flight[i])
-            outs[i] = self.token_combine(self.combine_preprocess(experts(x_sorted, counts)), async_op=True)
-        for i in range(n):
-            self.state = states[i]
-            outs[i] = self.combine_postprocess(outs[i])
-        self.last_overflow = sum(st.send.overflow + st.expand.overflow for st in states)
-        self._last_states = states
+        try:
+            for i in range(n):
+                part = slice(bounds[i], bounds[i + 1])
+                sends.append(self.dispatch_preprocess(x[part], topk_idx[part], None if probs is None else probs[part]))
+                states.append(self.state)
+            in_flight, outs = [None] * n, [None] * n
+            self.state = states[0]
+            in_flight[0] = self.token_dispatch(sends[0], async_op=True)
+            shared = shared_expert(x) if shared_expert is not None else None
+            for i in range(n):
+                if i + 1 < n:
+                    self.state = states[i + 1]
+                    in_flight[i + 1] = self.token_dispatch(sends[i + 1], async_op=True)
+                self.state = states[i]
+                x_sorted, counts = self.dispatch_postprocess(in_flight[i])
+                outs[i] = self.token_combine(self.combine_preprocess(experts(x_sorted, counts)), async_op=True)
+            for i in range(n):
+                self.state = states[i]
+                outs[i] = self.combine_postprocess(outs[i])
+            self.last_overflow = sum(st.send.overflow + st.expand.overflow for st in states)
+            self._last_states = states
+        finally:  # also when a recompute stops early inside the layer (torch.utils.checkpoint)
+            self.release(states)
         out = outs[0] if n == 1 else torch.cat(outs)
         return out if shared is None else out + shared

@@ -144,6 +144,7 @@ class MegatronStaticDispatcher(MoETokenDispatcher):
         [E_local] int64, permuted_probs [N or R]: the routing weight of each row)."""
         x_sorted, counts = self.static.dispatch_postprocess(hidden_states)  # [R, h], [E_local]
         probs_sorted = self.static.permuted_probs()  # [R]
+        self.static.release()  # the combine needs no weights: none of the graph stays on the module
         self.padded_rows = x_sorted.shape[0]
         if not self.trim_padding:
             return x_sorted, counts, probs_sorted
