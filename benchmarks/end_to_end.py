@@ -66,6 +66,8 @@ sys.path.insert(0, ROOT)
 
 from common import git_sha, write_results  # noqa: E402
 
+from megatron_moe_hybrid.parallel.recompute import is_recomputing  # noqa: E402
+
 OUT = os.path.join(HERE, "results", "h200", "end_to_end.json")
 MATMUL_CEILING = 687e12  # bf16 dense matmul, measured on one H200 here (issue 12)
 TOKENS_PER_STEP = 16384
@@ -286,7 +288,7 @@ class Regions:
         closed elsewhere)."""
 
         def pre(mod, args, kwargs):
-            if not self.on:
+            if not self.on or is_recomputing():  # a recomputed forward: inside the backward's regions
                 return None
             mod._region_key = (category, next(self.calls))
             if category == "loss":
@@ -303,7 +305,7 @@ class Regions:
             return tuple(args), kwargs
 
         def post(mod, args, kwargs, out):
-            if not self.on:
+            if not self.on or is_recomputing():
                 return None
             if torch.is_tensor(out):
                 return self.mark(out, mod._region_key, False)
@@ -787,7 +789,9 @@ def _row(name, kind, B, T, ours, anchor, args, cuda, world=1) -> dict:
                     "an fp32 reference, 0.50-0.56% relative, as ours); breakdown from one extra step with "
                     "module-boundary events")
     if T >= RECOMPUTE_FROM and not args.tiny:
-        row["notes"] += "; ours recomputes every layer in the backward (memory.recompute_layers = -1)"
+        row["notes"] += ("; ours recomputes every layer in the backward (memory.recompute_layers = -1): a layer's "
+                         "recomputed forward runs inside, and is counted in, the backward of its MoE (the region "
+                         "whose backward unpacks the layer's saved tensors first)")
     return row
 
 

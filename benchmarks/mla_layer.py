@@ -67,7 +67,7 @@ def main():
     for T in [int(t) for t in args.seqs.split(",")]:
         x = torch.randn(T, 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
-        results, outs = {}, {}
+        results, outs, errors = {}, {}, {}
         for name, layer in (("absorbed", absorbed), ("hf_form", hf_form)):
             def step(layer=layer):
                 layer.zero_grad(set_to_none=True)
@@ -80,9 +80,10 @@ def main():
                 outs[name] = step().detach().float()
                 results[name] = time_and_peak(step, warmup=1, reps=args.reps)
                 print(f"T{T} {name}: {results[name][0]:.2f} ms, peak {results[name][1] / 2**30:.2f} GiB", flush=True)
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as e:
                 traceback.print_exc(limit=-3)
                 results[name] = (None, None)
+                errors[name] = "OutOfMemoryError: " + str(e).splitlines()[0][:120]
             torch.cuda.empty_cache()
         (ours, ours_peak), (anchor, anchor_peak) = results["absorbed"], results["hf_form"]
         row = {"name": "mla layer fwd+bwd (sparse stage, indexer loss on)",
@@ -94,6 +95,8 @@ def main():
                "notes": f"median of {args.reps} after 1 warm-up, CUDA events; backend auto (Triton) in both; "
                         "the forms' outputs: rel. RMS difference "
                         + (f"{rel_rms(outs['absorbed'], outs['hf_form']):.2e}" if len(outs) == 2 else "n/a")}
+        for name, error in errors.items():
+            row["ours_error" if name == "absorbed" else "anchor_error"] = error
         rows.append(row)
         write_results(args.out, rows)
 

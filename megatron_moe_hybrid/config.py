@@ -105,11 +105,12 @@ class MLAConfig:
     rope_mscale_all_dim: float = 0.0  # > 0 also scales the softmax by mscale(factor, this)^2
     rope_attention_factor: Optional[float] = None  # cos/sin scale; None: derived from the mscales
     rope_truncate: bool = True
+    # true: absorbed MLA through the fused sparse ops: W_UK folded into q and W_UV applied after
+    # attention over the one shared latent kv [C + R], the indexer's top-k by
+    # lightning_indexer_topk (ties to the lower key), memory linear in T (long contexts).
     # false: HF's DeepseekV32Attention step for step (dense [T, S] indexer scores, per-head k
-    # and v, exact HF parity). true: absorbed MLA through the fused sparse ops: W_UK folded into
-    # q and W_UV applied after attention over the one shared latent kv [C + R], the indexer's
-    # top-k by lightning_indexer_topk, memory linear in T (long contexts).
-    absorbed: bool = False
+    # and v, HF's torch.topk: logit parity with HF even where the indexer ties; small T only).
+    absorbed: bool = True
 
 
 @dataclass

@@ -20,13 +20,15 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
   Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
   KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
   indexer reads detached inputs), attached like the MoE aux loss; last_indexer_loss keeps it.
-With mla.absorbed (off by default) the same function runs in DeepSeek's absorbed form through
+With mla.absorbed (the default) the same function runs in DeepSeek's absorbed form through
 the fused sparse ops: q_nope . k_nope = (W_UK^T q_nope) . c puts every head on the one latent
 kv [kv_layernorm(c) | k_rope] (MQA over C + R channels, v its first C), W_UV maps the latent
 output to v's, the indexer's top-k comes from ops.lightning_indexer_topk (equal scores to the
 lower key, where HF's torch.topk leaves ties open) and the KL loss from
 ops.chunked_indexer_kl_loss: no [T, S] tensor, so long contexts fit
-(tests/layers/test_mla_absorbed.py: equal to the HF form).
+(tests/layers/test_mla_absorbed.py: equal to the HF form). mla.absorbed false keeps HF's form
+step for step (its dense [B, T, HI, S] index logits and per-head k/v gathered at the selection
+need 384 GiB at DeepSeek-V3.2's shape and T = 4096: benchmarks/results/h200/mla_layer.json).
 Config: heads = model.num_attention_heads; dims, rope_theta and the RoPE scaling (mla.rope_type
 "default" or "yarn", as HF's _compute_yarn_parameters: ramped inverse frequencies, cos/sin times
 the attention factor, and with rope_mscale_all_dim the softmax scale times mscale^2) from the
@@ -198,7 +200,7 @@ class MLAttention(MegatronModule):
         self.last_indexer_loss = torch.zeros(())
         self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
         self.backend = sa.backend
-        self.absorbed = getattr(mla, "absorbed", False)
+        self.absorbed = getattr(mla, "absorbed", True)
         dtype, h, H = config.params_dtype, config.hidden_size, self.num_heads
         column, row = tp_linear_builders(config, pg_collection)
 
@@ -220,6 +222,13 @@ class MLAttention(MegatronModule):
         self.linear_index_k = column(submodules.linear_index_k, h, self.index_dim)
         self.index_k_norm = nn.LayerNorm(self.index_dim, eps=_LATENT_NORM_EPS, dtype=dtype)
         self.linear_index_weights = column(submodules.linear_index_weights, h, self.index_heads)
+
+
+    def _materialize(self, device) -> None:
+        """After a meta-device build (models.materialize): the RoPE frequencies, computed anew."""
+        with torch.device("cpu"):
+            inv_freq, _, _ = rope_frequencies(self.config.mla)
+        self._inv_freq = {inv_freq.device: inv_freq}
 
     def indexer_parameters(self) -> list[nn.Parameter]:
         """The indexer's weights: the main loss gives them no gradient (top-k is discrete)."""

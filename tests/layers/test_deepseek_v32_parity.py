@@ -133,6 +133,7 @@ def our_attention(shape: Shape, topk: int, dtype) -> MLAttention:
     cfg.mla = MLAConfig(
         q_lora_rank=shape.q_lora, kv_lora_rank=shape.kv_lora, qk_nope_head_dim=shape.nope,
         qk_rope_head_dim=shape.rope, v_head_dim=shape.v, **shape.our_rope(),
+        absorbed=False,  # the HF form, step for step (test_mla_absorbed.py ties the absorbed one to it)
     )  # fmt: skip
     cfg.sparse_attention = SparseAttentionConfig(
         topk=topk, index_n_heads=shape.index_heads, index_head_dim=shape.index_dim
