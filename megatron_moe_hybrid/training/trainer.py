@@ -202,10 +202,17 @@ class Trainer:
 
         _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
-        # Built and initialised on the CPU, then moved: one seed gives the same weights on any device.
-        self.model = build_model(config).to(self.device)
         if t.init_from is not None:
+            # Every weight comes from the checkpoint: built on the meta device and given storage
+            # on this rank's device only (no initialisation, no whole-model copy in host memory);
+            # a tensor the checkpoint lacks is an error (load_model_weights is strict).
+            from megatron_moe_hybrid.models import materialize
+
+            self.model = materialize(build_model(config, device="meta"), self.device)
             ckpt.load_model_weights(t.init_from, self.model)
+        else:
+            # Built and initialised on the CPU, then moved: one seed gives the same weights on any device.
+            self.model = build_model(config).to(self.device)
         if config.lora.enabled:
             from megatron_moe_hybrid.layers.lora import apply_lora
 

@@ -205,3 +205,51 @@ def test_recompute_layers_config_error_names_the_field():
 
     with pytest.raises(ConfigError, match="memory.recompute_layers"):
         tiny_config(**{"memory.recompute_layers": -2})
+
+
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLA", "LLLM"])
+def test_meta_build_materialized_and_loaded_equals_the_cpu_build(pattern):
+    """build_model(device="meta") allocates nothing; materialize() gives it storage, the runtime
+    state anew (routing counters zero, MLA's RoPE frequencies); with the CPU model's weights
+    loaded it computes the same loss and gradients, and counts the same routing."""
+    from megatron_moe_hybrid.models import build_model, materialize
+
+    config = tiny_config(**{"model.pattern": pattern, "moe.first_k_dense": 1})
+    torch.manual_seed(0)
+    cpu = build_model(config)
+    meta = build_model(config, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    with torch.no_grad():
+        for p in cpu.parameters():  # routers and norms away from their init, so a missed copy shows
+            p.add_(torch.randn_like(p) * 0.01)
+    model = materialize(meta, "cpu")
+    for (name, p), (_, p0) in zip(model.named_parameters(), cpu.named_parameters()):
+        assert vars(p) == vars(p0), name  # Megatron's and our parameter tags survive
+    missing, unexpected = model.load_state_dict(cpu.state_dict(), strict=True)
+    assert not missing and not unexpected
+    for (name, b), (_, b0) in zip(model.named_buffers(), cpu.named_buffers()):
+        assert torch.equal(b, b0), name  # persistent ones loaded, the counters zero in both
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32).expand(2, 32)
+    losses, grads, counts = [], [], []
+    for m in (cpu, model):
+        loss = m(tokens, pos, None, labels=tokens).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+        counts.append([layer.tokens_per_expert.clone() for layer in m.moe_layers()])
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
+    assert all(torch.equal(a, b) for a, b in zip(*counts))
+
+
+def test_materialize_names_what_it_cannot_make():
+    from megatron_moe_hybrid.models import build_model, materialize
+
+    model = build_model(tiny_config(), device="meta")
+    with torch.device("meta"):
+        model.decoder.layers[0].mlp.stray = [torch.zeros(3)]  # a module attribute inside a list: made zero
+        model.decoder.layers[0].mlp.odd = {torch.zeros(1): 1}  # a meta tensor as a dict key: left, named
+    with pytest.raises(RuntimeError, match="decoder.layers.0.mlp.odd"):
+        materialize(model, "cpu")
