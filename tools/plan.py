@@ -252,11 +252,14 @@ def _activation_bytes_per_token(
         n += (2 * qk + 2 * v + 2 * la.num_v_heads) * act_bytes  # in_proj output
         n += (2 * qk + v) * act_bytes * 2  # conv output and its activation
         n += 3 * v * 4  # chunk output and gated-norm input (fp32)
-    elif kind == "M":  # MLA: q, the kv latent, k/v per head, the output; then the indexer as in S
-        heads, m = c.num_attention_heads, c.mla
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        n += (heads * qk + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
-        n += heads * (m.qk_nope_head_dim + m.v_head_dim) * act_bytes + heads * m.v_head_dim * act_bytes
+    elif kind == "M":  # MLA: q and the kv latent, then per form; the indexer as in S
+        heads, mla = c.num_attention_heads, c.mla
+        qk, latent = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim
+        n += (heads * qk + latent) * act_bytes
+        if mla.absorbed:  # q folded into the latent per head, the attention's latent output, v-space output
+            n += heads * (latent + mla.kv_lora_rank + mla.v_head_dim) * act_bytes
+        else:  # k and v per head, the output
+            n += heads * (mla.qk_nope_head_dim + mla.v_head_dim) * act_bytes + heads * mla.v_head_dim * act_bytes
         n += heads * 4  # log-sum-exp
         n += sa.index_n_heads * sa.index_head_dim * act_bytes + sa.index_head_dim * act_bytes
         n += sa.topk * 4  # selected indices (int32)

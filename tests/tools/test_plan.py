@@ -58,6 +58,21 @@ def test_parameter_count_equals_built_model(overrides):
     assert counted["routed_experts"] == experts
 
 
+@pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_analytic_plan_of_every_layer_kind(overrides):
+    """The fused-kernel activation model (no probe) covers every letter with MoE after it (its
+    MLA branch once shadowed the MoE config: an AttributeError for any M model)."""
+    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, **overrides})
+    cluster = plan.Cluster(accelerators=1, expert_model_parallel_size=1, seq_length=256)
+    result = plan.plan(config, cluster)
+    assert result["peak_bytes"] > 0
+    for i in range(config.num_layers):
+        kind = config.layer_kind(i)
+        assert plan._activation_bytes_per_token(config, kind, config.is_moe_layer(i), seq_length=256) > 0, kind
+
+
 @pytest.mark.parametrize("expert_adapter", ["per_expert", "shared"])
 @pytest.mark.parametrize("overrides", [{}, {"model.pattern": "LLLM"}, {"model.pattern": "LLLM", "mla.q_lora_rank": None}],
                          ids=["LLLS", "LLLM", "LLLM-plain-q"])
