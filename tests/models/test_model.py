@@ -177,8 +177,9 @@ def _graph_tensors(obj, path: str, seen: set, found: list, depth: int = 0) -> No
         _graph_tensors(v, f"{path}.{k}", seen, found, depth + 1)
 
 
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLA", "LLLM"])
 @pytest.mark.parametrize("recompute", [0, -1], ids=["stored", "recomputed"])
-def test_no_module_keeps_a_graph_after_the_step(recompute):
+def test_no_module_keeps_a_graph_after_the_step(recompute, pattern):
     """After forward and backward no module attribute holds a tensor of the autograd graph. One
     that does keeps every activation its graph saved alive until the next forward; under
     recompute those of the recomputed layer (the MoE dispatcher's routing weights did: job
@@ -187,9 +188,11 @@ def test_no_module_keeps_a_graph_after_the_step(recompute):
     from megatron_moe_hybrid.models import build_model
 
     torch.manual_seed(0)
-    config = tiny_config(**{"memory.recompute_layers": recompute})
+    config = tiny_config(**{"memory.recompute_layers": recompute, "model.pattern": pattern,
+                            "sparse_attention.indexer_loss_coeff": 0.1})
     model = build_model(config).double()
-    apply_lora(model, ["linear_attention", "sparse_attention", "experts"], rank=4, alpha=8.0)
+    attention = "full_attention" if pattern.endswith("A") else "sparse_attention"
+    apply_lora(model, ["linear_attention", attention, "experts"], rank=4, alpha=8.0)
     tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     model(tokens, torch.arange(32).expand(2, 32), None, labels=tokens).mean().backward()
     found = []
