@@ -1,12 +1,17 @@
 """Where the memory of one training step of end_to_end.py's job goes: builds the job's model
-(random weights, LoRA as end_to_end does), records the CUDA allocator's history over one
-forward + backward + optimizer step and prints, at the peak (or where it ran out), the live
-memory grouped by the innermost frame of ours (or Megatron's) that allocated it.
+(random weights, LoRA as end_to_end does) and runs one forward + backward + optimizer step.
+Prints the allocated memory after each layer's forward and after each layer's backward (a
+steady climb through the backward is memory something keeps), and the live memory at the
+forward's peak grouped by the innermost frame of ours (or Megatron's) that allocated it.
+The allocator history is recorded over the forward only: with torch 2.11 a history recorded
+while a recomputed layer runs its backward breaks the recompute with a SystemError
+(pytorch #179536).
 
     python benchmarks/device/probe_memory.py --job c131072 [--top 30] [--layers 8]
+        [--recompute N] [--override moe.dispatch_chunks=4]
     python benchmarks/device/probe_memory.py --job c256 --tiny     # the script itself, on the CPU
 
-On the CPU (--tiny) it runs the step and reports nothing but the losses (no allocator history).
+On the CPU (--tiny) it runs the step and reports nothing but the loss.
 """
 
 import argparse
