@@ -50,6 +50,17 @@ def _seed(base_seed: int, path: str) -> int:
     return (base_seed + zlib.crc32(path.encode())) % 2**62
 
 
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """param <- value (this rank's whole tensor, on the CPU); a DTensor (FSDP2) takes its shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value.to(param.to_local().device), param.device_mesh, param.placements,
+                                      src_data_rank=None)
+        param.copy_(value)
+
+
 def _init_a_(a: torch.Tensor, fan_in: int, seed: int) -> None:
     """PEFT's kaiming_uniform(a=sqrt(5)) bound, 1 / sqrt(fan_in), drawn from its own seed."""
     bound = 1.0 / math.sqrt(fan_in)
@@ -151,12 +162,8 @@ class LoRALinear(nn.Module):
         self.is_row = isinstance(base, RowParallelLinear)
         in_full = in_local * tp if self.is_row else in_local
         device = base.weight.device  # drawn on the CPU (seeded), kept where the base lives
-        a_full = torch.empty(rank, in_full, dtype=dtype)  # [r, in]: every TP rank draws the same
-        _init_a_(a_full, in_full, seed)
-        if self.is_row:  # A sharded like the input: this rank's columns
-            self.lora_A = nn.Parameter(a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local].to(device, copy=True))
-        else:  # column (or torch) linear: B sharded like the output
-            self.lora_A = nn.Parameter(a_full.to(device))
+        self._init_args = (seed, in_full, in_local, tp_rank)
+        self.lora_A = nn.Parameter(self._initial_a(dtype).to(device, copy=True))
         self.lora_B = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         if tp > 1:
             sharded, replicated, dim = (
@@ -165,6 +172,19 @@ class LoRALinear(nn.Module):
             set_tensor_model_parallel_attributes(sharded, True, dim, 1)
             replicated.lora_tp_partial_grad = True
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def _initial_a(self, dtype) -> torch.Tensor:
+        """This rank's A as initialised (CPU): every TP rank draws the same [r, in]; a row-parallel
+        linear keeps its columns (A sharded like the input), a column one all of it."""
+        seed, in_full, in_local, tp_rank = self._init_args
+        a_full = torch.empty(self.rank, in_full, dtype=dtype)
+        _init_a_(a_full, in_full, seed)
+        return a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local] if self.is_row else a_full
+
+    def _materialize(self, device) -> None:
+        """After a meta-device build (models.materialize): the adapter drawn again, B zero."""
+        _assign(self.lora_A, self._initial_a(self.lora_A.dtype))
+        _assign(self.lora_B, torch.zeros(self.lora_B.shape, dtype=self.lora_B.dtype))
 
     @property
     def weight(self):
@@ -274,16 +294,8 @@ class LoRAGroupedExperts(nn.Module):
         self.per_expert = expert_adapter == "per_expert"
         lead = (e,) if self.per_expert else ()
         device = w1.device  # A drawn on the CPU (seeded), kept where the base lives
-        a1, a2 = torch.empty(*lead, rank, h, dtype=dtype), torch.empty(*lead, rank, f, dtype=dtype)
-        offset = getattr(base, "expert_offset", 0)
-        if self.per_expert:
-            # Seeded by global expert index: any EP layout holds the slice of the same full set.
-            for i in range(e):
-                _init_a_(a1[i], h, seed + 2 * (offset + i))
-                _init_a_(a2[i], f, seed + 2 * (offset + i) + 1)
-        else:
-            _init_a_(a1, h, seed)
-            _init_a_(a2, f, seed + 1)
+        self._init_args = (seed, e, h, f)
+        a1, a2 = self._initial_a(dtype)
         self.lora_A1 = nn.Parameter(a1.to(device))
         self.lora_B1 = nn.Parameter(torch.zeros(*lead, f2, rank, dtype=dtype, device=device))
         self.lora_A2 = nn.Parameter(a2.to(device))
@@ -293,6 +305,30 @@ class LoRAGroupedExperts(nn.Module):
                 p.allreduce = False  # Megatron's marker: sharded by EP, skip the dense DP all-reduce
                 p.num_local_experts = e
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def _initial_a(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A1 [(E,) r, h] and A2 [(E,) r, F] as initialised (CPU). Per expert, seeded by global
+        expert index: any EP layout holds the slice of the same full set."""
+        seed, e, h, f = self._init_args
+        lead = (e,) if self.per_expert else ()
+        a1, a2 = torch.empty(*lead, self.rank, h, dtype=dtype), torch.empty(*lead, self.rank, f, dtype=dtype)
+        if self.per_expert:
+            offset = getattr(self.base, "expert_offset", 0)
+            for i in range(e):
+                _init_a_(a1[i], h, seed + 2 * (offset + i))
+                _init_a_(a2[i], f, seed + 2 * (offset + i) + 1)
+        else:
+            _init_a_(a1, h, seed)
+            _init_a_(a2, f, seed + 1)
+        return a1, a2
+
+    def _materialize(self, device) -> None:
+        """After a meta-device build (models.materialize): the adapters drawn again, B zero."""
+        a1, a2 = self._initial_a(self.lora_A1.dtype)
+        _assign(self.lora_A1, a1)
+        _assign(self.lora_A2, a2)
+        for b in (self.lora_B1, self.lora_B2):
+            _assign(b, torch.zeros(b.shape, dtype=b.dtype))
 
     @property
     def weight1(self):

@@ -73,15 +73,17 @@ def build_model(config: HybridMoEConfig, device=None) -> HybridMoEModel:
 
 def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
     """A model built on the meta device, given storage on `device`: parameters and persistent
-    buffers uninitialised (load a checkpoint into them: load_model_weights, strict) with their
-    attributes kept, the
-    runtime state made anew there: non-persistent buffers (routing counters) zero, tensor
-    attributes (the last losses and counts) zero, and what a module computes at construction
-    (MLA's RoPE frequencies) by its _materialize(device). Raises if a meta tensor is left."""
+    buffers uninitialised (load a checkpoint into them: load_model_weights) with their
+    attributes kept; sharded by FSDP2 first, each rank allocates its shards only. The runtime
+    state is made anew there: non-persistent buffers (routing counters) and tensor attributes
+    (the last losses and counts) zero, and what a module computes at construction by its
+    _materialize(device) (MLA's RoPE frequencies, LoRA's adapters drawn again). Raises if a
+    meta tensor is left."""
     device = torch.device(device)
     # to_empty makes new Parameter objects: the attributes Megatron and we tag them with
     # (tensor_model_parallel, allreduce, num_local_experts, ...) are carried over
-    tags = {name: dict(vars(t)) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    tags = {name: {k: v for k, v in vars(t).items() if not k.startswith("_")}
+            for name, t in list(model.named_parameters()) + list(model.named_buffers())}
     model.to_empty(device=device)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t.__dict__.update(tags.get(name, {}))

@@ -41,8 +41,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in owners if id(m) not in inner]
 
 
-def apply_fsdp(model: nn.Module, config) -> nn.Module:
-    """Shards the model in place: experts over expert-dp, each TransformerLayer and the root over dp."""
+def apply_fsdp(model: nn.Module, config, device_type: str | None = None) -> nn.Module:
+    """Shards the model in place: experts over expert-dp, each TransformerLayer and the root over dp.
+    device_type: where the meshes live (default: where the parameters are; give it for a model on
+    the meta device, which models.materialize then gives this rank's shards only)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,7 +55,7 @@ def apply_fsdp(model: nn.Module, config) -> nn.Module:
         param_dtype=_dtype(p.fsdp_param_dtype, "parallel.fsdp_param_dtype"),
         reduce_dtype=_dtype(p.fsdp_reduce_dtype, "parallel.fsdp_reduce_dtype"),
     )
-    device = next(model.parameters()).device.type  # training.device: the meshes live where the model does
+    device = device_type or next(model.parameters()).device.type  # training.device: the meshes live where the model does
     # Context-parallel ranks are data-parallel replicas of the weights (they hold other tokens
     # of the same sequences): dense modules shard over dp x cp; expert-dp already spans them.
     dp_mesh = DeviceMesh.from_group(ps.get_data_parallel_group(with_context_parallel=True), device)

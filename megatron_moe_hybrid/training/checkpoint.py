@@ -330,11 +330,28 @@ def verify_files(path: str) -> dict[str, Any]:
     return meta
 
 
+def _unwrapped_name(model: torch.nn.Module):
+    """name -> the name a checkpoint without LoRA gives it: `<wrapper>.base.<rest>` ->
+    `<wrapper>.<rest>` for every LoRA wrapper of the model (a base checkpoint loaded under LoRA)."""
+    from megatron_moe_hybrid.layers.lora import lora_modules
+
+    prefixes = [f"{path}.base." for path, _ in lora_modules(model)]
+
+    def unwrapped(name: str) -> str:
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                return prefix[: -len("base.")] + name[len(prefix):]
+        return name
+
+    return unwrapped
+
+
 def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
     """Loads this rank's share of the weights; returns the names of model tensors not found.
 
     strict=True raises if a tensor is missing or has the wrong shape; strict=False (e.g. a
-    base checkpoint loaded under LoRA) only allows *missing* names. A dist checkpoint
+    base checkpoint loaded under LoRA) only allows *missing* names. A LoRA-wrapped base tensor
+    (`<wrapper>.base.weight`) is also found under its unwrapped name (`<wrapper>.weight`). A dist checkpoint
     (training/dist_checkpoint.py, or a run directory holding one) reshards as it loads.
     """
     from .dist_checkpoint import find_dist_checkpoint, load_dist_checkpoint
@@ -360,6 +377,7 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     state = model.state_dict()
     missing = []
     handles: dict[str, Any] = {}
+    unwrapped = _unwrapped_name(model)
 
     def read(key: str) -> torch.Tensor:
         fname = available[key]
@@ -379,13 +397,16 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
                 continue
             if name in experts:
                 e_local = experts[name].num_local_experts
-                keys = [f"{name}.expert{ep_rank * e_local + i}" for i in range(e_local)]
-                if any(k not in available for k in keys):
+                for stored_as in (name, unwrapped(name)):
+                    keys = [f"{stored_as}.expert{ep_rank * e_local + i}" for i in range(e_local)]
+                    if all(k in available for k in keys):
+                        break
+                else:
                     missing.append(name)
                     continue
                 value = torch.stack([read(k) for k in keys])
-            elif name in available:
-                value = read(name)
+            elif name in available or unwrapped(name) in available:
+                value = read(name if name in available else unwrapped(name))
             else:
                 missing.append(name)
                 continue

@@ -202,14 +202,20 @@ class Trainer:
 
         _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
+        from megatron_moe_hybrid.models import materialize
+        from megatron_moe_hybrid.training.dist_checkpoint import find_dist_checkpoint
+
+        # With FSDP2, a run from a (safetensors) checkpoint is wrapped (LoRA) and sharded while
+        # still on the meta device: each rank then allocates and reads its shards only.
+        shard_first = t.init_from is not None and config.parallel.fsdp and find_dist_checkpoint(t.init_from) is None
         if t.init_from is not None:
             # Every weight comes from the checkpoint: built on the meta device and given storage
             # on this rank's device only (no initialisation, no whole-model copy in host memory);
             # a tensor the checkpoint lacks is an error (load_model_weights is strict).
-            from megatron_moe_hybrid.models import materialize
-
-            self.model = materialize(build_model(config, device="meta"), self.device)
-            ckpt.load_model_weights(t.init_from, self.model)
+            self.model = build_model(config, device="meta")
+            if not shard_first:
+                materialize(self.model, self.device)
+                ckpt.load_model_weights(t.init_from, self.model)
         else:
             # Built and initialised on the CPU, then moved: one seed gives the same weights on any device.
             self.model = build_model(config).to(self.device)
@@ -231,7 +237,14 @@ class Trainer:
         if config.parallel.fsdp:
             from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
-            apply_fsdp(self.model, config)
+            apply_fsdp(self.model, config, device_type=self.device.type)
+        if shard_first:
+            materialize(self.model, self.device)  # the LoRA adapters drawn again, into their shards
+            missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
+            adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
+            lacking = [n for n in missing if n not in adapters]
+            if lacking:
+                raise ckpt.CheckpointError(f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}")
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(

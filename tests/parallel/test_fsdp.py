@@ -193,3 +193,58 @@ def test_adapters_only_checkpoint_bf16_base_resumes_exactly(base_dir, corpus, ca
     saved = _tensors(second["checkpoint"])
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
     _assert_tensors_close(_tensors(straight["checkpoint"]), saved)
+
+
+def _meta_sharded_materialize(rank, world_size):
+    """Built on meta, LoRA-wrapped and sharded there, then materialised: each rank's storage is
+    its shards only; the adapters are the ones an unsharded build draws (their shards of them)."""
+    import yaml
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.layers.lora import apply_lora
+    from megatron_moe_hybrid.models import build_model, materialize
+    from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
+    from megatron_moe_hybrid.testing import init_megatron
+
+    init_megatron(rank, world_size, ep=2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": world_size, "parallel.expert_model_parallel_size": 2,
+                                    "parallel.fsdp": True})
+    torch.manual_seed(0)
+    plain = build_model(config)
+    torch.manual_seed(1)  # apply_lora draws its base seed here (the CPU build drew from the RNG, meta does not)
+    apply_lora(plain, ["linear_attention", "experts"], rank=4, alpha=8.0)
+    model = build_model(config, device="meta")
+    torch.manual_seed(1)
+    apply_lora(model, ["linear_attention", "experts"], rank=4, alpha=8.0)
+    apply_fsdp(model, config, device_type="cpu")
+    materialize(model, "cpu")
+    from torch.distributed.tensor import DTensor
+
+    local, full = {"dense": 0, "experts": 0}, {"dense": 0, "experts": 0}
+    adapters = 0
+    plain_params = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and not p.to_local().is_meta, name
+        kind = "experts" if hasattr(p, "num_local_experts") else "dense"
+        local[kind] += p.to_local().numel()
+        full[kind] += p.numel()
+        assert vars(p).get("num_local_experts") == getattr(plain_params[name], "num_local_experts", None), name
+        if "lora_" in name:  # drawn again into the shard: the unsharded build's values
+            torch.testing.assert_close(p.full_tensor(), plain_params[name].detach(), rtol=0, atol=0, msg=name)
+            adapters += 1
+    return {"local": local, "full": full, "adapters": adapters}
+
+
+@pytest.mark.distributed
+def test_meta_model_sharded_before_storage_holds_only_its_shards():
+    results = spawn(_meta_sharded_materialize, 2)
+    for r in results:
+        assert r["adapters"] > 0
+        # dense tensors split over the 2 ranks (along dim 0: a rank may hold a row more); the
+        # experts are this EP rank's already, and expert-dp is 1 here
+        assert r["local"]["dense"] <= 0.52 * r["full"]["dense"], r
+        assert r["local"]["experts"] == r["full"]["experts"] > 0, r
+    assert results[0]["local"]["dense"] + results[1]["local"]["dense"] == results[0]["full"]["dense"]
