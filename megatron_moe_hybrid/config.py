@@ -603,6 +603,17 @@ def _validate(c: HybridMoEConfig) -> None:
                 "lora.targets",
                 f"unknown target {t!r}{_did_you_mean(t, LORA_TARGETS)}; valid: {', '.join(LORA_TARGETS)}",
             )
+        # Absorbed MLA folds linear_kv_up_proj's adapter into its weights and never forms the
+        # projection's input, where LoRA dropout would act (with target_modules the layer checks
+        # at its first forward whether kv_up_proj got an adapter).
+        _require(
+            not (lo.dropout > 0 and "M" in c.pattern and c.mla.absorbed and "sparse_attention" in lo.targets
+                 and not lo.target_modules),
+            "lora.dropout",
+            f"is {lo.dropout}, but absorbed MLA (mla.absorbed, the default for M layers) never forms the input of "
+            "linear_kv_up_proj that LoRA dropout acts on; set lora.dropout 0, set mla.absorbed false, or leave "
+            "sparse_attention out of lora.targets",
+        )
 
     # memory
     mem = c.memory

@@ -152,6 +152,21 @@ def test_absorbed_refuses_lora_dropout_and_bad_config():
         absorbed(torch.randn(5, 1, 48, dtype=F64), attention_mask=None)
     with pytest.raises(ConfigError, match="mla.absorbed"):
         config_from_dict({"model": {"pattern": "LLLM"}}, {"mla.absorbed": "yes"}).validate()
+    # the config says so before anything is built
+    import os
+
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    lora = {"parallel.world_size": 1, "lora.enabled": True, "lora.targets": ["linear_attention", "sparse_attention"],
+            "lora.dropout": 0.1, "model.pattern": "LLLM"}
+    with pytest.raises(ConfigError, match="lora.dropout.*mla.absorbed false"):
+        config_from_dict(raw, lora)
+    config_from_dict(raw, {**lora, "mla.absorbed": False})
+    config_from_dict(raw, {**lora, "lora.dropout": 0.0})
+    config_from_dict(raw, {**lora, "model.pattern": "LLLS"})  # no MLA: dropout is fine
 
 
 def test_absorbed_on_the_triton_kernels():
