@@ -31,14 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import end_to_end as e2e  # noqa: E402
 
-OURS = ("megatron_moe_hybrid", "megatron/core", "torch/utils/checkpoint")
+OURS = ("megatron_moe_hybrid", "megatron/core")
 
 
 def key_frame(frames) -> str:
     """The innermost frame in our package (else Megatron's), as file:line(function)."""
     for f in frames:
         name = f.get("filename", "")
-        if any(p in name for p in OURS[:2]):
+        if any(p in name for p in OURS):
             short = name.split("site-packages/")[-1].split("/work/")[-1]
             return f"{short}:{f.get('line')}({f.get('name')})"
     for f in frames:

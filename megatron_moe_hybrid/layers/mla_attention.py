@@ -191,8 +191,10 @@ class MLAttention(MegatronModule):
         self.q_lora_rank, self.kv_lora_rank = mla.q_lora_rank, mla.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.rope_theta = mla.rope_theta
-        # Not a buffer: model.to(bf16) would round the frequencies; one fp32 copy per device.
-        inv_freq, self.rope_attention_factor, softmax_factor = rope_frequencies(mla)
+        # Not a buffer: model.to(bf16) would round the frequencies; one fp32 copy per device,
+        # computed on the CPU also in a meta-device build (models.materialize keeps it).
+        with torch.device("cpu"):
+            inv_freq, self.rope_attention_factor, softmax_factor = rope_frequencies(mla)
         self._inv_freq = {inv_freq.device: inv_freq}
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_factor
         self.topk = sa.topk
@@ -223,12 +225,6 @@ class MLAttention(MegatronModule):
         self.index_k_norm = nn.LayerNorm(self.index_dim, eps=_LATENT_NORM_EPS, dtype=dtype)
         self.linear_index_weights = column(submodules.linear_index_weights, h, self.index_heads)
 
-
-    def _materialize(self, device) -> None:
-        """After a meta-device build (models.materialize): the RoPE frequencies, computed anew."""
-        with torch.device("cpu"):
-            inv_freq, _, _ = rope_frequencies(self.config.mla)
-        self._inv_freq = {inv_freq.device: inv_freq}
 
     def indexer_parameters(self) -> list[nn.Parameter]:
         """The indexer's weights: the main loss gives them no gradient (top-k is discrete)."""

@@ -76,9 +76,8 @@ def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
     buffers uninitialised (load a checkpoint into them: load_model_weights) with their
     attributes kept; sharded by FSDP2 first, each rank allocates its shards only. The runtime
     state is made anew there: non-persistent buffers (routing counters) and tensor attributes
-    (the last losses and counts) zero, and what a module computes at construction by its
-    _materialize(device) (MLA's RoPE frequencies, LoRA's adapters drawn again). Raises if a
-    meta tensor is left."""
+    (the last losses and counts) zero, and what a module draws at construction by its
+    _materialize(device) (LoRA's adapters). Raises if a meta tensor is left."""
     device = torch.device(device)
     # to_empty makes new Parameter objects: the attributes Megatron and we tag them with
     # (tensor_model_parallel, allreduce, num_local_experts, ...) are carried over
@@ -92,16 +91,18 @@ def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
         for name, buf in model.named_buffers():
             if name not in persistent:
                 buf.zero_()
-    for module in model.modules():
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    for name, module in model.named_modules():
         if hasattr(module, "_materialize"):
             module._materialize(device)
         for key, value in list(vars(module).items()):
-            if key not in ("_parameters", "_buffers", "_modules") and _has_meta(value, 0):
-                setattr(module, key, _off_meta(value, device, 0))
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    for name, module in model.named_modules():
-        left += [f"{name}.{k}" for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")
-                 and _has_meta(v, 0)]
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            new = _off_meta(value, device, 0)
+            if new is not value:
+                setattr(module, key, new)
+            if _has_meta(new, 0):
+                left.append(f"{name}.{key}")
     if left:
         raise RuntimeError(f"materialize: tensors still on the meta device: {left[:5]}")
     return model

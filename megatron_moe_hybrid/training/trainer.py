@@ -211,7 +211,7 @@ class Trainer:
         if t.init_from is not None:
             # Every weight comes from the checkpoint: built on the meta device and given storage
             # on this rank's device only (no initialisation, no whole-model copy in host memory);
-            # a tensor the checkpoint lacks is an error (load_model_weights is strict).
+            # a tensor the checkpoint lacks is an error (LoRA adapters excepted: drawn anew).
             self.model = build_model(config, device="meta")
             if not shard_first:
                 materialize(self.model, self.device)

@@ -257,11 +257,12 @@ class StaticAllToAllDispatcher:
         return sum((st.expand.tokens_per_expert.sum() for st in self._last_states), torch.zeros((), dtype=torch.int64))
 
     def release(self, states=()) -> None:
-        """Drops the routing weights, the states' only tensors in the autograd graph, once the
-        forward has used them (the layouts stay, for last_received). A module attribute that
-        holds a graph keeps every activation it saved alive until the next forward; under
-        activation recompute that is the recomputed layer's (~11 GB per layer of job c131072)."""
-        for st in [self.state, *self._last_states, *states]:
+        """Drops the routing weights of self.state and states, the states' only tensors in the
+        autograd graph, once the forward has used them (the layouts stay, for last_received). A
+        module attribute that holds a graph keeps every activation it saved alive until the next
+        forward; under activation recompute that is the recomputed layer's (~11 GB per layer of
+        job c131072)."""
+        for st in (self.state, *states):
             st.send_probs = st.recv_probs = None
 
     # -- the six steps, on self.state ---------------------------------------------------------
