@@ -126,6 +126,20 @@ def convert_to_ours(hf_dir: str, out_dir: str, dtype) -> str:
     return convert.hf_to_ours(hf_dir, out_dir, dtype=dtype, progress=False)
 
 
+def write_config_only(hf_cfg, out_dir: str, dtype) -> None:
+    """out_dir/config.yaml as convert_to_ours writes it, from the HF config alone."""
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("import_hf_config", os.path.join(ROOT, "tools", "import_hf_config.py"))
+    importer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(importer)
+    raw, _ = importer.import_hf_config(hf_cfg.to_dict())
+    raw["model"]["params_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+
+
 def our_model(run_dir: str, device, pattern: str, seq: int, tiny: bool, load: bool, world: int = 1):
     from megatron.core import parallel_state as ps
 
@@ -266,6 +280,9 @@ class _Mark(torch.autograd.Function):
         return grad, None, None, None
 
 
+SUBREGION_OF = {"router": "moe", "experts": "moe", "shared_expert": "moe"}  # part -> the region it is in
+
+
 class Regions:
     """Per-category time of one step from stamps at module boundaries (forward and backward)."""
 
@@ -273,10 +290,13 @@ class Regions:
         self.clock, self.on, self.stamps, self.hooks = clock, False, {}, []
         self.calls = itertools.count()
         self.loss_key = None  # the open loss region: run_steps closes it on the loss value
+        self.origin = None  # the first stamp: totals() places every interval on one time line
 
     def add(self, key, phase):
         if self.on:
-            self.stamps.setdefault(key, {})[phase] = self.clock.stamp()
+            stamp = self.clock.stamp()
+            self.origin = stamp if self.origin is None else self.origin
+            self.stamps.setdefault(key, {})[phase] = stamp
 
     def mark(self, x, key, is_input):
         if not self.on or not torch.is_tensor(x) or not x.is_floating_point():
@@ -288,7 +308,11 @@ class Regions:
         closed elsewhere)."""
 
         def pre(mod, args, kwargs):
-            if not self.on or is_recomputing():  # a recomputed forward: inside the backward's regions
+            if not self.on:
+                return None
+            if is_recomputing():  # a recomputed forward (inside a backward): stamps only, see totals()
+                mod._recompute_key = (category, next(self.calls))
+                self.add(mod._recompute_key, "rc_begin")
                 return None
             mod._region_key = (category, next(self.calls))
             if category == "loss":
@@ -305,7 +329,11 @@ class Regions:
             return tuple(args), kwargs
 
         def post(mod, args, kwargs, out):
-            if not self.on or is_recomputing():
+            if not self.on:
+                return None
+            if is_recomputing():  # (a recompute that torch's checkpoint stops early leaves no end)
+                if getattr(mod, "_recompute_key", None) is not None:
+                    self.add(mod._recompute_key, "rc_end")
                 return None
             if torch.is_tensor(out):
                 return self.mark(out, mod._region_key, False)
@@ -331,13 +359,32 @@ class Regions:
         self.hooks.append(module.register_forward_hook(post))
 
     def totals(self) -> dict:
+        """ms per category. A recomputed forward runs inside the backward of the region whose
+        saved tensors are unpacked first (a layer's MoE): each outermost recompute interval is
+        taken out of the backward intervals that contain it and counted, with the recompute
+        intervals nested in it, in its own categories; "recompute" is their total. (torch's
+        checkpoint stops a recompute after the layer's last saved tensor: a region it cuts short
+        has no end stamp, and its part stays in the backward around it, the same region's.)"""
         self.clock.sync()
-        out: dict[str, float] = {}
+        spans = []  # (category, kind, begin ms, end ms) on the time line of self.origin
         for (category, _), s in self.stamps.items():
-            for a, b in (("fwd_begin", "fwd_end"), ("bwd_begin", "bwd_end")):
-                if a in s and b in s:
-                    out[category] = out.get(category, 0.0) + self.clock.ms(s[a], s[b])
-        self.stamps = {}
+            for kind in ("fwd", "bwd", "rc"):
+                if f"{kind}_begin" in s and f"{kind}_end" in s:
+                    begin = self.clock.ms(self.origin, s[f"{kind}_begin"])
+                    spans.append((category, kind, begin, begin + self.clock.ms(s[f"{kind}_begin"], s[f"{kind}_end"])))
+        rc = [sp for sp in spans if sp[1] == "rc"]
+        outer = [r for i, r in enumerate(rc)
+                 if not any(j != i and o[2] <= r[2] and r[3] <= o[3] and ((o[2], -o[3]) < (r[2], -r[3]) or j < i)
+                            for j, o in enumerate(rc))]
+        out: dict[str, float] = {}
+        for category, kind, begin, end in spans:
+            ms = end - begin
+            if kind == "bwd":  # (a part's recompute stays in its whole: the experts' in the MoE's)
+                ms -= sum(r[3] - r[2] for r in outer
+                          if begin <= r[2] and r[3] <= end and SUBREGION_OF.get(r[0]) != category)
+            out[category] = out.get(category, 0.0) + ms
+        out["recompute"] = sum(r[3] - r[2] for r in outer)
+        self.stamps, self.origin = {}, None
         return out
 
     def remove(self):
@@ -359,6 +406,8 @@ def breakdown(regions: Regions, step_ms: float, optimizer_ms: float, grad_sync_m
         "optimizer_ms": optimizer_ms,
         "grad_sync_ms": grad_sync_ms,
     }
+    if t.get("recompute"):  # already inside the parts above (each recomputed region in its own)
+        parts["recomputed_forwards_ms"] = t["recompute"]
     parts["other_ms"] = step_ms - parts["attention_ms"] - moe - parts["loss_ms"] - optimizer_ms - grad_sync_ms
     parts["step_ms"] = step_ms
     return {k: round(v, 3) for k, v in parts.items()}
@@ -428,7 +477,9 @@ def run_steps(loss_fn, opt, data, steps: int, warmup: int, clock: Clock, regions
             parts = breakdown(regions, clock.ms(t0, t1), clock.ms(o0, t1), clock.ms(s0, o0))
     regions.on = False
     return {"losses": [float(x) for x in losses], "step_ms": statistics.median(times), "breakdown": parts,
-            "peak_mem_bytes": torch.cuda.max_memory_allocated() if clock.cuda else None}
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() if clock.cuda else None,
+            # cudaMalloc retries after freeing the cache: each one syncs the device (fragmentation)
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if clock.cuda else None}
 
 
 def hf_job(model, kind: str, data, steps, warmup, clock) -> dict:
@@ -642,7 +693,13 @@ def main():
 
     # 1. The HF model with random weights, saved, then the anchor's jobs on it (one GPU: rank 0).
     anchor: dict[str, dict] = {}
-    if rank == 0:
+    # Job c trains from Megatron's init (no HF counterpart): without the anchor it needs our
+    # config only, not a 13B-parameter HF model saved and converted.
+    config_only = args.no_anchor and all(kind == "c" for kind, *_ in jobs)
+    if rank == 0 and config_only:
+        write_config_only(cfg, ours_dir, dtype)
+        log(f"config only (jobs {args.jobs}, --no_anchor): {ours_dir}/config.yaml")
+    elif rank == 0:
         t0 = time.perf_counter()
         hf = make_hf_model(cfg, device, dtype, seed=0)
         os.makedirs(hf_dir, exist_ok=True)
@@ -789,9 +846,10 @@ def _row(name, kind, B, T, ours, anchor, args, cuda, world=1) -> dict:
                     "an fp32 reference, 0.50-0.56% relative, as ours); breakdown from one extra step with "
                     "module-boundary events")
     if T >= RECOMPUTE_FROM and not args.tiny:
-        row["notes"] += ("; ours recomputes every layer in the backward (memory.recompute_layers = -1): a layer's "
-                         "recomputed forward runs inside, and is counted in, the backward of its MoE (the region "
-                         "whose backward unpacks the layer's saved tensors first)")
+        row["notes"] += ("; ours recomputes every layer in the backward (memory.recompute_layers = -1): the "
+                         "recomputed forwards run inside the backward of each layer's MoE and are counted in their "
+                         "own regions (attention, router, experts, ...); breakdown.recomputed_forwards_ms is their "
+                         "total, part of the others")
     return row
 
 

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
+from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
 
 # DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
 # independent of the model's rms_norm_eps.
@@ -304,10 +305,12 @@ class MLAttention(MegatronModule):
             q_idx = q_idx * self.index_dim**-0.5
             w = w * self.index_heads**-0.5
         S = kv.shape[1]
-        indices = ops.lightning_indexer_topk(
+        # [B, T, K] int32, -1 past the readable keys; a recomputed layer's backward reuses its
+        # first forward's (parallel/recompute.py)
+        indices = reuse_in_recompute(self, "indices", (w, cu_seqlens), lambda: ops.lightning_indexer_topk(
             q_idx.detach(), k_idx.detach(), w.detach(), min(self.topk, S), cu_seqlens=cu_seqlens,
             backend=self.backend,
-        )  # [B, T, K] int32, -1 past the readable keys
+        ))
         o, lse = ops.sparse_attention(q_full, kv, kv[..., :C], indices, scale=self.scale, backend=self.backend)
         o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
         output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]

@@ -31,6 +31,7 @@ from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
+from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
 
 STAGES = ("sparse", "dense_warmup")
 
@@ -211,14 +212,15 @@ class SparseAttention(MegatronModule):
 
         if self.sa.stage == "sparse":
             # [B, T, K]; selection is not differentiable, so the indexer gets no gradient here.
-            indices = ops.lightning_indexer_topk(
+            # A recomputed layer's backward reuses its first forward's (parallel/recompute.py).
+            indices = reuse_in_recompute(self, "indices", (weights, cu_seqlens), lambda: ops.lightning_indexer_topk(
                 q_idx.detach(),
                 k_idx.detach(),
                 weights.detach(),
                 self.sa.topk,
                 cu_seqlens=cu_seqlens,
                 backend=backend,
-            )
+            ))
             o, lse = ops.sparse_attention(q, k, v, indices, backend=backend)
         else:
             indices = lse = None

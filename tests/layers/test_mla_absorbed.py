@@ -234,9 +234,11 @@ def test_absorbed_bf16_on_cuda(topk):
     assert errors["y"] < 1e-2
     for n, e in errors.items():
         assert e < 2e-2, (n, e)
-    # the indexer's KL loss and gradients: bf16 scores, whose softmax minus the target cancels
+    # the indexer's KL loss and gradients: bf16 scores, whose softmax minus the target cancels.
+    # The key projection's error varies from run to run of the same code on the H200 (0.050 to
+    # 0.064 seen in 8 runs at the same inputs: an accumulation order that is not fixed), so 8e-2.
     loss_err = abs(float(absorbed.last_indexer_loss) - float(hf_form.last_indexer_loss)) / float(hf_form.last_indexer_loss)
     assert loss_err < 1e-2, loss_err
     for n in INDEXER:
         if g0[n] is not None:
-            assert rel_rms(g1[n], g0[n]) < 5e-2, n
+            assert rel_rms(g1[n], g0[n]) < 8e-2, n

@@ -154,6 +154,53 @@ def test_recompute_layers_gives_the_same_loss_gradients_and_counts(lora):
     assert kept1 < kept0 / 2
 
 
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLM"])
+def test_recompute_reuses_the_first_forwards_selection(monkeypatch, pattern):
+    """Under recompute the sparse layers' top-k selection is computed once per step (the
+    recompute takes the first forward's, parallel/recompute.py reuse_in_recompute), the
+    gradients equal the stored run's, and a first forward whose backward never ran (other
+    tokens) leaves nothing the next step would use."""
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.ops import sparse_attention as sa
+
+    calls = []
+    topk = sa.lightning_indexer_topk
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return topk(*args, **kwargs)
+
+    monkeypatch.setattr(sa, "lightning_indexer_topk", counted)
+    b, s = 2, 32
+    gen = torch.Generator().manual_seed(1)
+    tokens, other = (torch.randint(0, 1000, (b, s), generator=gen) for _ in range(2))
+    pos = torch.arange(s).expand(b, s)
+
+    def run(recompute, stale_first):
+        torch.manual_seed(0)
+        config = tiny_config(**{"memory.recompute_layers": recompute, "model.pattern": pattern,
+                                "sparse_attention.indexer_loss_coeff": 0.1})
+        model = build_model(config).double()
+        v = config.vocab_size
+        if stale_first:  # a forward with gradients on whose backward never runs
+            model(other % v, pos, None, labels=other % v).mean()
+        calls.clear()
+        loss = model(tokens % v, pos, None, labels=tokens % v).mean()
+        loss.backward()
+        stashes = [m.__dict__.get("_recompute_stash", {}) for m in model.modules()]
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(calls), stashes
+
+    loss0, grads0, calls0, _ = run(0, False)
+    for stale_first in (False, True):
+        loss1, grads1, calls1, stashes = run(-1, stale_first)
+        assert calls1 == calls0 == 1, (calls0, calls1)  # one sparse layer: its selection once
+        torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+        for n in grads0:
+            torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-10, atol=1e-12, msg=n)
+        # the step's entry was taken; a stale one was dropped on its fingerprint
+        assert all(len(q) == 0 for st in stashes for q in st.values())
+
+
 def _graph_tensors(obj, path: str, seen: set, found: list, depth: int = 0) -> None:
     """Tensors with a grad_fn reachable from obj's attributes (modules, lists, dicts, plain objects)."""
     if id(obj) in seen or depth > 6:

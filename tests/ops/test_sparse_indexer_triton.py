@@ -148,9 +148,35 @@ def test_triton_real_valued_scores_select_the_top():
     assert (got == want).float().mean() > 0.99
 
 
+def order_keys(scores):
+    """fp32 scores -> the kernel's int32 order keys (-0.0 taken as +0.0)."""
+    bits = (scores + 0.0).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@interpreter
+@pytest.mark.parametrize("block", [16, 1024])  # 16: each row crosses many blocks of the scan
+def test_select_rows_keeps_the_lowest_ties(monkeypatch, block):
+    """The threshold + compaction + short sort selection equals the stable sort's, row by row,
+    with ties at the threshold, a row of one value, signed zeros and unreadable keys."""
+    monkeypatch.setattr(triton_indexer, "COMPACT_BLOCK", block)
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (7, 100), generator=gen).float()
+    scores[1] = 2.0
+    scores[2, 40:] = float("-inf")  # fewer readable keys than some topk below
+    scores[3] = torch.where(scores[3] > 0, 0.0, -0.0)  # only zeros, of both signs
+    scores[4, ::3] = float("-inf")
+    scores[5] = torch.randn(100, generator=gen)
+    for topk in (1, 7, 33, 50, 99):
+        want = reference.topk_indices(scores[None], topk)[0].to(torch.int32)
+        got = triton_indexer._select_rows(order_keys(scores), topk)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, want), (topk, (got != want).nonzero()[:5].tolist())
+
+
 @interpreter
 def test_triton_chunks_bound_memory(monkeypatch):
-    """A small budget splits the queries into chunks; each chunk's [Tc, Sc] int64 keys stay
+    """A small budget splits the queries into chunks; each chunk's [Tc, Sc] int32 keys stay
     within it (or one BQ-row tile); the result does not change."""
     q_idx, k_idx, w = indexer_inputs(1, 96, 2, 16, seed=6)
     want = reference.lightning_indexer_topk(q_idx, k_idx, w, 8)
@@ -162,12 +188,12 @@ def test_triton_chunks_bound_memory(monkeypatch):
         return select(keys, topk, block_size)
 
     monkeypatch.setattr(triton_indexer, "_select", spy)
-    budget = 16 * 96 * 8 * 2  # two 16-query tiles at the full width
+    budget = 16 * 96 * 4 * 2  # two 16-query tiles at the full width
     got = triton_indexer.lightning_indexer_topk_triton(q_idx, k_idx, w, 8, budget_bytes=budget)
     assert torch.equal(got, want)
     assert len(shapes) > 1
     for _, Tc, Sc in shapes:
-        assert Tc * Sc * 8 <= budget
+        assert Tc * Sc * triton_indexer.KEY_BYTES <= budget
     # causal: a chunk reads only the keys up to its last query
     assert shapes[0][2] == shapes[0][1]
 
