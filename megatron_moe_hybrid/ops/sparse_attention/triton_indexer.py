@@ -256,8 +256,9 @@ def lightning_indexer_topk_triton(
 # I[b, t, j] = sum_h w[b, t, h] relu(q_idx[b, t, h] . k_idx[b, idx[b, t, j]]), -inf at -1 slots.
 # One program per query streams its K slots BK at a time (rows of k_idx gathered by index);
 # the [HI, BK] logits live in registers only. The backward recomputes them and writes dq_idx,
-# dw and, per (query, slot), the key gradient contribution [K, DI] (fp32) into a chunk buffer
-# that index_add_ sums into dk_idx: no [T, HI, K] tensor in either direction.
+# dw and, per (query, slot), the key gradient contribution [K, DI] (fp32) into a chunk buffer,
+# which the sparse attention's per-key reduce (a stable sort of the chunk's indices, then each
+# key's rows summed in order) adds into dk_idx: no atomics, no [T, HI, K] tensor either way.
 SCORES_BK = 64
 # Bytes of the backward's [Tc, K, DI] fp32 key-gradient contributions per chunk.
 CONTRIB_BUDGET_BYTES = 1 << 30
@@ -362,9 +363,10 @@ class SparseIndexScores(torch.autograd.Function):
         d_scores = d_scores.float().contiguous()
         dq = torch.empty_like(q_idx)
         dw = torch.empty_like(weights)
-        dk = torch.zeros((B * S, DI), dtype=torch.float32, device=k_idx.device)
+        dk = torch.empty((B * S, DI), dtype=torch.float32, device=k_idx.device)  # the first chunk writes it all
         Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(1, B * K * DI * 4)))
-        rows = indices.long().clamp(min=0) + torch.arange(B, device=indices.device)[:, None, None] * S
+        key_base = (torch.arange(B, device=indices.device, dtype=torch.int32) * S)[:, None, None]
+        all_keys = torch.arange(B * S + 1, device=indices.device, dtype=torch.int32)
         for t0 in range(0, T, Tc):
             n = min(Tc, T - t0)
             dkc = torch.empty((B, n, K, DI), dtype=torch.float32, device=q_idx.device)
@@ -375,8 +377,30 @@ class SparseIndexScores(torch.autograd.Function):
                 d_scores.stride(0), d_scores.stride(1), dkc.stride(0), dkc.stride(1), t0, K,
                 **_scores_meta(q_idx), num_warps=4,
             )
-            dk.index_add_(0, rows[:, t0:t0 + n].reshape(-1), dkc.view(-1, DI))
+            # each key's rows of dkc in (b, t, slot) order, summed in that order (no atomics:
+            # bitwise repeatable); -1 slots go to the sentinel key B S, which nothing reads
+            idx_c = indices[:, t0:t0 + n].to(torch.int32)
+            keys = torch.where(idx_c >= 0, idx_c + key_base, B * S).reshape(-1)
+            sorted_keys, order = torch.sort(keys, stable=True)
+            offsets = torch.searchsorted(sorted_keys, all_keys).to(torch.int32)
+            sum_rows_per_key(dkc.view(-1, DI), order.to(torch.int32), offsets, dk, first=t0 == 0)
+        if T == 0:
+            dk.zero_()
         return dq, dk.view(B, S, DI).to(k_idx.dtype), dw, None
+
+
+def sum_rows_per_key(rows: Tensor, order: Tensor, offsets: Tensor, acc: Tensor, first: bool) -> None:
+    """acc[key] (first: =, else +=) the sum of rows[order[offsets[key]:offsets[key + 1]]] in list
+    order, fp32: triton_sparse's deterministic per-key reduce. rows [N, W], order [N] int32,
+    offsets [num_keys + 1] int32, acc [num_keys, W] fp32."""
+    from .triton_sparse import _INTERPRET as interpret, _bwd_reduce_kernel, _candidates, _launch
+
+    W = rows.shape[1]
+    _launch(
+        _bwd_reduce_kernel, "index key gradient reduce", ("reduce", rows.device, W),
+        lambda c: (acc.shape[0], triton.cdiv(W, c["BW"])),
+        (rows, order, offsets, acc, W, int(first)), {}, _candidates("reduce", 1, W, interpret),
+    )
 
 
 def lightning_indexer_sparse_triton(q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
