@@ -284,6 +284,23 @@ def _activation_bytes_per_token(
     return n
 
 
+def kept_for_recompute(c: HybridMoEConfig, cl: Cluster) -> list[float]:
+    """Bytes per token alive during layer i's backward under full recompute, besides the layer
+    inputs: each sparse layer (S, M) below i keeps its top-k selection (int32) and the indexer
+    head weights it is checked against until its recompute reuses it
+    (parallel/recompute.py reuse_in_recompute; not under context parallelism, whose sparse core
+    selects again). Zero without recompute."""
+    if cl.recompute != "full" or cl.context_parallel_size > 1 or c.sparse_attention.stage != "sparse":
+        return [0.0] * c.num_layers
+    sa = c.sparse_attention
+    per_layer = 4 * min(sa.topk, cl.seq_length) + cl.weight_bytes * sa.index_n_heads
+    kept, below = [], 0
+    for i in range(c.num_layers):
+        kept.append(float(below))
+        below += per_layer if c.layer_kind(i) in ("S", "M") else 0
+    return kept
+
+
 def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[str, Any]:
     """probe: probe_activations()'s measured bytes per token (per layer and of the head), used
     instead of the analytic activation model (_activation_bytes_per_token, which assumes fused
@@ -330,8 +347,11 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
             _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
             for i in range(c.num_layers)
         ]
+    kept = kept_for_recompute(c, cl)
     if cl.recompute == "full":
-        activations = tokens * (layers_local * c.hidden_size * 2 + max(per_layer))
+        # each layer keeps its input; layer i's backward also finds the selections that the
+        # sparse layers below it keep for their recompute
+        activations = tokens * (layers_local * c.hidden_size * 2 + max(a + k for a, k in zip(per_layer, kept)))
     else:
         kept = list(per_layer)
         if cl.activation_offload and probe is not None:
@@ -353,7 +373,7 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         # (everything still saved) or layer i's (the layers above it have freed theirs).
         act, work = probe["layers"], probe["layers_backward"]
         if cl.recompute == "full":
-            worst = max(work[i] + act[i] for i in range(c.num_layers)) - max(act)
+            worst = max(work[i] + act[i] + kept[i] for i in range(c.num_layers)) - max(a + k for a, k in zip(act, kept))
         else:
             worst = max(work[i] - sum(act[i + 1 :]) for i in range(c.num_layers))
         # The loss's working set is chunked (memory.ce_chunk_size): the model above, not the
@@ -433,7 +453,8 @@ def _run_config(c: HybridMoEConfig, cl: Cluster, **overrides) -> HybridMoEConfig
     raw = c.to_dict()
     over = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.context_parallel_size": 1,
             "parallel.fsdp": False, "lora.enabled": cl.training == "lora", "lora.rank": cl.lora_rank,
-            "training.micro_batch_size": cl.micro_batch_size, "training.seq_length": cl.seq_length, **overrides}  # fmt: skip
+            "training.micro_batch_size": cl.micro_batch_size, "training.seq_length": cl.seq_length,
+            "memory.recompute_layers": -1 if cl.recompute == "full" else 0, **overrides}  # fmt: skip
     return config_from_dict(raw, over)
 
 
@@ -493,8 +514,9 @@ def probe_activations(c: HybridMoEConfig, cl: Cluster, device: str = "cpu") -> d
     from megatron_moe_hybrid.testing import init_megatron, teardown
 
     dense = min(c.moe.first_k_dense, 1)  # with dense first layers, two periods hold every kind
+    # stored activations (no recompute): what each layer saves is what the probe measures
     small = _run_config(c, cl, **{"model.num_layers": len(c.pattern) * (1 + dense), "moe.first_k_dense": dense,
-                                  "training.micro_batch_size": 1})  # fmt: skip
+                                  "training.micro_batch_size": 1, "memory.recompute_layers": 0})  # fmt: skip
     key = lambda cfg, i: (cfg.layer_kind(i), cfg.is_moe_layer(i))  # noqa: E731
     tokens_n = cl.seq_length
     with _maybe_megatron(init_megatron, teardown):
