@@ -205,15 +205,17 @@ class Trainer:
         from megatron_moe_hybrid.models import materialize
         from megatron_moe_hybrid.training.dist_checkpoint import find_dist_checkpoint
 
-        # With FSDP2, a run from a (safetensors) checkpoint is wrapped (LoRA) and sharded while
-        # still on the meta device: each rank then allocates and reads its shards only.
-        shard_first = t.init_from is not None and config.parallel.fsdp and find_dist_checkpoint(t.init_from) is None
+        # A run from a (safetensors) checkpoint is wrapped (LoRA) and, with FSDP2, sharded while
+        # still on the meta device, then given storage and loaded: each rank allocates and reads
+        # its shards only, and the adapters of a LoRA run's checkpoint load into the adapters.
+        # A dist checkpoint loads into the whole model first (it reshards as it loads).
+        load_late = t.init_from is not None and find_dist_checkpoint(t.init_from) is None
         if t.init_from is not None:
             # Every weight comes from the checkpoint: built on the meta device and given storage
             # on this rank's device only (no initialisation, no whole-model copy in host memory);
             # a tensor the checkpoint lacks is an error (LoRA adapters excepted: drawn anew).
             self.model = build_model(config, device="meta")
-            if not shard_first:
+            if not load_late:
                 materialize(self.model, self.device)
                 ckpt.load_model_weights(t.init_from, self.model)
         else:
@@ -238,13 +240,19 @@ class Trainer:
             from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
             apply_fsdp(self.model, config, device_type=self.device.type)
-        if shard_first:
-            materialize(self.model, self.device)  # the LoRA adapters drawn again, into their shards
+        if load_late:
+            materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
             missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
             adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
             lacking = [n for n in missing if n not in adapters]
             if lacking:
-                raise ckpt.CheckpointError(f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}")
+                hint = "" if config.lora.enabled else (
+                    "; if it is a LoRA run's checkpoint (its base stored as <module>.base.weight), fine-tune "
+                    "it with lora.enabled and that run's lora.targets"
+                )
+                raise ckpt.CheckpointError(
+                    f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}{hint}"
+                )
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(

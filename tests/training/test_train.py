@@ -153,6 +153,19 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     assert name in base and tuned_name in tuned, (sorted(base)[:8], sorted(tuned)[:8])
     assert torch.equal(base[name], tuned[tuned_name])
 
+    # a new LoRA run from the fine-tuned checkpoint starts from its adapters (lr 0: they stay)
+    again_dir = str(tmp_path / "again")
+    raw, ov = raw_config(corpus, cache_dir, again_dir, **{
+        "training.train_steps": 1, "training.init_from": ft_dir, "lora.enabled": True,
+        "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model"),
+        "lora.targets": ["linear_attention", "sparse_attention", "experts"], "training.lr": 0.0, "training.min_lr": 0.0,
+    })
+    spawn(_train, 1, raw, ov, "finetune")
+    again = tensors(latest_checkpoint(again_dir))
+    adapters = [k for k in tuned if "lora_" in k]
+    assert adapters and all(torch.equal(again[k], tuned[k]) for k in adapters)
+    assert torch.equal(again[tuned_name], tuned[tuned_name])
+
 
 @pytest.mark.slow
 def test_lora_options_reach_the_adapter_and_export(corpus, cache_dir, tmp_path, raw_config):
