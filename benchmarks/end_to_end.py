@@ -119,22 +119,22 @@ def make_hf_model(config, device, dtype, seed: int):
     return model
 
 
-def convert_to_ours(hf_dir: str, out_dir: str, dtype) -> str:
+def _convert_tool():
     spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
     convert = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(convert)
-    return convert.hf_to_ours(hf_dir, out_dir, dtype=dtype, progress=False)
+    return convert
+
+
+def convert_to_ours(hf_dir: str, out_dir: str, dtype) -> str:
+    return _convert_tool().hf_to_ours(hf_dir, out_dir, dtype=dtype, progress=False)
 
 
 def write_config_only(hf_cfg, out_dir: str, dtype) -> None:
     """out_dir/config.yaml as convert_to_ours writes it, from the HF config alone."""
     import yaml
 
-    spec = importlib.util.spec_from_file_location("import_hf_config", os.path.join(ROOT, "tools", "import_hf_config.py"))
-    importer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(importer)
-    raw, _ = importer.import_hf_config(hf_cfg.to_dict())
-    raw["model"]["params_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    raw, _ = _convert_tool().our_raw_config(hf_cfg.to_dict(), dtype)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
@@ -372,10 +372,11 @@ class Regions:
                 if f"{kind}_begin" in s and f"{kind}_end" in s:
                     begin = self.clock.ms(self.origin, s[f"{kind}_begin"])
                     spans.append((category, kind, begin, begin + self.clock.ms(s[f"{kind}_begin"], s[f"{kind}_end"])))
-        rc = [sp for sp in spans if sp[1] == "rc"]
-        outer = [r for i, r in enumerate(rc)
-                 if not any(j != i and o[2] <= r[2] and r[3] <= o[3] and ((o[2], -o[3]) < (r[2], -r[3]) or j < i)
-                            for j, o in enumerate(rc))]
+        outer, outer_end = [], float("-inf")  # recompute intervals nest or are disjoint
+        for r in sorted((sp for sp in spans if sp[1] == "rc"), key=lambda sp: (sp[2], -sp[3])):
+            if r[2] >= outer_end:
+                outer.append(r)
+                outer_end = r[3]
         out: dict[str, float] = {}
         for category, kind, begin, end in spans:
             ms = end - begin

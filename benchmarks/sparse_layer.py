@@ -102,8 +102,7 @@ def bench_indexer(key, args, rows, log):
                 *w.stride()[:2], *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
                 BQ=c["BQ"], BS=c["BS"], num_warps=c["num_warps"], num_stages=c["num_stages"])
 
-        ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))
-        score(triton_indexer.CONFIG)
+        ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
         ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None))
         fp = torch.randn(1, T, S, device="cuda")
         ms_f, _, _, _ = measure(lambda: fp.topk(K, dim=-1))

@@ -75,6 +75,15 @@ def test_breakdown_adds_up(rows):
 
 
 
+def test_c_jobs_without_the_anchor_need_only_the_config(rows, tmp_path):
+    """--no_anchor with only c jobs (trained from Megatron's init) writes our config and no HF
+    model; the run is the one after a full conversion."""
+    work = tmp_path / "work"
+    (c,) = _run(["--jobs", "c64", "--no_anchor", "--workdir", str(work)], tmp_path / "c.json")
+    assert not (work / "hf").exists() and (work / "ours" / "config.yaml").is_file()
+    assert c["ours"]["losses"] == rows["c64"]["ours"]["losses"]
+
+
 def test_ep2_run_equals_one_process_on_the_global_batch(tmp_path):
     """torchrun with 2 ranks (gloo): experts split over EP=2, each rank on its own batches,
     dense gradients summed; its losses (averaged over the ranks) equal one process trained on

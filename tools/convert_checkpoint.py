@@ -620,6 +620,22 @@ class _SingleProcess:
 FORMATS = ("safetensors", "dcp")
 
 
+def our_raw_config(hf_config: dict, dtype, where: str = "config.json") -> tuple[dict, list[str]]:
+    """(our config as a dict of groups, the fields not mapped exactly) for a transformers
+    config.json, as hf-to-ours writes it into the run directory (models built in `dtype`)."""
+    try:
+        raw, unmapped = import_hf_config.import_hf_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    if dtype != torch.float32:
+        raw["model"]["params_dtype"] = _DTYPE_NAMES[dtype]
+    if raw.get("moe", {}).get("first_k_dense"):
+        # Megatron 0.16.1's MLP sizes linear_fc2's input by config.ffn_hidden_size whatever
+        # ffn_hidden_size the spec passes, so the dense layers need the two to agree.
+        raw["model"]["ffn_hidden_size"] = raw["moe"]["dense_ffn_hidden_size"]
+    return raw, unmapped
+
+
 def hf_to_ours(
     hf_dir: str, out_dir: str, dtype: torch.dtype = torch.float32, progress: bool = True, fmt: str = "safetensors"
 ) -> str:
@@ -644,22 +660,13 @@ def hf_to_ours(
         raise FileNotFoundError(f"{config_path}: missing; hf_dir must hold a transformers config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
-    try:
-        raw, unmapped = import_hf_config.import_hf_config(hf_config)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from e
+    raw, unmapped = our_raw_config(hf_config, dtype, config_path)
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
             f"{config_path}: model_type {model_type!r} converts only as far as its config "
             f"(tools/import_hf_config.py); weight conversion supports {', '.join(sorted(FAMILIES))}"
         )
-    if dtype != torch.float32:
-        raw["model"]["params_dtype"] = _DTYPE_NAMES[dtype]
-    if raw.get("moe", {}).get("first_k_dense"):
-        # Megatron 0.16.1's MLP sizes linear_fc2's input by config.ffn_hidden_size whatever
-        # ffn_hidden_size the spec passes, so the dense layers need the two to agree.
-        raw["model"]["ffn_hidden_size"] = raw["moe"]["dense_ffn_hidden_size"]
     config = config_from_dict(raw, {"parallel.world_size": 1})
     family = family_of(config)
     dense_key = "mlp_only_layers" if "mlp_only_layers" in hf_config else "mlp_layer_types"

@@ -347,11 +347,11 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
             _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
             for i in range(c.num_layers)
         ]
-    kept = kept_for_recompute(c, cl)
+    held = kept_for_recompute(c, cl)
     if cl.recompute == "full":
         # each layer keeps its input; layer i's backward also finds the selections that the
         # sparse layers below it keep for their recompute
-        activations = tokens * (layers_local * c.hidden_size * 2 + max(a + k for a, k in zip(per_layer, kept)))
+        activations = tokens * (layers_local * c.hidden_size * 2 + max(a + k for a, k in zip(per_layer, held)))
     else:
         kept = list(per_layer)
         if cl.activation_offload and probe is not None:
@@ -373,7 +373,7 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         # (everything still saved) or layer i's (the layers above it have freed theirs).
         act, work = probe["layers"], probe["layers_backward"]
         if cl.recompute == "full":
-            worst = max(work[i] + act[i] + kept[i] for i in range(c.num_layers)) - max(a + k for a, k in zip(act, kept))
+            worst = max(work[i] + act[i] + held[i] for i in range(c.num_layers)) - max(a + k for a, k in zip(act, held))
         else:
             worst = max(work[i] - sum(act[i + 1 :]) for i in range(c.num_layers))
         # The loss's working set is chunked (memory.ce_chunk_size): the model above, not the

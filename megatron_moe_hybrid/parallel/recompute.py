@@ -65,6 +65,8 @@ def reuse_in_recompute(module: torch.nn.Module, name: str, fingerprint: tuple, c
     An entry whose fingerprint differs, a first forward whose backward never ran, is dropped,
     never used: the recompute then computes the result itself. Comparing costs one host sync.
     The result must not require grad (it would hold the first forward's graph)."""
+    if not (is_recomputing() or will_recompute()):
+        return compute()
     stash = module.__dict__.setdefault("_recompute_stash", {}).setdefault(name, collections.deque())
     fingerprint = tuple(None if t is None else t.detach() for t in fingerprint)
     if is_recomputing():
@@ -74,12 +76,11 @@ def reuse_in_recompute(module: torch.nn.Module, name: str, fingerprint: tuple, c
                 return value
         return compute()
     value = compute()
-    if will_recompute():
-        if torch.is_tensor(value) and value.requires_grad:
-            raise ValueError(f"reuse_in_recompute({name!r}): the result requires grad; keep only results without a graph")
-        while len(stash) >= STASH_DEPTH:
-            stash.popleft()
-        stash.append((fingerprint, value))
+    if torch.is_tensor(value) and value.requires_grad:
+        raise ValueError(f"reuse_in_recompute({name!r}): the result requires grad; keep only results without a graph")
+    while len(stash) >= STASH_DEPTH:
+        stash.popleft()
+    stash.append((fingerprint, value))
     return value
 
 

@@ -329,6 +329,9 @@ def test_gpu_bf16_chunked_kl_loss(H, G, D, DV):
     _, lse = sa.sparse_attention(q, k, k[..., :DV], idx)  # Triton
     got, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=64 << 20)
     grads = torch.autograd.grad(got, (q_idx, k_idx, w))
+    # the key gradient is summed per key in a fixed order (no atomics): two runs agree bitwise
+    again, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=64 << 20)
+    assert torch.equal(torch.autograd.grad(again, k_idx)[0], grads[1])
     f32 = [x.detach().float().requires_grad_() for x in (q_idx, k_idx, w)]
     target = reference.attention_probs_target(q.float(), k.float(), idx.long())
     want = reference.indexer_kl_loss(reference.lightning_indexer_sparse(*f32, idx.long()), target, idx.long())

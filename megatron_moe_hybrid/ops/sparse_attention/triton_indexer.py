@@ -18,7 +18,8 @@ torch.topk (unsorted) over the int32 order keys gives the K-th largest value v o
 _compact_kernel streams the row once and keeps, in key order, every key above v and the
 first K - #(above v) keys equal to v; a stable descending sort of those K keys orders them.
 int32 keys halve the bytes written and read, and torch.topk over int32 runs in about half the
-time of int64 (H200: 1.6 against 3.1 us per row of 131072 keys, k = 2048). Queries are
+time of int64 (benchmarks/device/topk_probe.py; sparse_layer.json's selection_ms beside
+topk_int64_ms: 8.1 against 12.2 ms at 128k keys). Queries are
 processed Tc at a time so that the [Tc, Sc] key buffer stays under SCORE_BUDGET_BYTES:
 memory is linear in T for a fixed budget, and no [T, S] tensor is ever held. Each chunk
 reads only the keys up to its last readable one (Sc), so a causal chunk early in the sequence
@@ -45,6 +46,7 @@ from .reference import (
     _query_positions,
     _segment_ids,
 )
+from .triton_sparse import per_key_lists, sum_rows_per_key
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Bytes of one chunk's [B, Tc, Sc] int32 order keys (torch.topk's working set comes on top).
@@ -137,6 +139,7 @@ def sort_keys(ords: Tensor, cols: Tensor) -> Tensor:
     """int32 order keys and their key indices -> int64 sort keys, descending = the tie rule."""
     return (ords.long() << 32) + (LOW_MASK - cols.long())
 
+
 def read_ranges(
     B: int, T: int, S: int, causal: bool, cu_seqlens: Tensor | None, q_positions: Tensor | None,
     device,
@@ -163,7 +166,7 @@ def _select_rows(ords: Tensor, topk: int) -> Tensor:
     num_above = (best > kth[:, None]).sum(-1, dtype=torch.int32)  # [N]
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # the selection, in key order
     if N:
-        _compact_kernel[(N,)](ords, kth.contiguous(), num_above, cols, Sc, topk,
+        _compact_kernel[(N,)](ords, kth, num_above, cols, Sc, topk,
                               BLOCK=min(COMPACT_BLOCK, triton.next_power_of_2(Sc)), num_warps=COMPACT_WARPS)
     # stable: equal keys keep their increasing column order
     picked, order = torch.sort(ords.gather(1, cols.long()), dim=-1, descending=True, stable=True)
@@ -365,8 +368,6 @@ class SparseIndexScores(torch.autograd.Function):
         dw = torch.empty_like(weights)
         dk = torch.empty((B * S, DI), dtype=torch.float32, device=k_idx.device)  # the first chunk writes it all
         Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(1, B * K * DI * 4)))
-        key_base = (torch.arange(B, device=indices.device, dtype=torch.int32) * S)[:, None, None]
-        all_keys = torch.arange(B * S + 1, device=indices.device, dtype=torch.int32)
         for t0 in range(0, T, Tc):
             n = min(Tc, T - t0)
             dkc = torch.empty((B, n, K, DI), dtype=torch.float32, device=q_idx.device)
@@ -379,28 +380,11 @@ class SparseIndexScores(torch.autograd.Function):
             )
             # each key's rows of dkc in (b, t, slot) order, summed in that order (no atomics:
             # bitwise repeatable); -1 slots go to the sentinel key B S, which nothing reads
-            idx_c = indices[:, t0:t0 + n].to(torch.int32)
-            keys = torch.where(idx_c >= 0, idx_c + key_base, B * S).reshape(-1)
-            sorted_keys, order = torch.sort(keys, stable=True)
-            offsets = torch.searchsorted(sorted_keys, all_keys).to(torch.int32)
-            sum_rows_per_key(dkc.view(-1, DI), order.to(torch.int32), offsets, dk, first=t0 == 0)
+            _, order, offsets = per_key_lists(indices[:, t0:t0 + n], S)
+            sum_rows_per_key(dkc.view(-1, DI), order, offsets, dk, first=t0 == 0)
         if T == 0:
             dk.zero_()
         return dq, dk.view(B, S, DI).to(k_idx.dtype), dw, None
-
-
-def sum_rows_per_key(rows: Tensor, order: Tensor, offsets: Tensor, acc: Tensor, first: bool) -> None:
-    """acc[key] (first: =, else +=) the sum of rows[order[offsets[key]:offsets[key + 1]]] in list
-    order, fp32: triton_sparse's deterministic per-key reduce. rows [N, W], order [N] int32,
-    offsets [num_keys + 1] int32, acc [num_keys, W] fp32."""
-    from .triton_sparse import _INTERPRET as interpret, _bwd_reduce_kernel, _candidates, _launch
-
-    W = rows.shape[1]
-    _launch(
-        _bwd_reduce_kernel, "index key gradient reduce", ("reduce", rows.device, W),
-        lambda c: (acc.shape[0], triton.cdiv(W, c["BW"])),
-        (rows, order, offsets, acc, W, int(first)), {}, _candidates("reduce", 1, W, interpret),
-    )
 
 
 def lightning_indexer_sparse_triton(q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:

@@ -459,8 +459,6 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
     Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(row_bytes, 1), (2**31 - 1) // max(B * K, 1)))
     C = _alloc((B, Tc, K, G, F), c_dtype, dev)
     acc = _alloc((B, S, G, F), torch.float32, dev)
-    key_base = (torch.arange(B, device=dev, dtype=torch.int32) * S)[:, None, None]
-    all_keys = torch.arange(B * S + 1, device=dev, dtype=torch.int32)
     repeated = torch.zeros((), dtype=torch.bool, device=dev)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)
@@ -470,22 +468,13 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
             (q, k, v, indices, do, lse2, delta, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
             consts, _candidates("dkv", sh.R, sh.width, _INTERPRET),
         )
-        # CSR of the chunk: for each key b S + s, the flat (b, t, slot) positions that hold it,
-        # in increasing order (stable sort); -1 slots go to the sentinel key B S.
-        idx_c = indices[:, t0:t0 + tc].to(torch.int32)
+        idx_c = indices[:, t0:t0 + tc]
         if tc < Tc:  # positions index C [B, Tc, K]: pad the short last chunk with -1
             idx_c = torch.cat([idx_c, idx_c.new_full((B, Tc - tc, K), -1)], dim=1)
-        keys = torch.where(idx_c >= 0, idx_c + key_base, B * S).reshape(-1)
-        sorted_keys, order = torch.sort(keys, stable=True)
-        offsets = torch.searchsorted(sorted_keys, all_keys).to(torch.int32)
+        sorted_keys, order, offsets = per_key_lists(idx_c, S)
         same_row = torch.div(order[1:], K, rounding_mode="floor") == torch.div(order[:-1], K, rounding_mode="floor")
         repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < B * S) & same_row).any()
-        _launch(
-            _bwd_reduce_kernel, "backward reduce", ("reduce", q.device, G * F),
-            lambda c: (B * S, triton.cdiv(G * F, c["BW"])),
-            (C, order.to(torch.int32), offsets, acc, G * F, int(t0 == 0)),
-            {}, _candidates("reduce", sh.R, G * F, _INTERPRET),
-        )
+        sum_rows_per_key(C.view(-1, G * F), order, offsets, acc.view(B * S, G * F), first=t0 == 0)
     del C
     if bool(repeated):
         raise ValueError("indices must not repeat a key within one query's row")
@@ -494,6 +483,31 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
     dk = acc[..., :D].to(k.dtype)
     dv = acc[..., D:].to(v.dtype)
     return dq, dk, dv
+
+
+def per_key_lists(indices: Tensor, S: int) -> tuple[Tensor, Tensor, Tensor]:
+    """indices [B, n, K] (keys in [0, S), -1 none) -> each key's list of the flat (b, t, slot)
+    positions that hold it, in increasing order: (sorted keys [B n K] with key b S + s and -1
+    slots on the sentinel B S, order [B n K] int64 positions, offsets [B S + 1] int32)."""
+    B = indices.shape[0]
+    idx = indices.to(torch.int32)
+    key_base = (torch.arange(B, device=idx.device, dtype=torch.int32) * S)[:, None, None]
+    sorted_keys, order = torch.sort(torch.where(idx >= 0, idx + key_base, B * S).reshape(-1), stable=True)
+    all_keys = torch.arange(B * S + 1, device=idx.device, dtype=torch.int32)
+    return sorted_keys, order, torch.searchsorted(sorted_keys, all_keys).to(torch.int32)
+
+
+def sum_rows_per_key(rows: Tensor, order: Tensor, offsets: Tensor, acc: Tensor, first: bool) -> None:
+    """acc[key] (first: =, else +=) the sum of rows[order[offsets[key]:offsets[key + 1]]], in
+    list order, fp32 (per_key_lists' lists): deterministic, no atomics. rows [N, W], acc
+    [num_keys, W] fp32."""
+    W = rows.shape[1]
+    _launch(
+        _bwd_reduce_kernel, "per-key reduce", ("reduce", rows.device, W),
+        lambda c: (acc.shape[0], triton.cdiv(W, c["BW"])),
+        (rows, order.to(torch.int32), offsets, acc, W, int(first)),
+        {}, _candidates("reduce", 1, W, _INTERPRET),
+    )
 
 
 class SparseAttentionFunction(torch.autograd.Function):
