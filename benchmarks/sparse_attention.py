@@ -16,7 +16,9 @@ Median of CUDA-event timings (benchmarks/common.py), peak = allocator peak above
 tflops uses the issue's count per query: fwd 2 h k (d_qk + d_v), bwd 2 h k (3 d_qk + 2 d_v),
 with k the mean number of valid slots (sparse) or readable keys (SDPA). bwd_ms is fwd+bwd
 minus fwd. --sweep also times other launch configs of our kernels (CONFIG_OVERRIDE) on MLA;
---profile writes one profiled fwd+bwd per shape (kernel time table) to DIR.
+--profile writes one profiled fwd+bwd per shape (kernel time table) to DIR; --forms times
+each form of the passes (triton_sparse.FORWARD_FORM / BACKWARD_FORM: the Triton kernels, or
+batched products over gathered rows) and compares their outputs and gradients.
 """
 
 import argparse
@@ -36,10 +38,11 @@ from megatron_moe_hybrid.ops.sparse_attention import triton_sparse as ts
 
 SHAPES = {  # key -> (shape, B, T, S, H, G, D, DV, K, shared kv)
     "mla": ("MLA-B1-T4096-S8192-H128-G1-D576-DV512-K2048", 1, 4096, 8192, 128, 1, 576, 512, 2048, True),
+    "mla128k": ("MLA-B1-T4096-S131072-H128-G1-D576-DV512-K2048", 1, 4096, 131072, 128, 1, 576, 512, 2048, True),
     "gqa8k": ("GQA-B1-T8192-H64-G4-D128-K2048", 1, 8192, 8192, 64, 4, 128, 128, 2048, False),
     "gqa32k": ("GQA-B1-T32768-H64-G4-D128-K2048", 1, 32768, 32768, 64, 4, 128, 128, 2048, False),
 }
-TARGET_TFLOPS = {"mla": {"fwd": 550.0, "bwd": 300.0}}  # issue 4, sparse attention on the MLA shape
+TARGET_TFLOPS = {"mla": {"fwd": 550.0, "bwd": 300.0}, "mla128k": {"fwd": 550.0, "bwd": 300.0}}  # issue 4, sparse attention on the MLA shape
 NAIVE = "naive gather chain (torch bf16, 1024 queries at a time)"
 NAIVE_SAVED_LIMIT = 100e9  # bytes the naive chain's autograd may keep before we skip it
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of this script sets cpu / fp32
@@ -202,6 +205,10 @@ def bench_shape(key, args, start, rows, out_rows_path):
         res[mode]["ours"] = (ms, peak)
         log(f"ours {mode} {ms:.3f} ms (reps {reps}, first call {first:.0f} ms) peak {peak / 2**30:.2f} GiB")
     extra["config"] = {n: ts._chosen.get(k) for n, k in _chosen_keys(ts._chosen).items()}
+    sh = ts._Shape(leaves[0], *_kv(leaves, DV), indices)
+    extra["forms"] = {"fwd": ts._form(sh, leaves[0], ts.FORWARD_FORM), "bwd": ts._backward_form(sh, leaves[0])}
+    if args.forms:
+        extra["backward_forms"] = _forms(ours, leaves, do, log)
 
     with torch.no_grad():
         o_ours = ours(*leaves)
@@ -250,7 +257,16 @@ def bench_shape(key, args, start, rows, out_rows_path):
                 vs = v.detach().transpose(1, 2).repeat_interleave(R, dim=1).contiguous()
             ks.requires_grad_()
             vs.requires_grad_()
-            run, sdpa_backend = sdpa_runner(qs, ks, vs, T, S)
+            # heads in groups small enough for the kernels' 32-bit offsets (MLA at 128k has
+            # 128 x 131072 x 576 key elements): the same work, one call per group
+            hg = math.ceil(H / max(1, math.ceil(H * S * D / 2**30)))
+            run1, sdpa_backend = sdpa_runner(qs[:, :hg], ks[:, :hg], vs[:, :hg], T, S)
+            if hg < H:
+                sdpa_backend += f" ({-(-H // hg)} calls of {hg} heads)"
+
+            def run(q, k, v):
+                return torch.cat([run1(q[:, h:h + hg], k[:, h:h + hg], v[:, h:h + hg]) for h in range(0, H, hg)], 1)
+
             dos = do.transpose(1, 2).contiguous()
             for mode, fn in (("fwd", no_grad(run, (qs, ks, vs))), ("fwd+bwd", fwd_bwd(run, (qs, ks, vs), dos))):
                 ms, peak, reps, _ = measure(fn)
@@ -310,6 +326,40 @@ def bench_shape(key, args, start, rows, out_rows_path):
         write_results(out_rows_path, rows)
 
 
+def _kv(leaves, DV):
+    """(k, v) of the leaves: absorbed MLA's one latent read as both."""
+    return (leaves[1], leaves[1][..., :DV]) if len(leaves) == 2 else (leaves[1], leaves[2])
+
+
+def _forms(ours, leaves, do, log):
+    """fwd and fwd+bwd ms with each form of both passes (triton_sparse.FORWARD_FORM /
+    BACKWARD_FORM) and the relative RMS of each form's o and gradients to the kernels form's."""
+    out, ref = {}, None
+    for form in ("kernels", "products"):
+        ts.FORWARD_FORM = ts.BACKWARD_FORM = form
+        try:
+            fwd_ms, _, _, _ = measure(no_grad(ours, leaves), budget_ms=600)
+            ms, peak, _, _ = measure(fwd_bwd(ours, leaves, do), budget_ms=800)
+            o = ours(*leaves)
+            got = (o, *torch.autograd.grad(o, leaves, do))
+            out[form] = {"fwd_ms": round(fwd_ms, 4), "fwd+bwd_ms": round(ms, 4), "peak_mem_bytes": peak}
+            if ref is None:
+                ref = got
+            else:
+                out[form]["rel_rms_o_grads_vs_kernels"] = [round(rel_rms(g, r), 5) for g, r in zip(got, ref)]
+            o = ours(*leaves)
+            again = (o, *torch.autograd.grad(o, leaves, do))
+            out[form]["bitwise_repeatable"] = all(torch.equal(a, g) for a, g in zip(again, got))
+            log(f"form {form}: {out[form]}")
+        except Exception as err:  # noqa: BLE001 - a form that fails is recorded
+            out[form] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+            log(f"form {form} failed: {err}")
+        finally:
+            ts.FORWARD_FORM = ts.BACKWARD_FORM = "auto"
+        torch.cuda.empty_cache()
+    return out
+
+
 def _chosen_keys(chosen):
     return {key[0]: key for key in chosen}
 
@@ -359,6 +409,7 @@ def main():
                         help="after this many seconds, anchors (naive, SDPA) start on no new shape")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--forms", action="store_true", help="also time each form of the passes")
     parser.add_argument("--out", default="benchmarks/results/h200/sparse_attention.json")
     args = parser.parse_args()
     rows, start = [], time.time()

@@ -15,8 +15,9 @@ idx<S>: the lightning indexer + top-2048 alone (DeepSeek-V3.2's 64 heads x 128, 
 mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no gradient),
   sparse attention over the selection (gradients to q, k, v), and the sparse-stage indexer
   KL loss (gradients to the indexer's q, k and weights; target from the detached q and k).
-  ours = lightning_indexer_topk + Triton sparse_attention + chunked_indexer_kl_loss (its
-  target from the attention's lse); naive =
+  ours = lightning_indexer_topk + Triton sparse_attention_with_target (the KL target summed
+  from the products forward's probabilities, or from the attention's lse after it) +
+  chunked_indexer_kl_loss; parts: the attention part includes its target; naive =
   reference indexer_topk + the gather chain of benchmarks/sparse_attention.py + the
   reference KL loss on whole [T, K] tensors; dense = causal SDPA (cuDNN / flash / efficient,
   the first that runs) with the same heads, without indexer. MLA: 128 heads, absorbed
@@ -176,8 +177,9 @@ def bench_layer(key, args, rows, log):
     def ours():
         idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
         kk, vv = attn_inputs()
-        o, lse = sa.sparse_attention(q, kk, vv, idx, backend="triton")
-        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse.detach())
+        # as the layers do: the KL target from the attention's own probabilities where it can
+        o, lse, target = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
+        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse.detach(), target=target)
         return o, loss
 
     def naive():
@@ -204,16 +206,16 @@ def bench_layer(key, args, rows, log):
     idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
     kk, vv = attn_inputs()
     with torch.no_grad():
-        lse = sa.sparse_attention(q, kk, vv, idx, backend="triton")[1]
+        _, lse, target = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
     parts = {}
     parts["indexer_topk"] = measure(lambda: sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos))[0]
 
-    def attn():
-        o, _ = sa.sparse_attention(q, kk, vv, idx, backend="triton")
+    def attn():  # with the KL target (made in the forward, or after it from the lse)
+        o, _, _ = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
         torch.autograd.grad(o, [x for x in (q, k, v) if x is not None], do)
 
     def kl():
-        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse)
+        loss, _ = sa.chunked_indexer_kl_loss(q, kk, q_idx, k_idx, w, idx, lse=lse, target=target)
         torch.autograd.grad(loss, (q_idx, k_idx, w))
 
     parts["sparse_attention_fwd_bwd"] = measure(attn)[0]

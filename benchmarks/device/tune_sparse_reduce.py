@@ -1,11 +1,13 @@
-"""Times triton_sparse._bwd_reduce_kernel alone at job c131072's S-layer shape (one chunk of the
-sparse backward: Tc = 1024 queries x K = 2048 slots, G = 2 groups x F = 512 columns, bf16 C,
-S = 131072 causal keys picked at random) over BW x BL configs; prints GB/s of C read.
+"""Times triton_sparse._bwd_reduce_kernel alone over BW x BL configs at one chunk of the sparse
+backward (bf16 rows, S = 131072 causal keys picked at random); prints GB/s of rows read.
+  c131072: job c131072's S layer, kernels form: Tc = 1024 queries x K = 2048 slots, G = 2 x F = 512
+  mla: absorbed MLA's products form: Tc = 529 queries x K = 2048 slots, W = 576 (dk + dv)
 
-    python benchmarks/device/tune_sparse_reduce.py
+    python benchmarks/device/tune_sparse_reduce.py [c131072|mla]
 """
 
 import itertools
+import sys
 
 import torch
 import triton
@@ -15,7 +17,8 @@ from megatron_moe_hybrid.ops.sparse_attention import triton_sparse as ts
 
 def main():
     torch.manual_seed(0)
-    B, Tc, K, G, F, S = 1, 1024, 2048, 2, 512, 131072
+    shape = sys.argv[1] if len(sys.argv) > 1 else "c131072"
+    B, Tc, K, G, F, S = {"c131072": (1, 1024, 2048, 2, 512, 131072), "mla": (1, 529, 2048, 1, 576, 131072)}[shape]
     dev = "cuda"
     C = torch.randn(B, Tc, K, G, F, device=dev, dtype=torch.bfloat16)
     t = torch.arange(S - Tc, S, device=dev)[:, None]
@@ -27,11 +30,12 @@ def main():
     acc = torch.empty(B, S, G, F, device=dev, dtype=torch.float32)
     W = G * F
     ref = None
-    for BW, BL, nw in itertools.product((256, 512, 1024), (8, 16, 32), (4, 8)):
+    for BW, BL, nw in itertools.product((64, 256, 512, 1024), (8, 16, 32), (4, 8)):
         grid = (B * S, triton.cdiv(W, BW))
 
         def run():
-            ts._bwd_reduce_kernel[grid](C, order, offsets, acc, W, 1, BW=BW, BL=BL, num_warps=nw, num_stages=1)
+            ts._bwd_reduce_kernel[grid](C, order, offsets, acc, W, 1, W, 0, W, 1, BW=BW, BL=BL, num_warps=nw,
+                                        num_stages=1)
 
         try:
             run()

@@ -311,13 +311,19 @@ class MLAttention(MegatronModule):
             q_idx.detach(), k_idx.detach(), w.detach(), min(self.topk, S), cu_seqlens=cu_seqlens,
             backend=self.backend,
         ))
-        o, lse = ops.sparse_attention(q_full, kv, kv[..., :C], indices, scale=self.scale, backend=self.backend)
+        target = None
+        if train_indexer:  # the KL target too, from the attention's own probabilities where it can
+            o, lse, target = ops.sparse_attention_with_target(
+                q_full, kv, kv[..., :C], indices, scale=self.scale, backend=self.backend
+            )
+        else:
+            o, lse = ops.sparse_attention(q_full, kv, kv[..., :C], indices, scale=self.scale, backend=self.backend)
         o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
         output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
         if train_indexer:
             loss, _ = ops.chunked_indexer_kl_loss(
                 q_full, kv, q_idx, k_idx, w, indices, scale=self.scale, cu_seqlens=cu_seqlens,
-                lse=lse.detach(), backend=self.backend,
+                lse=lse.detach(), backend=self.backend, target=target,
             )
             self.last_indexer_loss = loss.detach()
             output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)

@@ -221,14 +221,18 @@ class SparseAttention(MegatronModule):
                 cu_seqlens=cu_seqlens,
                 backend=backend,
             ))
-            o, lse = ops.sparse_attention(q, k, v, indices, backend=backend)
+            if with_loss:  # the KL target too, from the attention's own probabilities where it can
+                o, lse, target = ops.sparse_attention_with_target(q, k, v, indices, backend=backend)
+            else:
+                o, lse = ops.sparse_attention(q, k, v, indices, backend=backend)
+                target = None
         else:
-            indices = lse = None
+            indices = lse = target = None
             o, _ = ops.dense_attention(q, k, v, cu_seqlens=cu_seqlens)
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
 
         if with_loss:
-            loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens)
+            loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens, target)
             self.last_indexer_loss = loss.detach()
             output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
         return output, bias
@@ -273,12 +277,12 @@ class SparseAttention(MegatronModule):
             output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
         return output, bias
 
-    def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens) -> Tensor:
+    def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens, target=None) -> Tensor:
         # Each rank holds H / tp heads; the target sums all of them (the loss renormalises).
         tp_group = self._tp_group() if self.config.tensor_model_parallel_size > 1 else None
         loss, _ = ops.chunked_indexer_kl_loss(
             q, k, q_idx, k_idx, weights, indices,
             cu_seqlens=cu_seqlens, tp_group=tp_group, backend=self.sa.backend,
-            lse=None if lse is None else lse.detach(),
+            lse=None if lse is None else lse.detach(), target=target,
         )
         return loss

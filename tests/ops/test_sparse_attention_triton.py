@@ -36,6 +36,12 @@ def poison_buffers(monkeypatch):
     monkeypatch.setattr(triton_sparse, "_alloc", nan_alloc)
 
 
+def use_form(monkeypatch, form):
+    """Both passes in one form: the Triton kernels, or the batched products over gathered rows."""
+    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", form)
+    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", form)
+
+
 def causal_indices(B, T, S, K, gen, device="cpu"):
     """[B, T, K] int64: query t (key position S - T + t) picks min(K, its readable keys)
     distinct random keys among s <= S - T + t, in random order; the rest of the row is -1."""
@@ -97,8 +103,12 @@ CPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @interpreter
+@pytest.mark.parametrize("form", ["kernels", "products"])
 @pytest.mark.parametrize("case", list(CPU_CASES))
-def test_triton_matches_reference_cpu(case):
+def test_triton_matches_reference_cpu(case, form, monkeypatch):
+    """Both forms: the Triton kernels, and the batched products over gathered rows (for
+    absorbed MLA with dk and dv in one product)."""
+    use_form(monkeypatch, form)
     B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
     x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=len(case))
     got = run(x, indices, DV, "triton")
@@ -108,9 +118,11 @@ def test_triton_matches_reference_cpu(case):
 
 
 @interpreter
-def test_row_without_keys_and_int32_indices_cpu():
+@pytest.mark.parametrize("form", ["kernels", "products"])
+def test_row_without_keys_and_int32_indices_cpu(form, monkeypatch):
     """A query whose row is all -1 gets o = 0, lse = -inf and no gradient; a key that no
     query selected gets dk = dv = 0 (written, not left as the NaN poison)."""
+    use_form(monkeypatch, form)
     x, indices, DV = make_inputs(2, 5, 9, 2, 1, 16, 16, 4, seed=3)
     indices[0, 3] = -1
     indices[1, 0, :2] = -1
@@ -127,13 +139,18 @@ def test_row_without_keys_and_int32_indices_cpu():
 
 
 @interpreter
-def test_chunked_backward_matches_one_chunk_cpu(monkeypatch):
+@pytest.mark.parametrize("form", ["kernels", "products"])
+def test_chunked_backward_matches_one_chunk_cpu(form, monkeypatch):
     """The backward's query chunks (contribution buffer budget) change nothing but rounding."""
+    use_form(monkeypatch, form)
     x, indices, DV = make_inputs(1, 11, 16, 2, 2, 16, 16, 7, seed=5)
     ref = run(x, indices, DV, "torch")
     one = run(x, indices, DV, "triton")
     # 3 queries per chunk: 4 chunks, the last one short
-    row_bytes = 1 * 7 * 2 * (16 + 16) * 4
+    if form == "kernels":
+        row_bytes = 1 * 7 * 2 * (16 + 16) * 4
+    else:  # the products' per-query bytes (gathered rows, s / dp / p / ds, contributions, [q; do])
+        row_bytes = 7 * 2 * 32 * 4 + 2 * 7 * 16 + 7 * 2 * 32 * 4 + 2 * 2 * 16 * 4
     monkeypatch.setattr(triton_sparse, "CONTRIB_BUDGET_BYTES", 3 * row_bytes)
     chunked = run(x, indices, DV, "triton")
     assert_rel_rms(one, ref, 2e-6, 2e-6)
@@ -142,7 +159,39 @@ def test_chunked_backward_matches_one_chunk_cpu(monkeypatch):
 
 
 @interpreter
-def test_repeated_key_in_a_row_raises_in_backward_cpu():
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_products_forward_makes_the_kl_target_cpu(case, one_pass, monkeypatch):
+    """with_target: the products forward's sum over heads of its probabilities equals
+    sparse_probs_target from its lse (the torch form), -1 slots and rows without keys 0, with
+    the softmax in one block or block by block (two passes); o and lse as without it."""
+    use_form(monkeypatch, "products")
+    if not one_pass:
+        monkeypatch.setattr(triton_sparse, "SOFTMAX_ONE_PASS_MAX", 8)
+    B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
+    x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=len(case))
+    indices[0, 1] = -1  # a query without keys
+    k = x["kv"] if shared else x["k"]
+    v = k[..., :DV] if shared else x["v"]
+    o, lse, target = triton_sparse.sparse_attention_triton(x["q"], k, v, indices, with_target=True)
+    want = sa.sparse_probs_target(x["q"], k, indices, lse, backend="torch")
+    torch.testing.assert_close(target, want, rtol=1e-5, atol=1e-6)
+    assert (target[indices < 0] == 0).all() and torch.isneginf(lse[0, 1]).all()
+    o2, lse2 = sa.sparse_attention(x["q"], k, v, indices, backend="torch")
+    assert_rel_rms({"o": o, "lse": lse}, {"o": o2, "lse": lse2}, 2e-6, 2e-6)
+    # the ops-level function: this target from the products forward, else sparse_probs_target
+    got = sa.sparse_attention_with_target(x["q"], k, v, indices, backend="triton")
+    assert torch.equal(got[2], target)
+    use_form(monkeypatch, "kernels")
+    assert triton_sparse.sparse_attention_triton(x["q"], k, v, indices, with_target=True)[2] is None
+    got = sa.sparse_attention_with_target(x["q"], k, v, indices, backend="triton")
+    torch.testing.assert_close(got[2], want, rtol=1e-5, atol=1e-6)
+
+
+@interpreter
+@pytest.mark.parametrize("form", ["kernels", "products"])
+def test_repeated_key_in_a_row_raises_in_backward_cpu(form, monkeypatch):
+    use_form(monkeypatch, form)
     x, indices, _ = make_inputs(1, 4, 8, 2, 1, 16, 16, 3, seed=2)
     indices[0, 3, :2] = torch.tensor([5, 5])
     q = x["q"].clone().requires_grad_()
@@ -210,8 +259,10 @@ GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["kernels", "products"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_triton_bf16_matches_fp32_reference_gpu(case):
+def test_triton_bf16_matches_fp32_reference_gpu(case, form, monkeypatch):
+    use_form(monkeypatch, form)
     B, T, S, H, G, D, DV, K, shared = GPU_CASES[case]
     x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, device="cuda", seed=11)
     x = {n: t.to(torch.bfloat16) for n, t in x.items()}
@@ -220,7 +271,7 @@ def test_triton_bf16_matches_fp32_reference_gpu(case):
     got = run(x, indices, DV, "auto")
     assert got["o"].dtype == torch.bfloat16 and got["dq"].dtype == torch.bfloat16
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(case, {n: f"{e:.2e}" for n, e in errors.items()})
+    print(case, form, {n: f"{e:.2e}" for n, e in errors.items()})
     again = run(x, indices, DV, "auto")
     for n in got:
         assert torch.equal(again[n], got[n]), f"{n} differs between two identical runs"

@@ -269,6 +269,15 @@ def test_target_from_the_attention_lse_equals_the_softmax_target():
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="lse must be"):
         sa.sparse_probs_target(q, k, indices, lse[:, :, :1])
+    # the target made beside the attention (sparse_attention_with_target) gives the same loss
+    o, lse2, target = sa.sparse_attention_with_target(q, k, k, indices)
+    torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+    given, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, indices, target=target, budget_bytes=1)
+    torch.testing.assert_close(given, plain, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(given, (q_idx, k_idx, w)), g_plain):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="target must be"):
+        sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, indices, target=target[:, :, :1])
 
 
 def test_chunked_kl_loss_holds_one_chunk_at_a_time():
@@ -317,7 +326,7 @@ def test_gpu_bf16_selection(HI, DI, T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("H, G, D, DV", [(16, 1, 576, 512), (16, 4, 128, 128)])
-def test_gpu_bf16_chunked_kl_loss(H, G, D, DV):
+def test_gpu_bf16_chunked_kl_loss(H, G, D, DV, monkeypatch):
     """The bf16 fast paths (target from the Triton attention's lse with bf16 products, index
     scores at the selection on tensor cores) against the fp32 reference loss and gradients."""
     T, K = 1024, 256
@@ -328,6 +337,13 @@ def test_gpu_bf16_chunked_kl_loss(H, G, D, DV):
     idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K)
     _, lse = sa.sparse_attention(q, k, k[..., :DV], idx)  # Triton
     got, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=64 << 20)
+    # the target summed from the products forward's own fp32 probabilities gives the same loss
+    from megatron_moe_hybrid.ops.sparse_attention import triton_sparse
+
+    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", "products")
+    _, _, made = triton_sparse.sparse_attention_triton(q, k, k[..., :DV], idx, with_target=True)
+    fused, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, target=made, budget_bytes=64 << 20)
+    torch.testing.assert_close(fused, got, rtol=1e-3, atol=1e-5)
     grads = torch.autograd.grad(got, (q_idx, k_idx, w))
     # the key gradient is summed per key in a fixed order (no atomics): two runs agree bitwise
     again, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, lse=lse, budget_bytes=64 << 20)

@@ -351,6 +351,32 @@ def sparse_probs_target(
     return out
 
 
+def sparse_attention_with_target(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """sparse_attention plus the indexer KL loss's sparse-stage target: (o, lse, target), target
+    [B, T, K] fp32 = sparse_probs_target(q, k, indices, lse, scale) (no gradient), for
+    chunked_indexer_kl_loss(target=...). When the Triton backend runs its products forward
+    (absorbed MLA's many heads per latent on the GPU), the target is the sum of the
+    probabilities that forward makes anyway; otherwise sparse_probs_target computes it after."""
+    op = get_op("sparse_attention", backend, q)
+    target = None
+    if "triton" in _BACKENDS and op is _BACKENDS["triton"].sparse_attention:
+        from .triton_sparse import sparse_attention_triton
+
+        o, lse, target = sparse_attention_triton(q, k, v, indices, scale, with_target=True)
+    else:
+        o, lse = op(q, k, v, indices, scale)
+    if target is None:
+        target = sparse_probs_target(q.detach(), k.detach(), indices, lse.detach(), scale, backend=backend)
+    return o, lse, target
+
+
 def chunked_indexer_kl_loss(
     q: Tensor,
     k: Tensor,
@@ -365,6 +391,7 @@ def chunked_indexer_kl_loss(
     lse: Optional[Tensor] = None,
     budget_bytes: Optional[int] = None,
     backend: str = "auto",
+    target: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The indexer KL loss straight from the attention and indexer inputs, in query chunks.
 
@@ -374,7 +401,8 @@ def chunked_indexer_kl_loss(
     lightning_indexer. tp_group: the target is summed over its ranks' heads (each holds
     H / tp). lse [B, T, H]: the sparse stage's attention log-sum-exps (sparse_attention's
     second output); with them the target is sparse_probs_target, one product per head and
-    slot, instead of a softmax of its own. Returns (the mean KL over the valid queries,
+    slot, instead of a softmax of its own. target [B, T, K]: that target already made
+    (sparse_attention_with_target; this rank's heads, summed over tp_group here, in place). Returns (the mean KL over the valid queries,
     valid [B, T] bool), equal to indexer_kl_loss(lightning_indexer[_sparse](...),
     attention_probs_target(...), indices).
 
@@ -403,7 +431,11 @@ def chunked_indexer_kl_loss(
         pos = reference._query_positions(q_positions, T, S, q.device)
     else:
         with torch.no_grad():
-            if lse is not None:
+            if target is not None:
+                if tuple(target.shape) != tuple(indices.shape):
+                    raise ValueError(f"target must be [B, T, K] = {tuple(indices.shape)} like indices "
+                                     f"(sparse_attention_with_target's third output), got {tuple(target.shape)}")
+            elif lse is not None:
                 target = sparse_probs_target(q, k, indices, lse, scale, budget, backend)
             else:
                 target = torch.cat([
@@ -455,6 +487,7 @@ __all__ = [
     "causal_attention",
     "chunked_indexer_kl_loss",
     "sparse_probs_target",
+    "sparse_attention_with_target",
     "dense_attention",
     "dense_masked_attention",
     "get_op",

@@ -26,6 +26,15 @@ So dk and dv are bitwise repeatable. The cost: s and dp are computed twice in th
 (dq and dk/dv kernels), 2 R K (4 D + 3 DV) FLOPs per query instead of 2 R K (3 D + 2 DV), and
 C is written and read once (2 K G F elements per query).
 
+The products form (FORWARD_FORM / BACKWARD_FORM; "auto" takes it on the GPU for 64 or more
+heads per kv group, absorbed MLA's 128 on one latent, where it measured 2.2x the kernels) runs
+each chunk of queries as batched cuBLAS products over the chunk's key rows gathered once
+(_gathered): forward s = q k^T (fp32), _softmax_kernel (p, lse and, on request, the sum over
+heads of p: the indexer KL loss's sparse target), o = p v; backward s and dp = do v^T again,
+_probs_grads_kernel (p, ds), dq = ds k, and the contributions ds^T q and p^T do (for absorbed
+MLA one product [ds; p]^T [q; do 0] = dk + dv), summed per key by the same deterministic reduce.
+Few heads per group (GQA's 16) make thin products: the kernels win there (5x).
+
 Dots take the input dtype (bf16/fp16; fp32 only in the CPU interpreter) and accumulate in
 fp32. When v is the first DV columns of k (absorbed MLA: v = kv[..., :DV] with DV the power
 of two D1), the kernels read k once and use it as v (SHARED_KV).
@@ -269,11 +278,13 @@ def _bwd_dkv_kernel(
 
 
 @triton.jit
-def _bwd_reduce_kernel(C, order, offsets, acc, W, FIRST, BW: tl.constexpr, BL: tl.constexpr):
+def _bwd_reduce_kernel(C, order, offsets, acc, W, SLOTS, st_t, st_k, st_acc, FIRST, BW: tl.constexpr,
+                       BL: tl.constexpr):
     """acc[key, BW columns] (+)= the sum of the C rows order[offsets[key]:offsets[key + 1]]
-    (a row: the W = G F contributions of one (b, t, slot)), in list order, BL rows at a time
-    (a fixed tree inside each block): deterministic. BL x BW elements per step keep enough
-    loads in flight; one program per key and BW columns."""
+    (a row: the W contributions of one flat position p = t SLOTS + slot, at C + t st_t +
+    slot st_k), in list order, BL rows at a time (a fixed tree inside each block):
+    deterministic. BL x BW elements per step keep enough loads in flight; one program per key
+    and BW columns; acc rows st_acc apart."""
     i_key, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
     m_w = o_w < W
@@ -284,10 +295,10 @@ def _bwd_reduce_kernel(C, order, offsets, acc, W, FIRST, BW: tl.constexpr, BL: t
         o_l = i_l + tl.arange(0, BL)
         m_l = o_l < end
         b_p = tl.load(order + o_l, mask=m_l, other=0).to(tl.int64)  # flat (b, t, slot)
-        p_c = C + b_p[:, None] * W + o_w[None, :]
+        p_c = C + ((b_p // SLOTS) * st_t + (b_p % SLOTS) * st_k)[:, None] + o_w[None, :]
         b_c = tl.load(p_c, mask=m_l[:, None] & m_w[None, :], other=0.0).to(tl.float32)
         b_acc += tl.sum(b_c, axis=0)
-    p_acc = acc + i_key * W + o_w
+    p_acc = acc + i_key * st_acc + o_w
     if FIRST == 0:
         b_acc += tl.load(p_acc, mask=m_w, other=0.0)
     tl.store(p_acc, b_acc, mask=m_w)
@@ -420,6 +431,8 @@ def _strides(q, k, v, indices) -> tuple[int, ...]:
 
 def _fwd(q, k, v, indices, scale: float) -> tuple[Tensor, Tensor]:
     sh = _Shape(q, k, v, indices)
+    if _form(sh, q, FORWARD_FORM) == "products":
+        return _fwd_products(sh, q, k, v, indices, scale)[:2]
     o = _alloc((sh.B, sh.T, sh.H, sh.DV), q.dtype, q.device)
     lse = _alloc((sh.B, sh.T, sh.H), torch.float32, q.device)
     _launch(
@@ -431,17 +444,209 @@ def _fwd(q, k, v, indices, scale: float) -> tuple[Tensor, Tensor]:
     return o, lse
 
 
-def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
+# Forward / backward form: "kernels" (the Triton kernels above), "products" (batched cuBLAS
+# products over each query chunk's gathered key rows: _fwd_products, _bwd_products) or "auto"
+# (_form: products for many heads per kv group on the GPU, absorbed MLA's 128, where they won:
+# benchmarks/results/h200/sparse_attention.json, backward_forms).
+FORWARD_FORM = "auto"
+BACKWARD_FORM = "auto"
+
+
+def _form(sh: "_Shape", q: Tensor, which: str) -> str:
+    if which != "auto":
+        return which
+    return "products" if q.is_cuda and sh.R >= 64 else "kernels"
+
+
+def _backward_form(sh: "_Shape", q: Tensor) -> str:
+    return _form(sh, q, BACKWARD_FORM)
+
+
+def _chunk_rows(sh: "_Shape", per_query: int, extra_elems: int) -> int:
+    """Queries per chunk of the products forms: per_query bytes within CONTRIB_BUDGET_BYTES,
+    and extra_elems elements per query within int32 offsets."""
+    return max(1, min(sh.T, CONTRIB_BUDGET_BYTES // max(per_query, 1), (2**31 - 1) // max(extra_elems, 1)))
+
+
+def _gathered(sh: "_Shape", kf: Tensor, vf, indices: Tensor, t0: int, n: int):
+    """The key rows of queries [t0, t0 + n): (kg [N, K, D], vg [N, K, DV] (kg's first DV
+    columns when shared), idx_c [B, n, K]) with N = B n G rows (batch, query, group); -1 slots
+    read key 0 (the kernels mask them)."""
+    B, S, G, K, D, DV = sh.B, sh.S, sh.G, sh.K, sh.D, sh.DV
+    N = B * n * G
+    idx_c = indices[:, t0:t0 + n]
+    rows = (idx_c.clamp_min(0) + (torch.arange(B, device=idx_c.device) * S).view(B, 1, 1)).reshape(-1)
+
+    def gather(x, cols):  # [B n K, G, cols] -> [N, K, cols]
+        sel = x.index_select(0, rows).view(B * n, K, G, cols)
+        return sel.view(N, K, cols) if G == 1 else sel.transpose(1, 2).reshape(N, K, cols)
+
+    kg = gather(kf, D)
+    vg = kg[..., :DV] if vf is None else gather(vf, DV)
+    return kg, vg, idx_c
+
+
+def _flat_kv(sh: "_Shape", k: Tensor, v: Tensor):
+    """k [B S, G, D] and v [B S, G, DV] (None when v is k's first columns) for _gathered."""
+    return k.reshape(sh.B * sh.S, sh.G, sh.D), None if sh.shared_kv else v.reshape(sh.B * sh.S, sh.G, sh.DV)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ONE_PASS: tl.constexpr,
+                    PSUM: tl.constexpr):
+    """One query (b, t): its H rows i_q H + h of s [B n H, K] fp32 (heads in group order): p =
+    softmax(scale s) over the row's slots (0 at -1 slots of idx [B n, K]) in p's dtype, lse
+    (natural log, -inf for a row without keys) and, with PSUM, psum [B n, K] fp32 = the sum of
+    the fp32 p over the H heads (the indexer KL loss's sparse target). ONE_PASS: the row fits
+    one block (K <= BK), s read once; else the max and sum first, then p block by block."""
+    i_q = tl.program_id(0).to(tl.int64)
+    p_idx = idx + i_q * K
+    if ONE_PASS:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_s = m_k & (tl.load(p_idx + o_k, mask=m_k, other=-1) >= 0)
+        b_sum = tl.zeros([BK], tl.float32)
+        for h in range(H):
+            row = i_q * H + h
+            b_s = tl.where(m_s, tl.load(s + row * K + o_k, mask=m_k, other=0.0) * scale_log2, float("-inf"))
+            b_m = tl.max(b_s, 0)
+            b_e = tl.exp2(b_s - tl.where(b_m == float("-inf"), 0.0, b_m))  # no key: 0, not NaN
+            b_l = tl.sum(b_e, 0)
+            b_p = b_e * tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
+            tl.store(p + row * K + o_k, b_p.to(p.dtype.element_ty), mask=m_k)
+            b_sum += b_p
+            tl.store(lse + row, tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453,
+                                         float("-inf")))
+        if PSUM:
+            tl.store(psum + i_q * K + o_k, b_sum, mask=m_k)
+    else:
+        for h in range(H):  # each row's lse: online max and sum over the blocks
+            row = i_q * H + h
+            b_m = tl.max(tl.full([BK], float("-inf"), tl.float32), 0)
+            b_l = tl.sum(tl.zeros([BK], tl.float32), 0)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < K
+                m_s = m_k & (tl.load(p_idx + o_k, mask=m_k, other=-1) >= 0)
+                b_s = tl.where(m_s, tl.load(s + row * K + o_k, mask=m_k, other=0.0) * scale_log2, float("-inf"))
+                b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
+                b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+                b_l = b_l * tl.exp2(b_m - b_m_use) + tl.sum(tl.exp2(b_s - b_m_use), 0)
+                b_m = b_m_new
+            tl.store(lse + row, tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453,
+                                         float("-inf")))
+        for k0 in range(0, K, BK):  # p = exp2(scale_log2 s - lse2), block by block over the heads
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K
+            m_s = m_k & (tl.load(p_idx + o_k, mask=m_k, other=-1) >= 0)
+            b_sum = tl.zeros([BK], tl.float32)
+            for h in range(H):
+                row = i_q * H + h
+                b_lse2 = tl.load(lse + row) * 1.4426950408889634
+                b_lse2 = tl.where(b_lse2 == float("-inf"), float("inf"), b_lse2)  # no key: p = 0
+                b_s = tl.load(s + row * K + o_k, mask=m_k, other=0.0) * scale_log2
+                b_p = tl.where(m_s, tl.exp2(b_s - b_lse2), 0.0)
+                tl.store(p + row * K + o_k, b_p.to(p.dtype.element_ty), mask=m_k)
+                b_sum += b_p
+            if PSUM:
+                tl.store(psum + i_q * K + o_k, b_sum, mask=m_k)
+
+
+# The products forward's softmax holds a row of up to this many slots in one block.
+SOFTMAX_ONE_PASS_MAX = 4096
+
+
+def _fwd_products(sh: "_Shape", q, k, v, indices, scale: float, with_target: bool = False):
+    """The forward as batched products per chunk of queries (cuBLAS on the GPU): s = q k^T
+    (fp32) over the gathered key rows, p and lse (_softmax_kernel), o = p v. with_target: also
+    the sum over heads of the fp32 p, [B, T, K] (sparse_probs_target's value), else None."""
+    B, T, G, R, K, D, DV = sh.B, sh.T, sh.G, sh.R, sh.K, sh.D, sh.DV
+    H, dev, dt, es = G * R, q.device, q.dtype, q.element_size()
+    o = _alloc((B, T, H, DV), dt, dev)
+    lse = _alloc((B, T, H), torch.float32, dev)
+    target = _alloc((B, T, K), torch.float32, dev) if with_target else None
+    kv_cols = D if sh.shared_kv else D + DV
+    Tc = _chunk_rows(sh, B * (K * G * kv_cols * es + H * K * (4 + es)), B * H * K)
+    kf, vf = _flat_kv(sh, k, v)
+    one_pass = K <= SOFTMAX_ONE_PASS_MAX
+    bk = 16 if _INTERPRET and not one_pass else min(max(SOFTMAX_ONE_PASS_MAX, 16) if one_pass else 2048, _next_pow2(K))
+    for t0 in range(0, T, Tc):
+        n = min(Tc, T - t0)
+        N = B * n * G
+        kg, vg, idx_c = _gathered(sh, kf, vf, indices, t0, n)
+        s = _bmm_f32(q[:, t0:t0 + n].reshape(N, R, D), kg.transpose(1, 2))
+        p = _alloc((N, R, K), dt, dev)
+        lse_c = lse[:, t0:t0 + n] if B == 1 else _alloc((B, n, H), torch.float32, dev)
+        t_c = target[:, t0:t0 + n] if with_target and B == 1 else (
+            _alloc((B, n, K), torch.float32, dev) if with_target else lse_c)
+        _softmax_kernel[(B * n,)](s, idx_c.reshape(B * n, K).contiguous(), p, lse_c, t_c, K, H, scale * LOG2E,
+                                  BK=bk, ONE_PASS=one_pass, PSUM=with_target, num_warps=8 if bk >= 1024 else 4)
+        del s
+        _bmm_into(p, vg, o[:, t0:t0 + n])
+        if B > 1:
+            lse[:, t0:t0 + n] = lse_c
+            if with_target:
+                target[:, t0:t0 + n] = t_c
+    return o, lse, target
+
+
+@triton.jit
+def _row_dot_kernel(a, b, out, N, W, BR: tl.constexpr, BW: tl.constexpr):
+    """out[r] = sum over the W columns of a[r] b[r] in fp32, BR rows of a, b [N, W] per program."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < N
+    b_acc = tl.zeros([BR], tl.float32)
+    for w0 in range(0, W, BW):
+        o_w = w0 + tl.arange(0, BW)
+        m = m_r[:, None] & (o_w < W)[None, :]
+        p = o_r[:, None] * W + o_w[None, :]
+        b_acc += tl.sum(tl.load(a + p, mask=m, other=0.0).to(tl.float32) * tl.load(b + p, mask=m, other=0.0).to(tl.float32), 1)
+    tl.store(out + o_r, b_acc, mask=m_r)
+
+
+def _row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """(a.float() * b.float()).sum(-1) without the fp32 copies: a, b [..., W] -> [...] fp32."""
+    a, b = a.contiguous(), b.contiguous()
+    W = a.shape[-1]
+    N = a.numel() // max(W, 1)
+    out = _alloc(a.shape[:-1], torch.float32, a.device)
+    if N and W:
+        br, bw = (16, 16) if _INTERPRET else (16, min(512, _next_pow2(W)))
+        _row_dot_kernel[(triton.cdiv(N, br),)](a, b, out, N, W, BR=br, BW=bw, num_warps=4)
+    elif N:
+        out.zero_()
+    return out
+
+
+def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = False):
+    """dq, dk, dv; combine_kv (v is a differentiable view of k's first DV columns): dk holds
+    dv too and dv is None (the products form only; the kernels form returns both)."""
     sh = _Shape(q, k, v, indices)
-    B, T, S, G, K, D, DV = sh.B, sh.T, sh.S, sh.G, sh.K, sh.D, sh.DV
-    dev = q.device
     # [B, T, H] fp32: rowsum(o do), minus dlse (d lse / d s = p, so it shifts ds = p (dp - delta))
-    delta = (o.float() * do.float()).sum(-1)
+    delta = _row_dots(o, do)
     finite = torch.isfinite(lse)
     if dlse is not None:
         delta = delta - torch.where(finite, dlse.float(), 0.0)
     lse2 = torch.where(finite, lse * LOG2E, 0.0).contiguous()
     delta = delta.contiguous()
+    if _backward_form(sh, q) == "products":
+        return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv)
+    return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale)
+
+
+def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor) -> tuple[Tensor, Tensor]:
+    """per_key_lists of one chunk's indices [B, n, K]; ORs into repeated whether a row holds a
+    key twice."""
+    K = idx_c.shape[-1]
+    sorted_keys, order, offsets = per_key_lists(idx_c, S)
+    same_row = torch.div(order[1:], K, rounding_mode="floor") == torch.div(order[:-1], K, rounding_mode="floor")
+    repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < idx_c.shape[0] * S) & same_row).any()
+    return order, offsets
+
+
+def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
+    B, T, S, G, K, D, DV = sh.B, sh.T, sh.S, sh.G, sh.K, sh.D, sh.DV
+    dev = q.device
     strides = _strides(q, k, v, indices)
     consts = sh.consts()
 
@@ -471,9 +676,7 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
         idx_c = indices[:, t0:t0 + tc]
         if tc < Tc:  # positions index C [B, Tc, K]: pad the short last chunk with -1
             idx_c = torch.cat([idx_c, idx_c.new_full((B, Tc - tc, K), -1)], dim=1)
-        sorted_keys, order, offsets = per_key_lists(idx_c, S)
-        same_row = torch.div(order[1:], K, rounding_mode="floor") == torch.div(order[:-1], K, rounding_mode="floor")
-        repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < B * S) & same_row).any()
+        order, offsets = _chunk_lists(idx_c, S, repeated)
         sum_rows_per_key(C.view(-1, G * F), order, offsets, acc.view(B * S, G * F), first=t0 == 0)
     del C
     if bool(repeated):
@@ -483,6 +686,103 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float):
     dk = acc[..., :D].to(k.dtype)
     dv = acc[..., D:].to(v.dtype)
     return dq, dk, dv
+
+
+@triton.jit(do_not_specialize=["K"])
+def _probs_grads_kernel(s, dp, lse2, delta, idx, ps, K, R, G, scale, scale_log2, BK: tl.constexpr):
+    """Row i_row = i R + r of s, dp [n G R, K] fp32 (i: a (query, group), r: its head), BK
+    slots: p = exp2(scale_log2 s - lse2) (0 at -1 slots of idx [n, K]), ds = scale p (dp - delta);
+    ps [n G, 2 R, K]: ds in rows i 2R + r, p in rows i 2R + R + r."""
+    i_row, i_kb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i, r = i_row // R, i_row % R
+    o_k = i_kb * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_i = tl.load(idx + (i // G) * K + o_k, mask=m_k, other=-1)
+    b_s = tl.load(s + i_row * K + o_k, mask=m_k, other=0.0)
+    b_dp = tl.load(dp + i_row * K + o_k, mask=m_k, other=0.0)
+    b_p = tl.where(m_k & (b_i >= 0), tl.exp2(b_s * scale_log2 - tl.load(lse2 + i_row)), 0.0)
+    b_ds = b_p * (b_dp - tl.load(delta + i_row)) * scale
+    dt = ps.dtype.element_ty
+    tl.store(ps + (i * 2 * R + r) * K + o_k, b_ds.to(dt), mask=m_k)
+    tl.store(ps + (i * 2 * R + R + r) * K + o_k, b_p.to(dt), mask=m_k)
+
+
+def _bmm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out (a slice [B, n, H, cols]) = a @ b [B n G, R, cols]: written in place when the slice
+    is contiguous (B = 1), else through a copy."""
+    if out.is_contiguous():
+        torch.bmm(a, b, out=out.view(a.shape[0], a.shape[1], b.shape[2]))
+    else:
+        out.copy_(torch.bmm(a, b).view(out.shape))
+
+
+def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with an fp32 result: 16-bit CUDA operands on tensor cores, fp32 accumulation."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, combine_kv: bool):
+    """The backward as batched products over each chunk of queries (cuBLAS on the GPU): the
+    chunk's key rows gathered once into [n G, K, D] (v: k's first DV columns when shared), then
+    s = q k^T and dp = do v^T (fp32), p and ds (_probs_grads_kernel, input dtype), dq = ds k, and
+    the per-(query, slot) contributions ds^T q and p^T do, which sum_rows_per_key adds per key
+    (no atomics: bitwise repeatable). combine_kv: one product [ds; p]^T [q; do 0] gives
+    dk + dv in k's D columns (half the contribution bytes of two)."""
+    B, T, S, G, R, K, D, DV = sh.B, sh.T, sh.S, sh.G, sh.R, sh.K, sh.D, sh.DV
+    H, dev, dt = G * R, q.device, q.dtype
+    es = q.element_size()
+    F = D if combine_kv else D + DV
+    kv_cols = D if sh.shared_kv else D + DV  # gathered columns per (slot, group)
+    per_query = B * (K * G * kv_cols * es + H * K * (8 + 2 * es) + K * G * F * es + 2 * H * D * es)
+    Tc = _chunk_rows(sh, per_query, B * max(K * G * F, H * K))
+    kf, vf = _flat_kv(sh, k, v)
+    dq = _alloc(q.shape, dt, dev)
+    acc = _alloc((B, S, G, F), torch.float32, dev)
+    acc2 = acc.view(B * S, G * F)
+    repeated = torch.zeros((), dtype=torch.bool, device=dev)
+    for t0 in range(0, T, Tc):
+        n = min(Tc, T - t0)
+        N = B * n * G  # (batch, query, group) rows of the products
+        kg, vg, idx_c = _gathered(sh, kf, vf, indices, t0, n)
+        qg = q[:, t0:t0 + n].reshape(N, R, D)
+        dog = do[:, t0:t0 + n].reshape(N, R, DV)
+        s = _bmm_f32(qg, kg.transpose(1, 2))
+        dp = _bmm_f32(dog, vg.transpose(1, 2))
+        ps = _alloc((N, 2 * R, K), dt, dev)
+        bk = min(1024, _next_pow2(K)) if not _INTERPRET else 16
+        _probs_grads_kernel[(N * R, triton.cdiv(K, bk))](
+            s, dp, lse2[:, t0:t0 + n].reshape(-1).contiguous(), delta[:, t0:t0 + n].reshape(-1).contiguous(),
+            idx_c.reshape(B * n, K).contiguous(), ps, K, R, G, scale, scale * LOG2E, BK=bk, num_warps=4,
+        )
+        del s, dp
+        ds, p = ps[:, :R], ps[:, R:]
+        _bmm_into(ds, kg, dq[:, t0:t0 + n])
+        order, offsets = _chunk_lists(idx_c, S, repeated)
+        first = t0 == 0
+        if combine_kv:  # [ds; p]^T [q; do | 0]: dk + dv in one product
+            rhs = torch.zeros((N, 2 * R, D), dtype=dt, device=dev)
+            rhs[:, :R] = qg
+            rhs[:, R:, :DV] = dog
+            parts = [(torch.bmm(ps.transpose(1, 2), rhs), 0)]
+            del rhs
+        else:
+            parts = [(torch.bmm(ds.transpose(1, 2), qg), 0), (torch.bmm(p.transpose(1, 2), dog), D)]
+        del kg, vg, ps
+        for c, col in parts:  # c [N, K, W] = [B n, G, K, W]: group g's rows at t G K W + slot W
+            W = c.shape[-1]
+            c4 = c.view(B * n, G, K, W)
+            for g in range(G):
+                sum_rows_per_key(c4[:, g], order, offsets, acc2[:, g * F + col:g * F + col + W], first)
+        del parts
+    if bool(repeated):
+        raise ValueError("indices must not repeat a key within one query's row")
+    if T == 0:
+        acc.zero_()
+    if combine_kv:
+        return dq, acc.to(k.dtype), None
+    return dq, acc[..., :D].to(k.dtype), acc[..., D:].to(v.dtype)
 
 
 def per_key_lists(indices: Tensor, S: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -499,32 +799,51 @@ def per_key_lists(indices: Tensor, S: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def sum_rows_per_key(rows: Tensor, order: Tensor, offsets: Tensor, acc: Tensor, first: bool) -> None:
     """acc[key] (first: =, else +=) the sum of rows[order[offsets[key]:offsets[key + 1]]], in
-    list order, fp32 (per_key_lists' lists): deterministic, no atomics. rows [N, W], acc
-    [num_keys, W] fp32."""
-    W = rows.shape[1]
+    list order, fp32 (per_key_lists' lists): deterministic, no atomics. rows [N, W], or [N / n,
+    n, W] read at flat position t n + slot (any strides with unit columns); acc [num_keys, W]
+    fp32 with unit columns (a column slice of a wider buffer too)."""
+    if rows.dim() == 2:
+        rows = rows.unsqueeze(1)
+    W = rows.shape[2]
+    if rows.stride(2) != 1 or acc.stride(1) != 1 or tuple(acc.shape) != (offsets.shape[0] - 1, W):
+        raise ValueError(f"sum_rows_per_key: rows {tuple(rows.shape)} / acc {tuple(acc.shape)} need unit "
+                         f"column strides and acc [{offsets.shape[0] - 1}, {W}]")
     _launch(
         _bwd_reduce_kernel, "per-key reduce", ("reduce", rows.device, W),
         lambda c: (acc.shape[0], triton.cdiv(W, c["BW"])),
-        (rows, order.to(torch.int32), offsets, acc, W, int(first)),
+        (rows, order.to(torch.int32), offsets, acc, W, rows.shape[1], rows.stride(0), rows.stride(1),
+         acc.stride(0), int(first)),
         {}, _candidates("reduce", 1, W, _INTERPRET),
     )
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """o, lse = sparse attention of q over the keys of indices; gradients for q, k, v."""
+    """o, lse = sparse attention of q over the keys of indices; gradients for q, k, v.
+    with_target: a third output, the sum over heads of the probabilities [B, T, K] fp32 when
+    the products forward makes them (else a [0] stand-in), not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
-        o, lse = _fwd(q, k, v, indices, scale)
+    def forward(ctx, q, k, v, indices, scale, combine_kv=False, with_target=False):
+        sh = _Shape(q, k, v, indices)
+        target = None
+        if with_target and _form(sh, q, FORWARD_FORM) == "products":
+            o, lse, target = _fwd_products(sh, q, k, v, indices, scale, True)
+        else:
+            o, lse = _fwd(q, k, v, indices, scale)
         ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale = scale
-        return o, lse
+        ctx.scale, ctx.combine_kv = scale, combine_kv
+        if not with_target:
+            return o, lse
+        target = q.new_empty((0,), dtype=torch.float32) if target is None else target
+        ctx.mark_non_differentiable(target)
+        return o, lse, target
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse, *_):
         q, k, v, indices, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(q, k, v, indices, o, lse, do.contiguous(), dlse, ctx.scale)
-        return dq, dk, dv, None, None
+        combine = ctx.combine_kv and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
+        dq, dk, dv = _bwd(q, k, v, indices, o, lse, do.contiguous(), dlse, ctx.scale, combine)
+        return dq, dk, dv, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
@@ -576,14 +895,28 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 
 def sparse_attention_triton(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, scale: float | None = None, with_target: bool = False
+):
     """Backend "triton" of ops.sparse_attention: arguments and results as reference.sparse_attention
-    (o [B, T, H, DV] in q's dtype, lse [B, T, H] fp32), differentiable in q, k, v (and lse)."""
+    (o [B, T, H, DV] in q's dtype, lse [B, T, H] fp32), differentiable in q, k, v (and lse).
+    with_target: (o, lse, target), target the products forward's sum over heads of the fp32
+    probabilities [B, T, K] (sparse_probs_target's value) or None in the kernels form."""
     _check(q, k, v, indices)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    combine = _view_of(v, k)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale)
+    out = SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale, combine, with_target)
+    if not with_target:
+        return out
+    o, lse, target = out
+    return o, lse, target if target.dim() == 3 else None  # the kernels form's stand-in is [0]
+
+
+def _view_of(v: Tensor, k: Tensor) -> bool:
+    """v is a differentiable view of k's own storage (absorbed MLA's kv[..., :DV]): a gradient
+    for k's first DV columns reaches the same tensor as v's, so the backward may sum them."""
+    base = k if k._base is None else k._base
+    return v._base is not None and v._base is base and v.grad_fn is not None and k.requires_grad
 
 
 # --- the indexer KL loss's sparse-stage target from the attention's lse ----------------------
