@@ -400,6 +400,30 @@ def test_chunked_kl_loss_on_the_triton_index_scores():
 
 
 @interpreter
+def test_fused_kl_loss_sizes_its_chunks_by_the_fused_rows(monkeypatch):
+    """With the fused index scores a chunk holds KL_FUSED_ROWS fp32 [K] rows per query (no
+    [Tc, HI, K] logits): a budget of 7 queries' rows makes ceil(40 / 7) chunks; the
+    reference scores keep their own per-query size."""
+    T, K = 40, 6
+    q, k, q_idx, k_idx, w = kl_inputs(T, dtype=torch.float32, seed=9)
+    idx = reference.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K).long()
+    calls = []
+    kl_sum = reference.indexer_kl_sum
+    monkeypatch.setattr(reference, "indexer_kl_sum", lambda *a: calls.append(a[0].shape[1]) or kl_sum(*a))
+    budget = 7 * K * 4 * sa.KL_FUSED_ROWS
+    with torch.no_grad():
+        fused, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, budget_bytes=budget, backend="triton")
+    assert calls == [7] * 5 + [5]
+    calls.clear()
+    with torch.no_grad():
+        plain, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, idx, budget_bytes=budget, backend="torch")
+    HI, DI = q_idx.shape[2:]
+    tc = budget // (K * (4 * (2 * HI + 4) + 2 * DI))  # the reference's [Tc, HI, K] logits per query
+    assert tc != 7 and calls == [min(tc, T - t0) for t0 in range(0, T, tc)]
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+@interpreter
 @pytest.mark.parametrize("H, G, D", [(4, 2, 8), (20, 1, 24), (3, 3, 40)])
 def test_triton_kl_target_equals_the_gathered_one(H, G, D):
     """sparse_probs_target's Triton kernel (one program per query, key rows read in place,

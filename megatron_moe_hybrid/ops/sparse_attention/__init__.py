@@ -290,6 +290,8 @@ def indexer_kl_loss(
 
 # Bytes of one query chunk's intermediates in chunked_indexer_kl_loss.
 KL_CHUNK_BUDGET_BYTES = 1 << 30
+# fp32 [K] rows per query that a sparse-stage chunk holds with the fused (Triton) index scores.
+KL_FUSED_ROWS = 16
 
 
 def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
@@ -422,6 +424,12 @@ def chunked_indexer_kl_loss(
     per_query = B * X * (4 * (2 * HI + 4) + 2 * DI)
     if indices is None:  # the chunk also makes its target
         per_query += B * X * (4 * H + 4 * k.shape[2] * k.shape[3])
+    elif get_op("lightning_indexer_sparse", backend, q_idx) is not reference.lightning_indexer_sparse:
+        # fused index scores make no [Tc, HI, K] logits: a chunk holds about KL_FUSED_ROWS fp32
+        # [K] rows per query (scores, the KL's intermediates and their gradients); the scores'
+        # key gradient buffer is bounded by the kernel itself. Fewer, larger chunks: fewer
+        # launches, and fewer passes of the per-key reduce over all S keys.
+        per_query = B * X * 4 * KL_FUSED_ROWS
     Tc = max(1, min(T, budget // max(per_query, 1)))
     q, k = q.detach(), k.detach()
     # backend picks the index scores' implementation; ops a backend lacks run under auto
