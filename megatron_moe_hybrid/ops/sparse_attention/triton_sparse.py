@@ -762,9 +762,10 @@ def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, c
         order, offsets = _chunk_lists(idx_c, S, repeated)
         first = t0 == 0
         if combine_kv:  # [ds; p]^T [q; do | 0]: dk + dv in one product
-            rhs = torch.zeros((N, 2 * R, D), dtype=dt, device=dev)
+            rhs = torch.empty((N, 2 * R, D), dtype=dt, device=dev)
             rhs[:, :R] = qg
             rhs[:, R:, :DV] = dog
+            rhs[:, R:, DV:] = 0
             parts = [(torch.bmm(ps.transpose(1, 2), rhs), 0)]
             del rhs
         else:
