@@ -319,7 +319,8 @@ def sparse_probs_target(
     took 228 ms with it against 458 without, 32k queries). Otherwise (and for absorbed MLA's
     128 heads on one latent, where the batched products won, 35.5 against 43.7 ms at 4096
     queries) the products run on gathered rows, in the inputs' dtype with an fp32 result on
-    CUDA, queries in chunks of budget_bytes.
+    CUDA, queries in chunks of budget_bytes. (The layers take absorbed MLA's target from
+    sparse_attention_with_target, which sums the products forward's probabilities instead.)
     """
     H, G = q.shape[2], k.shape[2]
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and H // max(G, 1) <= 64
