@@ -249,6 +249,19 @@ def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
         assert sa.get_op(op, "auto", cuda[torch.float32]) is getattr(reference, op)
 
 
+def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
+    """auto: the batched products for 64 or more heads per kv group on CUDA (absorbed MLA's
+    128), the kernels otherwise (GQA's 16, and every CPU tensor); a set form wins."""
+    cuda, cpu = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
+    for R, want in ((128, "products"), (64, "products"), (32, "kernels"), (16, "kernels")):
+        sh = types.SimpleNamespace(R=R)
+        assert triton_sparse._form(sh, cuda, "auto") == want
+        assert triton_sparse._form(sh, cpu, "auto") == "kernels"
+        assert triton_sparse._form(sh, cpu, "products") == "products"
+    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", "kernels")
+    assert triton_sparse._backward_form(types.SimpleNamespace(R=128), cuda) == "kernels"
+
+
 # --- GPU (bf16, the issue's shapes) ---------------------------------------------------------
 
 GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
