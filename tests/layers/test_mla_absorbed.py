@@ -169,14 +169,23 @@ def test_absorbed_refuses_lora_dropout_and_bad_config():
     config_from_dict(raw, {**lora, "model.pattern": "LLLS"})  # no MLA: dropout is fine
 
 
-def test_absorbed_on_the_triton_kernels():
+@pytest.mark.parametrize("form", ["kernels", "products"])
+def test_absorbed_on_the_triton_kernels(form, monkeypatch):
     """backend "triton" (Triton's interpreter here, fp32): the fused indexer top-k, sparse
-    attention, KL target and index scores give the torch backend's output and gradients."""
+    attention, KL target and index scores give the torch backend's output and gradients, with
+    the sparse attention in either form (products: the one kv latent's dk + dv in one product,
+    the KL target summed in the forward; what auto runs on the GPU for 128 heads)."""
     pytest.importorskip("triton")
     from megatron_moe_hybrid.ops.sparse_attention import triton_sparse
 
     if not triton_sparse._INTERPRET:
         pytest.skip("CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", form)
+    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", form)
+    made = []
+    if form == "products":  # the layer's kv view is recognised: one product for dk + dv
+        bwd = triton_sparse._bwd_products
+        monkeypatch.setattr(triton_sparse, "_bwd_products", lambda *a: made.append(a[-1]) or bwd(*a))
     _, torch_layer = pair(5, seed=7)
     _, triton_layer = pair(5, seed=7)
     for layer, backend in ((torch_layer, "torch"), (triton_layer, "triton")):
@@ -192,6 +201,7 @@ def test_absorbed_on_the_triton_kernels():
         if g0[n] is not None:
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
     torch.testing.assert_close(triton_layer.last_indexer_loss, torch_layer.last_indexer_loss, rtol=1e-5, atol=0)
+    assert made == ([True] if form == "products" else [])
 
 
 @pytest.mark.gpu
