@@ -42,7 +42,7 @@ def main(mode: str, argv=None) -> int:
 
     try:
         run(config, mode)
-    except ConfigError as e:  # found at launch: ranks disagree, or the world size is wrong
+    except ConfigError as e:  # found at launch: ranks disagree, the world size is wrong, a host is short of memory
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except TrainingStopped as e:

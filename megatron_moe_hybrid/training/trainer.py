@@ -121,6 +121,54 @@ def _check_launch(config: HybridMoEConfig) -> None:
         raise ConfigError(*mismatch.split(": ", 1))
 
 
+def _host_bytes_available() -> Optional[int]:
+    """MemAvailable of this host (Linux /proc/meminfo), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_host_memory_for_cpu_build(config: HybridMoEConfig) -> None:
+    """A run from scratch builds and initialises each rank's share of the model in host memory
+    before moving it to the device. Before any of it is allocated: every rank counts its share
+    (a meta-device build: no storage), times the ranks of its host (LOCAL_WORLD_SIZE), against
+    the host's available memory; if any host is short, every rank raises the same ConfigError
+    naming training.init_from (a run from a checkpoint builds on the meta device and allocates
+    only each rank's shards, on its device)."""
+    import socket
+
+    from megatron_moe_hybrid.config import ConfigError
+    from megatron_moe_hybrid.models import build_model
+
+    meta = build_model(config, device="meta")
+    need = sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
+    del meta
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    avail = _host_bytes_available()
+    mine = (need * local, avail, socket.gethostname(), local, need)
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    short = [e for e in everyone if e[1] is not None and e[0] > e[1]]
+    if short:
+        total, avail, host, local, need = max(short, key=lambda e: e[0] - e[1])
+        raise ConfigError(
+            "training.init_from",
+            f"is unset, so each rank builds and initialises its share of the model in host memory "
+            f"before moving it to its device: {local} rank(s) x {need / 1e9:.1f} GB on host {host} "
+            f"need {total / 1e9:.1f} GB and {avail / 1e9:.1f} GB is available; start from a "
+            "safetensors checkpoint (training.init_from: built on the meta device, each rank "
+            "allocates only its shards, on its device), or raise parallel.expert_model_parallel_size "
+            "/ tensor_model_parallel_size so that each rank holds less",
+        )
+
+
 def _copy_atomic(src: str, dst: str) -> None:
     import shutil
 
@@ -173,6 +221,8 @@ class Trainer:
 
         # Context-parallel ranks read the same samples and keep their pieces of each sequence.
         self.cp_layout = CPLayout.from_parallel_state(t.seq_length, config.parallel.cp_layout)
+        if t.init_from is None:  # before anything is written or allocated
+            _check_host_memory_for_cpu_build(config)
         self.output_dir = t.output_dir
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)

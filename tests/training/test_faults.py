@@ -368,6 +368,31 @@ def test_ranks_with_different_configs_stop_at_launch(corpus, cache_dir, tmp_path
     assert not os.path.exists(str(tmp_path / "run")) and not os.path.exists(str(tmp_path / "run2"))
 
 
+def _worker_short_host(rank, world, raw, ov):
+    """Rank 1's host reports 1 MB available: the model's share does not fit."""
+    from megatron_moe_hybrid.training import trainer
+
+    trainer._host_bytes_available = lambda: 2**20 if rank == 1 else 2**50
+    return _run_catching(rank, world, raw, ov)
+
+
+@pytest.mark.distributed
+def test_a_host_short_of_memory_for_the_cpu_build_stops_every_rank(corpus, cache_dir, tmp_path, raw_config):
+    """A run from scratch builds each rank's share in host memory: when one host lacks it,
+    every rank stops with the same error, naming training.init_from and the numbers, before
+    anything is written."""
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
+        "parallel.world_size": 2, "training.train_steps": 2,
+    })
+    results = spawn(_worker_short_host, 2, raw, ov)
+    for status, message in results:
+        assert status == "ConfigError", message
+        assert message.startswith("training.init_from: is unset, so each rank builds"), message
+        assert "0.0 GB is available" in message and "\n" not in message
+    assert results[0] == results[1]
+    assert not os.path.exists(str(tmp_path / "run"))
+
+
 # 8. Determinism ----------------------------------------------------------------------------
 
 

@@ -80,10 +80,11 @@ class AllToAllDispatcher:
         self.ep_size, self.ep_rank, self.num_local_experts = _ep_layout(num_experts, ep_group)
         self.num_experts = num_experts
         # block b of the [src][local_expert] layout goes to position order[b] of [local_expert][src]
-        blocks = torch.arange(num_experts).view(self.ep_size, self.num_local_experts)
+        # (host lists, computed on the CPU even inside a meta-device build)
+        blocks = torch.arange(num_experts, device="cpu").view(self.ep_size, self.num_local_experts)
         self._src_major_to_expert_major = blocks.t().flatten().tolist()
         self._expert_major_to_src_major = (
-            torch.arange(num_experts).view(self.num_local_experts, self.ep_size).t().flatten().tolist()
+            torch.arange(num_experts, device="cpu").view(self.num_local_experts, self.ep_size).t().flatten().tolist()
         )
 
     def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
