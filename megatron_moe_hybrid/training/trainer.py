@@ -136,10 +136,10 @@ def _host_bytes_available() -> Optional[int]:
 def _check_host_memory_for_cpu_build(config: HybridMoEConfig) -> None:
     """A run from scratch builds and initialises each rank's share of the model in host memory
     before moving it to the device. Before any of it is allocated: every rank counts its share
-    (a meta-device build: no storage), times the ranks of its host (LOCAL_WORLD_SIZE), against
-    the host's available memory; if any host is short, every rank raises the same ConfigError
-    naming training.init_from (a run from a checkpoint builds on the meta device and allocates
-    only each rank's shards, on its device)."""
+    (a meta-device build: no storage); the shares of the ranks on one host (by host name, over
+    all ranks) are summed against that host's available memory; if any host is short, every
+    rank raises the same ConfigError naming training.init_from (a run from a checkpoint builds
+    on the meta device and allocates only each rank's shards, on its device)."""
     import socket
 
     from megatron_moe_hybrid.config import ConfigError
@@ -148,24 +148,26 @@ def _check_host_memory_for_cpu_build(config: HybridMoEConfig) -> None:
     meta = build_model(config, device="meta")
     need = sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
     del meta
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    avail = _host_bytes_available()
-    mine = (need * local, avail, socket.gethostname(), local, need)
+    mine = (socket.gethostname(), need, _host_bytes_available())
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-    short = [e for e in everyone if e[1] is not None and e[0] > e[1]]
+    hosts: dict = {}
+    for host, n, avail in everyone:
+        total, count, least = hosts.get(host, (0, 0, None))
+        hosts[host] = (total + n, count + 1, avail if least is None or avail is None else min(least, avail))
+    short = {h: v for h, v in hosts.items() if v[2] is not None and v[0] > v[2]}
     if short:
-        total, avail, host, local, need = max(short, key=lambda e: e[0] - e[1])
+        host, (total, count, avail) = max(short.items(), key=lambda kv: kv[1][0] - kv[1][2])
         raise ConfigError(
             "training.init_from",
             f"is unset, so each rank builds and initialises its share of the model in host memory "
-            f"before moving it to its device: {local} rank(s) x {need / 1e9:.1f} GB on host {host} "
-            f"need {total / 1e9:.1f} GB and {avail / 1e9:.1f} GB is available; start from a "
-            "safetensors checkpoint (training.init_from: built on the meta device, each rank "
-            "allocates only its shards, on its device), or raise parallel.expert_model_parallel_size "
-            "/ tensor_model_parallel_size so that each rank holds less",
+            f"before moving it to its device: the {count} rank(s) on host {host} need "
+            f"{total / 1e9:.1f} GB and {avail / 1e9:.1f} GB is available; start from a safetensors "
+            "checkpoint (training.init_from: built on the meta device, each rank allocates only its "
+            "shards, on its device), or raise parallel.expert_model_parallel_size / "
+            "tensor_model_parallel_size so that each rank holds less",
         )
 
 

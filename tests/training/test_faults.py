@@ -378,9 +378,9 @@ def _worker_short_host(rank, world, raw, ov):
 
 @pytest.mark.distributed
 def test_a_host_short_of_memory_for_the_cpu_build_stops_every_rank(corpus, cache_dir, tmp_path, raw_config):
-    """A run from scratch builds each rank's share in host memory: when one host lacks it,
-    every rank stops with the same error, naming training.init_from and the numbers, before
-    anything is written."""
+    """A run from scratch builds each rank's share in host memory: when one host lacks it (the
+    shares of its ranks summed, found by host name), every rank stops with the same error,
+    naming training.init_from and the numbers, before anything is written."""
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
         "parallel.world_size": 2, "training.train_steps": 2,
     })
@@ -388,7 +388,7 @@ def test_a_host_short_of_memory_for_the_cpu_build_stops_every_rank(corpus, cache
     for status, message in results:
         assert status == "ConfigError", message
         assert message.startswith("training.init_from: is unset, so each rank builds"), message
-        assert "0.0 GB is available" in message and "\n" not in message
+        assert "the 2 rank(s) on host" in message and "0.0 GB is available" in message and "\n" not in message
     assert results[0] == results[1]
     assert not os.path.exists(str(tmp_path / "run"))
 
