@@ -299,8 +299,10 @@ def _worker_nan(rank, world, raw, ov, bad_steps):
     original = models.build_model
     state = {"forwards": 0}
 
-    def build_model(config):
-        model = original(config)
+    def build_model(config, device=None):
+        model = original(config, device=device)
+        if device is not None:  # the host-memory check's meta build: not the model that trains
+            return model
         micro = config.training.global_batch_size // config.training.micro_batch_size
 
         def count(module, args):
