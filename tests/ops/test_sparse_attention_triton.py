@@ -141,17 +141,17 @@ def test_row_without_keys_and_int32_indices_cpu(form, monkeypatch):
 @interpreter
 @pytest.mark.parametrize("form", ["kernels", "products"])
 def test_chunked_backward_matches_one_chunk_cpu(form, monkeypatch):
-    """The backward's query chunks (contribution buffer budget) change nothing but rounding."""
+    """The query chunks (contribution buffer budget; the products form's forward too) change
+    nothing but rounding."""
     use_form(monkeypatch, form)
     x, indices, DV = make_inputs(1, 11, 16, 2, 2, 16, 16, 7, seed=5)
     ref = run(x, indices, DV, "torch")
     one = run(x, indices, DV, "triton")
     # 3 queries per chunk: 4 chunks, the last one short
     if form == "kernels":
-        row_bytes = 1 * 7 * 2 * (16 + 16) * 4
-    else:  # the products' per-query bytes (gathered rows, s / dp / p / ds, contributions, [q; do])
-        row_bytes = 7 * 2 * 32 * 4 + 2 * 7 * 16 + 7 * 2 * 32 * 4 + 2 * 2 * 16 * 4
-    monkeypatch.setattr(triton_sparse, "CONTRIB_BUDGET_BYTES", 3 * row_bytes)
+        monkeypatch.setattr(triton_sparse, "CONTRIB_BUDGET_BYTES", 3 * 1 * 7 * 2 * (16 + 16) * 4)
+    else:  # forward and backward both take their chunk size from _chunk_rows
+        monkeypatch.setattr(triton_sparse, "_chunk_rows", lambda sh, per_query, extra: 3)
     chunked = run(x, indices, DV, "triton")
     assert_rel_rms(one, ref, 2e-6, 2e-6)
     assert_rel_rms(chunked, ref, 2e-6, 2e-6)
@@ -259,7 +259,7 @@ def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
         assert triton_sparse._form(sh, cpu, "auto") == "kernels"
         assert triton_sparse._form(sh, cpu, "products") == "products"
     monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", "kernels")
-    assert triton_sparse._backward_form(types.SimpleNamespace(R=128), cuda) == "kernels"
+    assert triton_sparse._form(types.SimpleNamespace(R=128), cuda, triton_sparse.BACKWARD_FORM) == "kernels"
 
 
 # --- GPU (bf16, the issue's shapes) ---------------------------------------------------------

@@ -294,15 +294,6 @@ KL_CHUNK_BUDGET_BYTES = 1 << 30
 KL_FUSED_ROWS = 16
 
 
-def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b in fp32 (fp64 stays fp64): 16-bit CUDA operands on tensor cores with an fp32
-    output, anything else converted first."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    dtype = reference._compute_dtype(a)
-    return torch.bmm(a.to(dtype), b.to(dtype))
-
-
 @torch.no_grad()
 def sparse_probs_target(
     q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: Optional[float] = None,
@@ -318,8 +309,9 @@ def sparse_probs_target(
     most 64 heads per kv group (GQA: on the H200 at 64 heads / 4 groups / d 128 the KL loss
     took 228 ms with it against 458 without, 32k queries). Otherwise (and for absorbed MLA's
     128 heads on one latent, where the batched products won, 35.5 against 43.7 ms at 4096
-    queries) the products run on gathered rows, in the inputs' dtype with an fp32 result on
-    CUDA, queries in chunks of budget_bytes. (The layers take absorbed MLA's target from
+    queries; both in sparse_layer.json as of 036d65f: kl_loss_fwd_bwd beside
+    kl_loss_fwd_bwd_ms_gathered_target / _triton_target) the products run on gathered rows, in
+    the inputs' dtype with an fp32 result on CUDA, queries in chunks of budget_bytes. (The layers take absorbed MLA's target from
     sparse_attention_with_target, which sums the products forward's probabilities instead.)
     """
     H, G = q.shape[2], k.shape[2]
@@ -347,7 +339,7 @@ def sparse_probs_target(
         acc = None
         for g in range(G):  # one group's keys at a time: the gathered rows feed bmm as they are
             k_sel = reference._select_keys(k[:, :, g], idx).view(B * n, K, D)
-            s = _bmm_f32(q_c[:, :, g].reshape(B * n, R, D), k_sel.transpose(1, 2)).view(B, n, R, K)
+            s = reference._bmm_f32(q_c[:, :, g].reshape(B * n, R, D), k_sel.transpose(1, 2)).view(B, n, R, K)
             p = torch.exp(s * scale - lse_c[:, :, g]).sum(2)
             acc = p if acc is None else acc + p
         out[:, t0:t1] = acc.masked_fill(idx < 0, 0.0)

@@ -54,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from .reference import _check_attention_args
+from .reference import _bmm_f32, _check_attention_args
 
 logger = logging.getLogger(__name__)
 
@@ -429,10 +429,12 @@ def _strides(q, k, v, indices) -> tuple[int, ...]:
     return (*_row_strides(q), *_row_strides(k), *_row_strides(v), indices.stride(0), indices.stride(1))
 
 
-def _fwd(q, k, v, indices, scale: float) -> tuple[Tensor, Tensor]:
+def _fwd(q, k, v, indices, scale: float, with_target: bool = False):
+    """(o, lse, target): target the sum over heads of p when with_target and the products form
+    makes it, else None."""
     sh = _Shape(q, k, v, indices)
     if _form(sh, q, FORWARD_FORM) == "products":
-        return _fwd_products(sh, q, k, v, indices, scale)[:2]
+        return _fwd_products(sh, q, k, v, indices, scale, with_target)
     o = _alloc((sh.B, sh.T, sh.H, sh.DV), q.dtype, q.device)
     lse = _alloc((sh.B, sh.T, sh.H), torch.float32, q.device)
     _launch(
@@ -441,7 +443,7 @@ def _fwd(q, k, v, indices, scale: float) -> tuple[Tensor, Tensor]:
         (q, k, v, indices, o, lse, *_strides(q, k, v, indices), scale * LOG2E, sh.T, sh.K, sh.G),
         sh.consts(), _candidates("fwd", sh.R, sh.width, _INTERPRET),
     )
-    return o, lse
+    return o, lse, None
 
 
 # Forward / backward form: "kernels" (the Triton kernels above), "products" (batched cuBLAS
@@ -456,10 +458,6 @@ def _form(sh: "_Shape", q: Tensor, which: str) -> str:
     if which != "auto":
         return which
     return "products" if q.is_cuda and sh.R >= 64 else "kernels"
-
-
-def _backward_form(sh: "_Shape", q: Tensor) -> str:
-    return _form(sh, q, BACKWARD_FORM)
 
 
 def _chunk_rows(sh: "_Shape", per_query: int, extra_elems: int) -> int:
@@ -491,6 +489,12 @@ def _flat_kv(sh: "_Shape", k: Tensor, v: Tensor):
     return k.reshape(sh.B * sh.S, sh.G, sh.D), None if sh.shared_kv else v.reshape(sh.B * sh.S, sh.G, sh.DV)
 
 
+@triton.jit
+def _lse_of(b_m, b_l):
+    """Natural-log lse from a base-2 running max and sum; -inf for a row without keys."""
+    return tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
 @triton.jit(do_not_specialize=["K"])
 def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ONE_PASS: tl.constexpr,
                     PSUM: tl.constexpr):
@@ -515,8 +519,7 @@ def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ON
             b_p = b_e * tl.where(b_l > 0, 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
             tl.store(p + row * K + o_k, b_p.to(p.dtype.element_ty), mask=m_k)
             b_sum += b_p
-            tl.store(lse + row, tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453,
-                                         float("-inf")))
+            tl.store(lse + row, _lse_of(b_m, b_l))
         if PSUM:
             tl.store(psum + i_q * K + o_k, b_sum, mask=m_k)
     else:
@@ -533,8 +536,7 @@ def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ON
                 b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
                 b_l = b_l * tl.exp2(b_m - b_m_use) + tl.sum(tl.exp2(b_s - b_m_use), 0)
                 b_m = b_m_new
-            tl.store(lse + row, tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453,
-                                         float("-inf")))
+            tl.store(lse + row, _lse_of(b_m, b_l))
         for k0 in range(0, K, BK):  # p = exp2(scale_log2 s - lse2), block by block over the heads
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
@@ -569,7 +571,7 @@ def _fwd_products(sh: "_Shape", q, k, v, indices, scale: float, with_target: boo
     Tc = _chunk_rows(sh, B * (K * G * kv_cols * es + H * K * (4 + es)), B * H * K)
     kf, vf = _flat_kv(sh, k, v)
     one_pass = K <= SOFTMAX_ONE_PASS_MAX
-    bk = 16 if _INTERPRET and not one_pass else min(max(SOFTMAX_ONE_PASS_MAX, 16) if one_pass else 2048, _next_pow2(K))
+    bk = _next_pow2(K) if one_pass else (16 if _INTERPRET else 2048)
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         N = B * n * G
@@ -578,7 +580,7 @@ def _fwd_products(sh: "_Shape", q, k, v, indices, scale: float, with_target: boo
         p = _alloc((N, R, K), dt, dev)
         lse_c = lse[:, t0:t0 + n] if B == 1 else _alloc((B, n, H), torch.float32, dev)
         t_c = target[:, t0:t0 + n] if with_target and B == 1 else (
-            _alloc((B, n, K), torch.float32, dev) if with_target else lse_c)
+            _alloc((B, n, K), torch.float32, dev) if with_target else lse_c)  # (unread without PSUM)
         _softmax_kernel[(B * n,)](s, idx_c.reshape(B * n, K).contiguous(), p, lse_c, t_c, K, H, scale * LOG2E,
                                   BK=bk, ONE_PASS=one_pass, PSUM=with_target, num_warps=8 if bk >= 1024 else 4)
         del s
@@ -629,7 +631,7 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = Fa
         delta = delta - torch.where(finite, dlse.float(), 0.0)
     lse2 = torch.where(finite, lse * LOG2E, 0.0).contiguous()
     delta = delta.contiguous()
-    if _backward_form(sh, q) == "products":
+    if _form(sh, q, BACKWARD_FORM) == "products":
         return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv)
     return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale)
 
@@ -714,13 +716,6 @@ def _bmm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.bmm(a, b, out=out.view(a.shape[0], a.shape[1], b.shape[2]))
     else:
         out.copy_(torch.bmm(a, b).view(out.shape))
-
-
-def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with an fp32 result: 16-bit CUDA operands on tensor cores, fp32 accumulation."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
 
 
 def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, combine_kv: bool):
@@ -825,12 +820,7 @@ class SparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, indices, scale, combine_kv=False, with_target=False):
-        sh = _Shape(q, k, v, indices)
-        target = None
-        if with_target and _form(sh, q, FORWARD_FORM) == "products":
-            o, lse, target = _fwd_products(sh, q, k, v, indices, scale, True)
-        else:
-            o, lse = _fwd(q, k, v, indices, scale)
+        o, lse, target = _fwd(q, k, v, indices, scale, with_target)
         ctx.save_for_backward(q, k, v, indices, o, lse)
         ctx.scale, ctx.combine_kv = scale, combine_kv
         if not with_target:
@@ -917,7 +907,7 @@ def _view_of(v: Tensor, k: Tensor) -> bool:
     """v is a differentiable view of k's own storage (absorbed MLA's kv[..., :DV]): a gradient
     for k's first DV columns reaches the same tensor as v's, so the backward may sum them."""
     base = k if k._base is None else k._base
-    return v._base is not None and v._base is base and v.grad_fn is not None and k.requires_grad
+    return v._base is not None and v._base is base and v.grad_fn is not None
 
 
 # --- the indexer KL loss's sparse-stage target from the attention's lse ----------------------
