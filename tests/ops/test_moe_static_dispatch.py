@@ -28,6 +28,7 @@ from megatron_moe_hybrid.ops.moe.gather import (
     gather_sum,
     row_dot,
     row_gather,
+    scatter_rows,
     weighted_combine,
 )
 
@@ -146,6 +147,45 @@ def test_gather_sum(M, R, K, h, backend, dtype, weighted):
     torch.testing.assert_close(out.double(), _gather_sum_oracle(src, idx, weights), **GATHER_TOL[dtype])
     empty_rows = (idx < 0).all(1)  # [M]
     assert torch.equal(out[empty_rows], torch.zeros_like(out[empty_rows]))
+
+
+def _inverse_map(S, K, M, seed, drop=0.3):
+    """dest [S, K] naming distinct output rows of M (about `drop` of the entries -1) and
+    unread [M]: for each output row the flat s * K + k that names it, -1 for none."""
+    g = _gen(seed)
+    dest = torch.randperm(M, generator=g)[: S * K].view(S, K).clone() if S * K else torch.zeros(S, K, dtype=torch.int64)
+    dest[torch.rand(S, K, generator=g) < drop] = -1
+    unread = torch.full((M,), -1, dtype=torch.int64)
+    ok = dest >= 0
+    unread[dest[ok]] = torch.arange(S * K).view(S, K)[ok]
+    return dest, unread
+
+
+# S source rows, K destinations each, M >= S * K output rows (the rest unread); S 300 spans
+# several programs' rows at h 17 (GATHER_ELEMS // 32 rows per program)
+SCATTER_CASES = [(S, K, M, h) for S, K, M in ((13, 1, 20), (11, 3, 40), (300, 2, 700)) for h in (17, 1030)]
+SCATTER_CASES += [(0, 2, 5, 17), (4, 2, 8, 1)]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["copy", "weighted"])
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES)
+@pytest.mark.parametrize("S,K,M,h", SCATTER_CASES, ids=[f"S{S}-K{K}-M{M}-h{h}" for S, K, M, h in SCATTER_CASES])
+def test_scatter_rows(S, K, M, h, backend, dtype, weighted):
+    """out[dest[s, k]] = w[s, k] src[s], unread rows 0: the gather of the transposed map."""
+    src = _randn(S, h, dtype=dtype, seed=11)  # [S, h]
+    dest, unread = _inverse_map(S, K, M, seed=12)  # [S, K], [M]
+    weights = _randn(S, K, dtype=torch.float32, seed=13) if weighted else None
+    dev = _dev(backend)
+    out = scatter_rows(src.to(dev), dest.to(dev), unread.to(dev), _to(weights, dev), backend=backend).cpu()
+    assert out.dtype == dtype and out.shape == (M, h)
+    # the same rows as a gather through unread: output row m reads src[unread[m] // K]
+    idx = torch.where(unread >= 0, unread // max(K, 1), -1)[:, None]  # [M, 1]
+    w_rows = None
+    if weights is not None:
+        padded = torch.cat([weights.reshape(-1), weights.new_zeros(1)])  # a 0 for unread rows
+        w_rows = padded[torch.where(unread >= 0, unread, S * K)][:, None]
+    torch.testing.assert_close(out.double(), _gather_sum_oracle(src, idx, w_rows), **GATHER_TOL[dtype])
+    assert torch.equal(out[unread < 0], torch.zeros_like(out[unread < 0]))
 
 
 ROW_DOT_CASES = [(M, R, K, h) for K in (1, 3, 8) for h in (1, 17, 64, 1030) for M, R in ((9, 7),)]
@@ -336,6 +376,52 @@ EXPAND_EDGES = {  # L = 4
 def test_expand_layout_edge_cases(recv, R):
     recv_expert = EXPAND_EDGES[recv]()  # [M, K]
     _assert_layout(layout.expand_layout(recv_expert, 4, R), _expand_oracle(recv_expert, 4, R))
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", ROW_MODES.keys())
+@pytest.mark.parametrize("M,K,L", [(0, 2, 3), (1, 1, 1), (7, 4, 2), (33, 2, 4)], ids=lambda v: str(v))
+def test_expand_layout_triton(M, K, L, rows):
+    """The counting sort (three Triton kernels) gives the oracle's layout, element for element."""
+    recv_expert = _random_recv_expert(M, K, L, seed=M * 100 + K * 10 + L).to(TRITON_DEVICE)  # [M, K]
+    R = ROW_MODES[rows](int((recv_expert >= 0).sum()))
+    got = layout.expand_layout(recv_expert, L, R, backend="triton")
+    _assert_layout(got, {k: v.to(TRITON_DEVICE) for k, v in _expand_oracle(recv_expert.cpu(), L, R).items()})
+
+
+@needs_triton
+@pytest.mark.parametrize("R", [1, 3, 1000], ids=["R1", "R3", "R1000"])
+@pytest.mark.parametrize("recv", EXPAND_EDGES.keys())
+def test_expand_layout_triton_edge_cases(recv, R):
+    recv_expert = EXPAND_EDGES[recv]().to(TRITON_DEVICE)  # [M, K]
+    got = layout.expand_layout(recv_expert, 4, R, backend="triton")
+    _assert_layout(got, {k: v.to(TRITON_DEVICE) for k, v in _expand_oracle(recv_expert.cpu(), 4, R).items()})
+
+
+# entries over many count blocks (more than one base scan step: BASE_SCAN is lowered); many
+# experts; one expert holding most entries (long runs crossing every block boundary)
+BIG_EXPANDS = {
+    "blocks": (700, 4, 5, None),
+    "many-experts": (300, 3, 70, None),
+    "one-hot-expert": (600, 4, 6, [2]),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("R_of", ["all", "cut"])
+@pytest.mark.parametrize("case", BIG_EXPANDS.keys())
+def test_expand_layout_triton_many_blocks(case, R_of, monkeypatch):
+    monkeypatch.setattr(layout, "BASE_SCAN", 4)
+    M, K, L, experts = BIG_EXPANDS[case]
+    recv_expert = _random_recv_expert(M, K, L, seed=len(case), experts=experts, drop=0.1)  # [M, K]
+    if experts is not None:  # most entries on one expert, the rest anywhere
+        spread = _random_recv_expert(M, K, L, seed=7, drop=0.6)
+        recv_expert = torch.where(spread >= 0, spread, recv_expert)
+    assert recv_expert.numel() > 4 * layout.COUNT_BLOCK
+    n = int((recv_expert >= 0).sum())
+    R = n if R_of == "all" else n // 3
+    got = layout.expand_layout(recv_expert.to(TRITON_DEVICE), L, R, backend="triton")
+    _assert_layout(got, {k: v.to(TRITON_DEVICE) for k, v in _expand_oracle(recv_expert, L, R).items()})
 
 
 def _token_capacity_oracle(T, K, ep, factor):

@@ -281,9 +281,12 @@ class StaticAllToAllDispatcher:
             ep_size=self.ep_size,
         )
         st.send = layout.token_send_layout(topk_idx, self.num_experts, self.ep_size, st.capacity)
-        if probs is not None:  # [ep * C, K], 0 where no entry
+        identity = self.ep_size == 1 and st.capacity == num_tokens  # row t is token t: no copy
+        if probs is not None and identity:  # [T, K], 0 where dropped
+            st.send_probs = torch.where(topk_idx >= 0, probs, 0.0)
+        elif probs is not None:  # [ep * C, K], 0 where no entry
             st.send_probs = gather_entries(probs, st.send.send_copy, st.send.copy_entry)
-        if self.ep_size == 1 and st.capacity == num_tokens:  # the identity layout: no copy
+        if identity:
             return x
         return row_gather(x, st.send.send_token[:, None], st.send.pair_slot, self.backend)
 
@@ -321,7 +324,7 @@ class StaticAllToAllDispatcher:
         tokens_per_local_expert [E_local] int64 on the device)."""
         st = self.state
         recv = self._wait(recv)
-        st.expand = layout.expand_layout(st.recv_expert, self.num_local_experts, st.num_rows)
+        st.expand = layout.expand_layout(st.recv_expert, self.num_local_experts, st.num_rows, self.backend)
         x_sorted = row_gather(recv, st.expand.sorted_row[:, None], st.expand.copy_pos, self.backend)
         return x_sorted, st.expand.tokens_per_expert
 

@@ -40,9 +40,11 @@ class _SplitPrecisionLogits(torch.autograd.Function):
         parts = [w.to(x.dtype)]  # [E, h] half
         if w.dtype != x.dtype:
             parts.append((w - parts[0].to(w.dtype)).to(x.dtype))
-        logits = torch.mm(x, parts[0].t(), out_dtype=f32)
-        for part in parts[1:]:
-            logits += torch.mm(x, part.t(), out_dtype=f32)
+        num_experts = w.shape[0]
+        # one GEMM over the stacked parts [P * E, h]; the P fp32 column blocks summed
+        logits = torch.mm(x, torch.cat(parts).t(), out_dtype=f32)  # [T, P * E]
+        if len(parts) > 1:
+            logits = logits[:, :num_experts] + logits[:, num_experts:]
         ctx.save_for_backward(x, *parts)
         ctx.w_dtype = w.dtype
         return logits
@@ -51,16 +53,19 @@ class _SplitPrecisionLogits(torch.autograd.Function):
     def backward(ctx, g):
         x, *parts = ctx.saved_tensors
         f32 = torch.float32
+        num_experts = g.shape[1]
         g_hi = g.to(x.dtype)
         g_lo = (g - g_hi.to(g.dtype)).to(x.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(g_hi, parts[0], out_dtype=f32) + torch.mm(g_lo, parts[0], out_dtype=f32)
-            for part in parts[1:]:
-                dx += torch.mm(g_hi, part, out_dtype=f32)
-            dx = dx.to(x.dtype)
+            # g_hi w_hi + g_lo w_hi (+ g_hi w_lo) as one GEMM along the stacked inner dim, fp32
+            # accumulation rounded once to x's dtype: no [T, h] fp32 partial products in memory
+            lhs = torch.cat([g_hi, g_lo, g_hi][: len(parts) + 1], dim=1)  # [T, (P + 1) E]
+            rhs = torch.cat([parts[0], parts[0], *parts[1:]])  # [(P + 1) E, h]
+            dx = torch.mm(lhs, rhs)
         if ctx.needs_input_grad[1]:
-            dw = (torch.mm(g_hi.t(), x, out_dtype=f32) + torch.mm(g_lo.t(), x, out_dtype=f32)).to(ctx.w_dtype)
+            both = torch.mm(torch.cat([g_hi, g_lo], dim=1).t(), x, out_dtype=f32)  # [2E, h]
+            dw = (both[:num_experts] + both[num_experts:]).to(ctx.w_dtype)
         return dx, dw
 
 

@@ -69,37 +69,98 @@ def row_dot_reference(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> 
     return torch.where(idx >= 0, (rows * a.to(acc)[:, None, :]).sum(-1), 0.0)
 
 
+def scatter_rows_reference(src: torch.Tensor, dest: torch.Tensor, unread: torch.Tensor,
+                           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """src [S, h], dest [S, K] (-1 none), unread [M] -> [M, h]: out[dest[s, k]] = weights[s, k]
+    * src[s] (1 without weights); rows with unread < 0 are 0. Every other row must be named by
+    exactly one dest entry (an inverse map), so nothing is summed and nothing races."""
+    _check(src, dest, weights)
+    if unread.dim() != 1 or unread.device != src.device:
+        raise ValueError(f"unread must be a 1-D tensor on {src.device}, got {tuple(unread.shape)} on {unread.device}")
+    acc = _acc(src.dtype)
+    out = torch.zeros(unread.shape[0], src.shape[1], dtype=acc, device=src.device)  # [M, h]
+    ok = dest >= 0  # [S, K]
+    rows = src.to(acc)[:, None, :].expand(-1, dest.shape[1], -1)  # [S, K, h]
+    if weights is not None:
+        rows = weights.to(acc)[:, :, None] * rows
+    out[dest[ok]] = rows[ok]
+    return out.to(src.dtype)
+
+
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(src, idx, weights, out, h, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
+    def _gather_sum_kernel(src, idx, weights, out, M, h, K: tl.constexpr, HAS_W: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """ROWS output rows x BLOCK columns per program."""
+        m = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < h
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        m_ok = m < M
+        c_ok = cols < h
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for k in tl.static_range(K):
-            row = tl.load(idx + m * K + k)  # int64: row * h cannot overflow
-            w = (row >= 0).to(tl.float32)
+            row = tl.load(idx + m * K + k, mask=m_ok, other=-1)  # [ROWS] int64: row * h cannot overflow
+            ok = row >= 0
+            w = ok.to(tl.float32)
             if HAS_W:
-                w = w * tl.load(weights + m * K + k).to(tl.float32)
-            # (cols * 0 + row): a full block, so the mask stays boolean in Triton's interpreter too
-            vals = tl.load(src + tl.maximum(row, 0) * h + cols, mask=mask & ((cols * 0 + row) >= 0), other=0.0)
-            acc += w * vals.to(tl.float32)
-        tl.store(out + m * h + cols, acc.to(out.dtype.element_ty), mask=mask)
+                w = w * tl.load(weights + m * K + k, mask=m_ok, other=0.0).to(tl.float32)
+            vals = tl.load(src + tl.maximum(row, 0)[:, None] * h + cols[None, :],
+                           mask=ok[:, None] & c_ok[None, :], other=0.0)
+            # where: a skipped entry adds 0 even under a NaN weight, as in the reference
+            acc += tl.where(ok[:, None], w[:, None] * vals.to(tl.float32), 0.0)
+        tl.store(out + m[:, None] * h + cols[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _row_dot_kernel(a, src, idx, out, h, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _scatter_rows_kernel(src, dest, weights, unread, out, S, M, h, K: tl.constexpr, HAS_W: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr, SRC_PROGS):
+        """Programs below SRC_PROGS: ROWS source rows x BLOCK columns, each row read once and
+        written to its K destinations; the others: ROWS output rows, zeroed where unread < 0."""
+        p = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        c_ok = cols < h
+        if p < SRC_PROGS:
+            s = p * ROWS + tl.arange(0, ROWS)  # [ROWS]
+            s_ok = s < S
+            vals = tl.load(src + s[:, None] * h + cols[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+            for k in tl.static_range(K):
+                d = tl.load(dest + s * K + k, mask=s_ok, other=-1)  # [ROWS] int64
+                v = vals
+                if HAS_W:
+                    v = (tl.load(weights + s * K + k, mask=s_ok, other=0.0).to(tl.float32)[:, None]
+                         * vals.to(tl.float32))
+                tl.store(out + tl.maximum(d, 0)[:, None] * h + cols[None, :], v.to(out.dtype.element_ty),
+                         mask=(d >= 0)[:, None] & c_ok[None, :])
+        else:
+            m = (p - SRC_PROGS) * ROWS + tl.arange(0, ROWS)
+            zero = tl.load(unread + m, mask=m < M, other=0) < 0
+            tl.store(out + m[:, None] * h + cols[None, :], tl.zeros((ROWS, BLOCK), dtype=out.dtype.element_ty),
+                     mask=zero[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _row_dot_kernel(a, src, idx, out, h, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+        """Row m: its K source rows against a[m], a read once per column block."""
         m = tl.program_id(0).to(tl.int64)
-        for k in tl.static_range(K):
-            row = tl.load(idx + m * K + k)
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
-            for start in range(0, h, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = (cols < h) & ((cols * 0 + row) >= 0)
-                x = tl.load(a + m * h + cols, mask=mask, other=0.0).to(tl.float32)
-                y = tl.load(src + tl.maximum(row, 0) * h + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += x * y
-            tl.store(out + m * K + k, tl.sum(acc, 0))
+        kk = tl.arange(0, KP)
+        row = tl.load(idx + m * K + kk, mask=kk < K, other=-1)  # [KP]
+        ok = row >= 0
+        acc = tl.zeros((KP,), dtype=tl.float32)
+        for start in range(0, h, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            c_ok = cols < h
+            x = tl.load(a + m * h + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BLOCK]
+            y = tl.load(src + tl.maximum(row, 0)[:, None] * h + cols[None, :],
+                        mask=ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # [KP, BLOCK]
+            acc += tl.sum(y * x[None, :], axis=1)
+        tl.store(out + m * K + kk, tl.where(ok, acc, 0.0), mask=kk < K)
+
+
+# the tiles (elements per program, of GATHER_BLOCK_MAX columns at most), from
+# benchmarks/device/probe_dispatch.py on the H200 at h 2048 and 7168: a gather of K rows per
+# output row is fastest one output row per program, the scatter with 4 source rows
+GATHER_BLOCK_MAX = 1024
+GATHER_ELEMS = 1024
+SCATTER_ELEMS = 4096
+GATHER_WARPS = 4
 
 
 def _triton_ok(src: torch.Tensor, backend: str) -> bool:
@@ -123,10 +184,37 @@ def gather_sum(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | Non
     weights = None if weights is None else weights.contiguous()
     out = src.new_empty(idx.shape[0], src.shape[1])
     if out.numel():
-        block = min(1024, triton.next_power_of_2(max(src.shape[1], 16)))
-        grid = (idx.shape[0], triton.cdiv(src.shape[1], block))
-        _gather_sum_kernel[grid](src, idx, idx if weights is None else weights, out, src.shape[1],
-                                 K=idx.shape[1], HAS_W=weights is not None, BLOCK=block)
+        block = min(GATHER_BLOCK_MAX, triton.next_power_of_2(max(src.shape[1], 16)))
+        rows = max(1, GATHER_ELEMS // block)
+        grid = (triton.cdiv(idx.shape[0], rows), triton.cdiv(src.shape[1], block))
+        _gather_sum_kernel[grid](src, idx, idx if weights is None else weights, out, idx.shape[0], src.shape[1],
+                                 K=idx.shape[1], HAS_W=weights is not None, ROWS=rows, BLOCK=block,
+                                 num_warps=GATHER_WARPS)
+    return out
+
+
+def scatter_rows(src: torch.Tensor, dest: torch.Tensor, unread: torch.Tensor, weights: torch.Tensor | None = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """out[dest[s, k]] = weights[s, k] * src[s], rows with unread < 0 zero (see
+    scatter_rows_reference); no autograd. The transpose of gather_sum with K = 1: the same
+    output, reading each source row once (a K-fold gather of one row re-reads it from HBM
+    once the source outgrows the L2)."""
+    if not _triton_ok(src, backend):
+        return scatter_rows_reference(src, dest, unread, weights)
+    _check(src, dest, weights)
+    if unread.dim() != 1 or unread.device != src.device:
+        raise ValueError(f"unread must be a 1-D tensor on {src.device}, got {tuple(unread.shape)} on {unread.device}")
+    src, dest, unread = src.contiguous(), dest.contiguous(), unread.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    out = src.new_empty(unread.shape[0], src.shape[1])
+    if out.numel():
+        block = min(GATHER_BLOCK_MAX, triton.next_power_of_2(max(src.shape[1], 16)))
+        rows = max(1, SCATTER_ELEMS // block)
+        src_progs = triton.cdiv(src.shape[0], rows)
+        grid = (src_progs + triton.cdiv(out.shape[0], rows), triton.cdiv(src.shape[1], block))
+        _scatter_rows_kernel[grid](src, dest, dest if weights is None else weights, unread, out, src.shape[0],
+                                   out.shape[0], src.shape[1], K=dest.shape[1], HAS_W=weights is not None,
+                                   ROWS=rows, BLOCK=block, SRC_PROGS=src_progs, num_warps=GATHER_WARPS)
     return out
 
 
@@ -138,9 +226,10 @@ def row_dot(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, backend: str 
     _check_a(a, src, idx)
     out = torch.empty(idx.shape, dtype=torch.float32, device=src.device)
     if out.numel():
-        block = min(1024, triton.next_power_of_2(max(src.shape[1], 16)))
+        kp = triton.next_power_of_2(idx.shape[1])
+        block = max(16, min(triton.next_power_of_2(max(src.shape[1], 16)), GATHER_ELEMS // kp))
         _row_dot_kernel[(idx.shape[0],)](a.contiguous(), src.contiguous(), idx.contiguous(), out, src.shape[1],
-                                         K=idx.shape[1], BLOCK=block)
+                                         K=idx.shape[1], KP=kp, BLOCK=block)
     return out
 
 
@@ -149,12 +238,16 @@ class _RowGather(torch.autograd.Function):
 
     inv [R, K'] lists, for each row of x, the output rows that read it (-1 padded), so the
     backward is a gather too: exact when idx reads each (x row, output row) pair at most once.
+    With one source per output row (idx [M, 1]) the Triton forward is scatter_rows through inv:
+    the same rows, each x row read once.
     """
 
     @staticmethod
     def forward(ctx, x, idx, inv, backend):
         ctx.save_for_backward(inv)
         ctx.backend = backend
+        if idx.shape[1] == 1 and _triton_ok(x, backend):  # one source per output: read each once
+            return scatter_rows(x, inv, idx[:, 0], None, backend)
         return gather_sum(x, idx, None, backend)
 
     @staticmethod
@@ -178,10 +271,13 @@ class _WeightedCombine(torch.autograd.Function):
         y, idx, w, inv = ctx.saved_tensors
         topk = idx.shape[1]
         # row j of y came from copy inv[j] = t * K + k: grad_y[j] = w[t, k] * grad_out[t]
-        w_pad = torch.cat([w.reshape(-1), w.new_zeros(1)])  # a zero weight for rows read by none
-        w_row = w_pad[torch.where(inv >= 0, inv, w.numel())]  # [R]
-        token = torch.where(inv >= 0, inv // topk, -1)  # [R]
-        grad_y = gather_sum(grad_out, token[:, None], w_row[:, None].to(_acc(y.dtype)), ctx.backend)
+        if _triton_ok(grad_out, ctx.backend):  # written from each grad_out row once
+            grad_y = scatter_rows(grad_out, idx, inv, w.to(_acc(y.dtype)), ctx.backend)
+        else:
+            w_pad = torch.cat([w.reshape(-1), w.new_zeros(1)])  # a zero weight for rows read by none
+            w_row = w_pad[torch.where(inv >= 0, inv, w.numel())]  # [R]
+            token = torch.where(inv >= 0, inv // topk, -1)  # [R]
+            grad_y = gather_sum(grad_out, token[:, None], w_row[:, None].to(_acc(y.dtype)), ctx.backend)
         grad_w = None
         if ctx.needs_input_grad[2]:
             grad_w = row_dot(grad_out, y, idx, ctx.backend).to(w.dtype)

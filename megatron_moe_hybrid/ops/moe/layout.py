@@ -22,6 +22,12 @@ from fractions import Fraction
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional on CPU
+    triton = None
+
 
 @dataclass
 class TokenSendLayout:
@@ -86,17 +92,15 @@ def token_send_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int, ca
     valid = topk_idx >= 0  # [T, K]
     if ep_size == 1 and capacity >= num_tokens:  # every token keeps its own row: an identity layout
         token = torch.arange(num_tokens, device=dev)
-        flat = torch.arange(num_tokens * topk, device=dev).view(num_tokens, topk)
-        padding = torch.full((capacity - num_tokens,), -1, dtype=torch.int64, device=dev)
-        pad_rows = torch.full((capacity - num_tokens, topk), -1, dtype=torch.int64, device=dev)
-        return TokenSendLayout(
-            token[:, None],
-            torch.cat([token, padding]),
-            torch.cat([topk_idx, pad_rows]),
-            torch.cat([torch.where(valid, flat, -1), pad_rows]),
-            torch.where(valid, flat, -1),
-            torch.zeros((), dtype=torch.int64, device=dev),
-        )
+        copy = torch.where(valid, torch.arange(num_tokens * topk, device=dev).view(num_tokens, topk), -1)  # [T, K]
+        send_token, send_expert, send_copy = token, topk_idx, copy
+        if capacity > num_tokens:  # padding rows after the tokens (the dispatcher's EP=1 has none)
+            pad_rows = torch.full((capacity - num_tokens, topk), -1, dtype=torch.int64, device=dev)
+            send_token = torch.cat([token, pad_rows[:, 0]])
+            send_expert, send_copy = torch.cat([topk_idx, pad_rows]), torch.cat([copy, pad_rows])
+        # no copies of the [T, K] maps where there is no padding: nothing writes into a layout
+        return TokenSendLayout(token[:, None], send_token, send_expert, send_copy, copy,
+                               torch.zeros((), dtype=torch.int64, device=dev))
     dest = torch.where(valid, topk_idx // num_local, ep_size)  # [T, K]; ep_size = no destination
     present = torch.zeros(num_tokens, ep_size + 1, dtype=torch.bool, device=dev)
     present.scatter_(1, dest, True)
@@ -124,12 +128,20 @@ def token_send_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int, ca
     return TokenSendLayout(pair_slot, send_token[:dump], send_expert[:dump], send_copy[:dump], copy_entry, overflow)
 
 
-def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> ExpandLayout:
+def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int, backend: str = "auto") -> ExpandLayout:
     """recv_expert [M, K] (local expert of each received row's entries, -1 = none) -> the
     expansion of received rows into num_rows rows grouped by local expert (entries in
-    (row, k) order within an expert; a tail of padding; entries past num_rows overflow)."""
+    (row, k) order within an expert; a tail of padding; entries past num_rows overflow).
+
+    backend "torch": a stable sort and index ops (~20 launches); "triton": a counting sort in
+    three kernels (_expert_count_kernel, _expert_base_kernel, _expert_place_kernel) and two
+    fills; "auto": Triton on CUDA. Both give the same layout, element for element."""
     if recv_expert.dim() != 2:
         raise ValueError(f"recv_expert must be [M, K], got {tuple(recv_expert.shape)}")
+    if num_local < 1 or num_rows < 1:
+        raise ValueError(f"expand_layout needs num_local >= 1 and num_rows >= 1, got {num_local}, {num_rows}")
+    if _use_triton(recv_expert, backend):
+        return _expand_layout_triton(recv_expert, num_local, num_rows)
     dev = recv_expert.device
     num_recv, topk = recv_expert.shape
     flat = recv_expert.reshape(-1)  # [M*K]
@@ -152,3 +164,96 @@ def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> E
     return ExpandLayout(
         sorted_row, sorted_copy, copy_pos[:-1].view(num_recv, topk), kept, (counts - kept).sum()
     )
+
+
+def _use_triton(t: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" and triton is None:
+        raise ValueError("backend='triton' needs Triton (pip install triton)")
+    return backend == "triton" or (backend == "auto" and triton is not None and t.is_cuda)
+
+
+# The counting sort: entries i = j * K + k in blocks of COUNT_BLOCK; per block and expert a
+# count (integer atomics: the counts do not depend on their order); each (block, expert)
+# starts at the expert's start plus the counts of earlier blocks (expert-major [E_local,
+# blocks], so that scan runs along contiguous memory); within a block an entry
+# comes after the earlier entries of its expert (a [COUNT_BLOCK, COUNT_BLOCK] comparison).
+COUNT_BLOCK = 128  # entries per block (one program of the count and the place kernels)
+BASE_SCAN = 1024  # blocks scanned at once by the base kernel (one program per expert)
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_count_kernel(keys, counts, totals, n, nblk, L, BLOCK: tl.constexpr, LB: tl.constexpr):
+        """counts[e, b] += entries of block b with key e (zeroed before; keys outside [0, L)
+        count nowhere); then totals[e] += counts[e, b]."""
+        b = tl.program_id(0).to(tl.int64)
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(keys + i, mask=i < n, other=-1).to(tl.int32)
+        valid = (i < n) & (key >= 0) & (key < L)
+        tl.atomic_add(counts + tl.where(valid, key, 0) * nblk + b, tl.full((BLOCK,), 1, tl.int32), mask=valid)
+        tl.debug_barrier()  # the block's counts complete before they are read back
+        e = tl.arange(0, LB)
+        c = tl.load(counts + e * nblk + b, mask=e < L, other=0, volatile=True)
+        tl.atomic_add(totals + e, c, mask=(e < L) & (c > 0))
+
+    @triton.jit
+    def _expert_base_kernel(counts, totals, base, kept, overflow, nblk, L, R, LB: tl.constexpr, BB: tl.constexpr):
+        """Expert e = program: base[e, b] = start of e (the totals of the experts before it) +
+        its entries in blocks before b (a scan along the contiguous block axis); kept[e] = its
+        entries within the first R rows; program 0 writes overflow = the entries past them."""
+        e = tl.program_id(0)
+        all_e = tl.arange(0, LB)
+        total = tl.load(totals + all_e, mask=all_e < L, other=0).to(tl.int64)  # [LB]
+        run = tl.sum(tl.where(all_e < e, total, 0), axis=0)
+        mine = tl.sum(tl.where(all_e == e, total, 0), axis=0)
+        tl.store(kept + e, tl.minimum(mine, tl.maximum(R - run, 0)))
+        if e == 0:
+            start_all = tl.cumsum(total, axis=0) - total
+            tl.store(overflow, tl.sum(total - tl.minimum(total, tl.maximum(R - start_all, 0)), axis=0))
+        row = e.to(tl.int64) * nblk
+        for b0 in range(0, nblk, BB):
+            blk = b0 + tl.arange(0, BB)
+            c = tl.load(counts + row + blk, mask=blk < nblk, other=0)  # [BB] int32
+            tl.store(base + row + blk, run + (tl.cumsum(c, axis=0) - c).to(tl.int64), mask=blk < nblk)
+            run += tl.sum(c, axis=0).to(tl.int64)
+
+    @triton.jit
+    def _expert_place_kernel(keys, base, sorted_copy, sorted_row, copy_pos, n, nblk, L, R, K, BLOCK: tl.constexpr):
+        """Entries of block b: row = base[b, key] + the earlier entries of the key in the block."""
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        i = b * BLOCK + r
+        inb = i < n
+        key = tl.load(keys + i, mask=inb, other=-1).to(tl.int32)
+        valid = inb & (key >= 0) & (key < L)
+        earlier = tl.sum(((key[:, None] == key[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
+        pos = tl.load(base + tl.where(valid, key, 0).to(tl.int64) * nblk + b, mask=valid, other=0) + earlier
+        keep = valid & (pos < R)
+        tl.store(sorted_copy + pos, i, mask=keep)
+        tl.store(sorted_row + pos, i // K, mask=keep)
+        tl.store(copy_pos + i, tl.where(keep, pos, -1), mask=inb)
+
+
+def _expand_layout_triton(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> ExpandLayout:
+    dev = recv_expert.device
+    num_recv, topk = recv_expert.shape
+    keys = recv_expert.contiguous().view(-1)  # [n] int64
+    n = keys.numel()
+    nblk = max(1, triton.cdiv(n, COUNT_BLOCK))
+    zeroed = torch.zeros((nblk + 1) * num_local, dtype=torch.int32, device=dev)  # one memset
+    counts, totals = zeroed[: nblk * num_local], zeroed[nblk * num_local :]  # [E_local * blocks], [E_local]
+    base = torch.empty(num_local, nblk, dtype=torch.int64, device=dev)
+    kept = torch.empty(num_local, dtype=torch.int64, device=dev)
+    overflow = torch.empty((), dtype=torch.int64, device=dev)
+    rows = torch.full((2, num_rows), -1, dtype=torch.int64, device=dev)  # sorted_copy, sorted_row
+    copy_pos = torch.empty(num_recv, topk, dtype=torch.int64, device=dev)
+    lb = triton.next_power_of_2(num_local)
+    _expert_count_kernel[(nblk,)](keys, counts, totals, n, nblk, num_local, BLOCK=COUNT_BLOCK, LB=lb)
+    _expert_base_kernel[(num_local,)](counts, totals, base, kept, overflow, nblk, num_local, num_rows,
+                                      LB=lb, BB=min(triton.next_power_of_2(nblk), BASE_SCAN))
+    if n:
+        _expert_place_kernel[(nblk,)](keys, base, rows[0], rows[1], copy_pos, n, nblk, num_local, num_rows, topk,
+                                      BLOCK=COUNT_BLOCK)
+    return ExpandLayout(rows[1], rows[0], copy_pos, kept, overflow)
