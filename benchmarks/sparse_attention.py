@@ -208,7 +208,7 @@ def bench_shape(key, args, start, rows, out_rows_path):
         log(f"ours {mode} {ms:.3f} ms (reps {reps}, first call {first:.0f} ms) peak {peak / 2**30:.2f} GiB")
     extra["config"] = {n: ts._chosen.get(k) for n, k in _chosen_keys(ts._chosen).items()}
     sh = ts._Shape(leaves[0], *_kv(leaves, DV), indices)
-    extra["forms"] = {"fwd": ts._form(sh, leaves[0], ts.FORWARD_FORM), "bwd": ts._form(sh, leaves[0], ts.BACKWARD_FORM)}
+    extra["forms"] = {"fwd": ts._form(sh, leaves[0], ts.FORWARD_FORM), "bwd": ts._form(sh, leaves[0], ts.BACKWARD_FORM, "backward")}
     if args.forms:
         extra["backward_forms"] = _forms(ours, leaves, do, log)
 

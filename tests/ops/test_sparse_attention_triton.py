@@ -37,9 +37,12 @@ def poison_buffers(monkeypatch):
 
 
 def use_form(monkeypatch, form):
-    """Both passes in one form: the Triton kernels, or the batched products over gathered rows."""
-    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", form)
-    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", form)
+    """Both passes in one form: the Triton kernels, or the batched products over gathered rows;
+    "kernels+products": the kernels forward and the products backward (auto at 32 to 63 heads
+    per kv group on CUDA)."""
+    fwd, _, bwd = form.partition("+")
+    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", fwd)
+    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", bwd or fwd)
 
 
 def causal_indices(B, T, S, K, gen, device="cpu"):
@@ -103,11 +106,12 @@ CPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @interpreter
-@pytest.mark.parametrize("form", ["kernels", "products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products"])
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_triton_matches_reference_cpu(case, form, monkeypatch):
     """Both forms: the Triton kernels, and the batched products over gathered rows (for
-    absorbed MLA with dk and dv in one product)."""
+    absorbed MLA with dk and dv in one product); and the kernels forward with the products
+    backward."""
     use_form(monkeypatch, form)
     B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
     x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=len(case))
@@ -250,16 +254,19 @@ def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
 
 
 def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
-    """auto: the batched products for 64 or more heads per kv group on CUDA (absorbed MLA's
-    128), the kernels otherwise (GQA's 16, and every CPU tensor); a set form wins."""
+    """auto: the batched products on CUDA for 64 or more heads per kv group in the forward
+    (absorbed MLA's 128) and 32 or more in the backward (MLA's 32 per rank under TP 4), the
+    kernels otherwise (GQA's 16, and every CPU tensor); a set form wins."""
     cuda, cpu = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
-    for R, want in ((128, "products"), (64, "products"), (32, "kernels"), (16, "kernels")):
+    for R, fwd, bwd in ((128, "products", "products"), (64, "products", "products"),
+                        (32, "kernels", "products"), (16, "kernels", "kernels")):
         sh = types.SimpleNamespace(R=R)
-        assert triton_sparse._form(sh, cuda, "auto") == want
-        assert triton_sparse._form(sh, cpu, "auto") == "kernels"
+        assert triton_sparse._form(sh, cuda, "auto") == fwd
+        assert triton_sparse._form(sh, cuda, "auto", "backward") == bwd
+        assert triton_sparse._form(sh, cpu, "auto", "backward") == "kernels"
         assert triton_sparse._form(sh, cpu, "products") == "products"
     monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", "kernels")
-    assert triton_sparse._form(types.SimpleNamespace(R=128), cuda, triton_sparse.BACKWARD_FORM) == "kernels"
+    assert triton_sparse._form(types.SimpleNamespace(R=128), cuda, triton_sparse.BACKWARD_FORM, "backward") == "kernels"
 
 
 # --- GPU (bf16, the issue's shapes) ---------------------------------------------------------

@@ -26,8 +26,9 @@ So dk and dv are bitwise repeatable. The cost: s and dp are computed twice in th
 (dq and dk/dv kernels), 2 R K (4 D + 3 DV) FLOPs per query instead of 2 R K (3 D + 2 DV), and
 C is written and read once (2 K G F elements per query).
 
-The products form (FORWARD_FORM / BACKWARD_FORM; "auto" takes it on the GPU for 64 or more
-heads per kv group, absorbed MLA's 128 on one latent, where it measured 2.2x the kernels) runs
+The products form (FORWARD_FORM / BACKWARD_FORM; "auto" takes it on the GPU from
+PRODUCTS_MIN_HEADS heads per kv group: absorbed MLA's 128 on one latent, where it measured
+2.2x the kernels, and for the backward also MLA's 32 per rank under TP 4, 1.44x) runs
 each chunk of queries as batched cuBLAS products over the chunk's key rows gathered once
 (_gathered): forward s = q k^T (fp32), _softmax_kernel (p, lse and, on request, the sum over
 heads of p: the indexer KL loss's sparse target), o = p v; backward s and dp = do v^T again,
@@ -454,10 +455,17 @@ FORWARD_FORM = "auto"
 BACKWARD_FORM = "auto"
 
 
-def _form(sh: "_Shape", q: Tensor, which: str) -> str:
+# heads per kv group from which "auto" takes the products form, per pass (sparse_attention.json,
+# one H200, MLA 4096 queries over 8k keys: at 128 heads forward 13.7 vs 19.8 ms, backward 30.7
+# vs 78.8; at 32 heads (mla-h32) forward 11.1 vs 10.0 ms, backward 22.6 vs 32.6; GQA's 16
+# heads: the products 5x slower)
+PRODUCTS_MIN_HEADS = {"forward": 64, "backward": 32}
+
+
+def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward") -> str:
     if which != "auto":
         return which
-    return "products" if q.is_cuda and sh.R >= 64 else "kernels"
+    return "products" if q.is_cuda and sh.R >= PRODUCTS_MIN_HEADS[pass_] else "kernels"
 
 
 def _chunk_rows(sh: "_Shape", per_query: int, extra_elems: int) -> int:
@@ -631,7 +639,7 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = Fa
         delta = delta - torch.where(finite, dlse.float(), 0.0)
     lse2 = torch.where(finite, lse * LOG2E, 0.0).contiguous()
     delta = delta.contiguous()
-    if _form(sh, q, BACKWARD_FORM) == "products":
+    if _form(sh, q, BACKWARD_FORM, "backward") == "products":
         return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv)
     return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale)
 
