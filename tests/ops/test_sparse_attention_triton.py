@@ -279,7 +279,7 @@ GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["kernels", "products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_triton_bf16_matches_fp32_reference_gpu(case, form, monkeypatch):
     use_form(monkeypatch, form)
