@@ -18,6 +18,9 @@ Every implementation gets the same input, output gradient and expert weights (co
 its forward output is compared once with ours before timing (max_rel_err_vs_ours, recorded,
 never fatal). Per row: median ms of fwd+bwd (max over ranks), tokens/s per GPU, peak memory
 above the inputs, and host syncs over one fwd+bwd (torch.cuda.set_sync_debug_mode("warn")).
+"moe fwd+bwd static, CUDA graph" rows (1 GPU, --graphs) time ours and the grouped_mm layer each
+captured with torch.cuda.make_graphed_callables: what a sync-free layer gains once the host's
+launches are out of the way (both layers are free of host syncs at EP=1).
 "dispatch+combine" rows time ours' six dispatcher steps with identity experts, forward only,
 against raw NCCL all_to_all_single of the same bytes (2 GPUs) or a device copy (1 GPU).
 One implementation failing (out of memory, missing backend) records null and the error.
@@ -490,6 +493,33 @@ def build_megatron(spec, world, router_weight, w1, w2, x):
     return build
 
 
+class _Forward(torch.nn.Module):
+    """A forward closure as a module over the given parameters (what make_graphed_callables takes)."""
+
+    def __init__(self, forward, params):
+        super().__init__()
+        self.fn = forward
+        self.params = torch.nn.ParameterList(params)
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def graphed(build, x):
+    """build, with its forward+backward captured in CUDA graphs (torch.cuda.make_graphed_callables:
+    three warm-up calls, then one capture per direction; each call replays them). Needs a forward
+    with no host sync and static shapes; a failure is recorded like any other."""
+
+    def build_graphed():
+        forward, params, info, _ = build()
+        module = _Forward(forward, params)
+        sample = x.detach().clone().requires_grad_(True)
+        replay = torch.cuda.make_graphed_callables(module, (sample,))
+        return replay, params, {**info, "cuda_graph": True}, None
+
+    return build_graphed
+
+
 def build_torch(spec, ep_group, router_weight, w1, w2):
     def build():
         layer = GroupedMMMoE(router_weight, w1, w2, spec["topk"], ep_group)  # shares the weights: never stepped
@@ -566,6 +596,27 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
             ours[variant] = measure(build, x, grad_out, args.warmup, args.reps)
     build = build_torch(spec, ep_group, router_weight, w1, w2)
     anchors = {TORCH_ANCHOR: measure(build, x, grad_out, args.warmup, args.reps)}
+    graph_rows = []
+    if args.graphs and world == 1:  # both layers captured: the host's launches out of the way of both
+        mine = measure(graphed(build_ours(spec, "static", ep_group, router_weight, w1, w2, x, args.warmup, args.reps), x),
+                       x, grad_out, args.warmup, args.reps)
+        theirs = measure(graphed(build_torch(spec, ep_group, router_weight, w1, w2), x), x, grad_out,
+                         args.warmup, args.reps)
+        notes = [timing, "both captured with torch.cuda.make_graphed_callables (forward and backward graphs)",
+                 f"ours experts: {mine['info'].get('expert_backend')}"]
+        notes += [f"{who} {res['error']}" for who, res in (("ours", mine), ("anchor", theirs)) if res["error"]]
+        graph_rows.append({
+            "name": "moe fwd+bwd static, CUDA graph", **case,
+            "ours_ms": mine["ms"], "anchor": TORCH_ANCHOR + ", CUDA graph", "anchor_ms": theirs["ms"],
+            "speedup": mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3), "target_speedup": 1.5,
+            "ours_peak_mem_bytes": mine["peak"], "anchor_peak_mem_bytes": theirs["peak"],
+            "ours_tokens_per_s": mine["ms"] and round(num_tokens / mine["ms"] * 1e3),
+            "anchor_tokens_per_s": theirs["ms"] and round(num_tokens / theirs["ms"] * 1e3),
+            "ours_host_syncs_per_layer": mine["syncs"], "anchor_host_syncs_per_layer": theirs["syncs"],
+            "max_rel_err_vs_ours": rel_err(theirs["out"], mine["out"]),
+            "ours_max_rel_err_vs_eager": rel_err(mine["out"], ours["static"]["out"]) if "static" in ours else None,
+            "notes": "; ".join(notes),
+        })
     if not args.skip_megatron and megatron_error is None:
         build = build_megatron(spec, world, router_weight, w1, w2, x)
         anchors[MEGATRON_ANCHOR] = measure(build, x, grad_out, args.warmup, args.reps)
@@ -591,6 +642,7 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
                 "max_rel_err_vs_ours": rel_err(theirs["out"], mine["out"]),
                 "notes": "; ".join(notes),
             })
+    rows += graph_rows
     dispatch = {v: r["extra"] for v, r in ours.items() if r["extra"] is not None}
     if dispatch:
         rows += dispatch_rows(dispatch, case, topk_idx, num_local, h, args, world, timing)
@@ -675,6 +727,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/h200/moe.json")
     parser.add_argument("--skip-megatron", action="store_true")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time ours and the grouped_mm layer captured in CUDA graphs (1 GPU)")
     args = parser.parse_args()
     shapes = parse_list(args.shapes, list(SHAPES), "--shapes")
     routings = parse_list(args.routing, ROUTINGS, "--routing")

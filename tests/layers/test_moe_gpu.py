@@ -77,3 +77,40 @@ def test_forward_backward_never_syncs_with_the_host():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert int(layer.last_dispatch_overflow) == 0
+
+
+@pytest.mark.parametrize("shared", [0, 16], ids=["no-shared", "shared"])
+def test_static_layer_replays_in_a_cuda_graph(shared):
+    """No host sync and static shapes: the layer's forward and backward capture in CUDA graphs
+    (torch.cuda.make_graphed_callables), and each replay on new tokens gives what the eager
+    layer gives, output and every gradient, and counts the same tokens per expert."""
+    eager = _layer(torch.bfloat16, dispatcher="static", shared_expert_ffn_hidden_size=shared)
+    layer = _layer(torch.bfloat16, dispatcher="static", shared_expert_ffn_hidden_size=shared)
+    layer.load_state_dict(eager.state_dict())
+    params = [p for _, p in sorted(layer.named_parameters())]
+
+    class Whole(torch.nn.Module):  # the output only, as make_graphed_callables wants
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x)[0]
+
+    sample = torch.randn(64, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(Whole(), (sample,))
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        hidden = torch.randn(64, 2, 32, device="cuda", generator=gen)
+        g = torch.randn(64, 2, 32, device="cuda", generator=gen)
+        eager.reset_stats()
+        layer.reset_stats()
+        want = _run(eager, hidden, g, torch.bfloat16)
+        x = hidden.bfloat16().requires_grad_(True)
+        out = graphed(x)
+        got = [out] + list(torch.autograd.grad(out, [x] + params, g.bfloat16()))
+        for name, a, b in zip(["out", "hidden"] + [n for n, _ in sorted(layer.named_parameters())], got, want):
+            # the same kernels on the same inputs; a stale static input would be ~100% off
+            assert _rel(a, b) <= 1e-3, (seed, name, _rel(a, b))
+            print(seed, name, "bitwise" if torch.equal(a, b) else f"rel {_rel(a, b):.1e}")
+        assert torch.equal(layer.tokens_per_expert, eager.tokens_per_expert), seed
