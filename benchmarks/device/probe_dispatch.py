@@ -5,27 +5,20 @@ and the gather kernel's tile (rows per program x warps) at the MoE shapes' gathe
     python benchmarks/device/probe_dispatch.py
 """
 
-import statistics
+import os
+import sys
 
 import torch
 
-from megatron_moe_hybrid.ops.moe import gather, layout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import time_and_peak  # noqa: E402
+
+from megatron_moe_hybrid.ops.moe import gather, layout  # noqa: E402
 
 
 def ms_per_call(fn, reps=50, warmup=5):
     """Median ms of single calls, each from an idle GPU (so the host's launches count)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_and_peak(fn, warmup, reps)[0]
 
 
 def random_routing(tokens, topk, experts, gen, skew=False):
