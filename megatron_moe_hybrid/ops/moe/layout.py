@@ -192,10 +192,11 @@ if triton is not None:
         i = b * BLOCK + tl.arange(0, BLOCK)
         key = tl.load(keys + i, mask=i < n, other=-1).to(tl.int32)
         valid = (i < n) & (key >= 0) & (key < L)
-        tl.atomic_add(counts + tl.where(valid, key, 0) * nblk + b, tl.full((BLOCK,), 1, tl.int32), mask=valid)
+        slot = tl.where(valid, key, 0).to(tl.int64) * nblk + b
+        tl.atomic_add(counts + slot, tl.full((BLOCK,), 1, tl.int32), mask=valid)
         tl.debug_barrier()  # the block's counts complete before they are read back
         e = tl.arange(0, LB)
-        c = tl.load(counts + e * nblk + b, mask=e < L, other=0, volatile=True)
+        c = tl.load(counts + e.to(tl.int64) * nblk + b, mask=e < L, other=0, volatile=True)
         tl.atomic_add(totals + e, c, mask=(e < L) & (c > 0))
 
     @triton.jit
@@ -221,7 +222,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_place_kernel(keys, base, sorted_copy, sorted_row, copy_pos, n, nblk, L, R, K, BLOCK: tl.constexpr):
-        """Entries of block b: row = base[b, key] + the earlier entries of the key in the block."""
+        """Entries of block b: row = base[key, b] + the earlier entries of the key in the block
+        (kept when below R)."""
         b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         i = b * BLOCK + r
