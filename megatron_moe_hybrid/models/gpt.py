@@ -52,14 +52,73 @@ class HybridMoEModel(GPTModel):
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
 
-def build_model(config: HybridMoEConfig, device=None) -> HybridMoEModel:
+# -- seeded builds: each piece of the model from its own seed ---------------------------------
+# The embedding draws from `seed` itself, decoder layer n (1-based) from piece_seed(seed, n),
+# the output layer from piece_seed(seed, num_layers + 1): a piece's initial weights do not
+# depend on the pieces built before it, so initialize() can build the model piece by piece
+# and get, tensor for tensor, what build_model(config, seed=seed) gives.
+
+_SEEDED_BUILD = None  # the SeededBuild in progress, read by specs.SeededTransformerLayer
+
+
+def piece_seed(seed: int, piece: int) -> int:
+    """The seed of piece `piece` (0 the embedding, n >= 1 decoder layer n, num_layers + 1 the
+    output layer) of a model built from `seed`."""
+    return (int(seed) + 1_000_003 * int(piece)) % (2**63)
+
+
+def current_seeded_build():
+    return _SEEDED_BUILD
+
+
+class SeededBuild:
+    """How the layers of one HybridMoEModel construction are seeded and where they go.
+
+    sink(layer_number, layer) (optional) takes each layer as soon as it is built (its weights
+    on the CPU), after which the layer is moved to the meta device: the construction then holds
+    one layer's weights at a time."""
+
+    def __init__(self, seed: int, sink=None):
+        self.seed, self.sink = int(seed), sink
+
+    def __enter__(self):
+        global _SEEDED_BUILD
+        if _SEEDED_BUILD is not None:
+            raise RuntimeError("a seeded model build is already in progress")
+        _SEEDED_BUILD = self
+        torch.manual_seed(piece_seed(self.seed, 0))  # the embedding, built first
+        return self
+
+    def __exit__(self, *exc):
+        global _SEEDED_BUILD
+        _SEEDED_BUILD = None
+
+    def before_layer(self, layer_number: int) -> None:
+        torch.manual_seed(piece_seed(self.seed, layer_number))
+
+    def after_layer(self, layer_number: int, layer: torch.nn.Module, num_layers: int) -> None:
+        if self.sink is not None:
+            self.sink(layer_number, layer)
+            layer.to_empty(device="meta")  # its storage freed; the construction goes on
+        if layer_number == num_layers:  # next to draw: the output layer
+            torch.manual_seed(piece_seed(self.seed, num_layers + 1))
+
+
+def build_model(config: HybridMoEConfig, device=None, seed: int | None = None) -> HybridMoEModel:
     """Builds the model on CPU in config.params_dtype; call after parallel_state is initialised.
     memory.recompute_layers turns on activation checkpointing (recompute_layers).
 
+    seed: each piece drawn from its own seed (see piece_seed; the same weights as
+    initialize(model, config, seed) gives a model built on the meta device); None: one stream
+    from the global RNG as it stands.
     device "meta": no storage and no initialisation (nothing allocated, any model size);
-    materialize() then gives the tensors storage on a device, for a checkpoint to fill."""
+    materialize() then gives the tensors storage on a device, for a checkpoint or initialize()
+    to fill."""
     if device is not None and torch.device(device).type == "meta":
         with torch.device("meta"):
+            model = HybridMoEModel(config)
+    elif seed is not None:
+        with SeededBuild(seed):
             model = HybridMoEModel(config)
     else:
         model = HybridMoEModel(config)
@@ -146,3 +205,50 @@ def _has_meta(value, depth) -> bool:
     if _walkable(value):
         return any(_has_meta(v, depth + 1) for v in vars(value).values())
     return False
+
+
+def initialize(model: torch.nn.Module, config: HybridMoEConfig, seed: int) -> list[str]:
+    """Fills a materialized model (built on the meta device, possibly LoRA-wrapped and FSDP2-
+    sharded, see materialize) with the initial weights build_model(config, seed=seed) would
+    draw on this rank, tensor for tensor, holding on the host one decoder layer's weights at a
+    time besides the embedding and the output layer (not the whole model): the pieces are
+    built on the CPU one after another and each copied into this rank's shards. Returns the
+    model tensors that no piece holds (LoRA adapters: drawn by materialize); raises if any
+    other parameter or persistent buffer is left unfilled."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from megatron_moe_hybrid.training.checkpoint import _unwrapped_name
+
+    targets = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    unwrapped = _unwrapped_name(model)
+    by_source = {unwrapped(name): name for name in targets}  # a freshly built piece's name -> the model's
+    filled = set()
+
+    @torch.no_grad()
+    def fill(prefix: str, piece: torch.nn.Module) -> None:
+        if config.params_dtype != torch.float32:
+            piece.to(config.params_dtype)  # as build_model casts the whole model
+        for key, value in piece.state_dict().items():
+            name = by_source.get(prefix + key)
+            if name is None or not isinstance(value, torch.Tensor) or value.is_meta:
+                continue
+            target = targets[name]
+            value = value.to(target.dtype)
+            if isinstance(target, DTensor):  # every rank built the whole piece: no scatter
+                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
+                                          src_data_rank=None)
+            target.copy_(value)
+            filled.add(name)
+
+    with SeededBuild(seed, sink=lambda n, layer: fill(f"decoder.layers.{n - 1}.", layer)):
+        rest = HybridMoEModel(config)  # each layer filled and freed as it is built
+    fill("", rest)  # the embedding, the final norm, the output layer
+    del rest
+    left = [n for n in targets if n not in filled]
+    from megatron_moe_hybrid.layers.lora import lora_modules
+
+    wrappers = [f"{path}." for path, _ in lora_modules(model)]  # their tensors but base.* are adapters
+    unfilled = [n for n in left if not any(n.startswith(w) and not n.startswith(w + "base.") for w in wrappers)]
+    if unfilled:
+        raise RuntimeError(f"initialize: no piece holds {unfilled[:5]}{' ...' if len(unfilled) > 5 else ''}")
+    return left

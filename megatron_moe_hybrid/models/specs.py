@@ -42,10 +42,29 @@ def _mlp_spec(config: HybridMoEConfig, layer_index: int):
     )
 
 
+class SeededTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer, drawing its initial weights from its own seed when a
+    build sets one (models.gpt.seeded_build): layer n's weights then depend on (seed, n) alone,
+    not on the layers built before it, so that one layer can be built again by itself and
+    come out the same (models.gpt.initialize, which builds a model layer by layer). Without a
+    seeded build it is TransformerLayer unchanged."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
+        from megatron_moe_hybrid.models import gpt
+
+        build = gpt.current_seeded_build()
+        if build is None:
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+            return
+        build.before_layer(layer_number)
+        super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        build.after_layer(layer_number, self, config.num_layers)
+
+
 def hybrid_layer_spec(config: HybridMoEConfig, layer_index: int) -> ModuleSpec:
     """The ModuleSpec of layer `layer_index` (0-based) of the hybrid stack."""
     return ModuleSpec(
-        module=TransformerLayer,
+        module=SeededTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=WrappedTorchNorm,
             self_attention=_attention_spec(config.layer_kind(layer_index)),

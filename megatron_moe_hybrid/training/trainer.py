@@ -133,20 +133,29 @@ def _host_bytes_available() -> Optional[int]:
     return None
 
 
-def _check_host_memory_for_cpu_build(config: HybridMoEConfig) -> None:
-    """A run from scratch builds and initialises each rank's share of the model in host memory
-    before moving it to the device. Before any of it is allocated: every rank counts its share
-    (a meta-device build: no storage); the shares of the ranks on one host (by host name, over
-    all ranks) are summed against that host's available memory; if any host is short, every
-    rank raises the same ConfigError naming training.init_from (a run from a checkpoint builds
-    on the meta device and allocates only each rank's shards, on its device)."""
+def _check_host_memory_for_cpu_build(config: HybridMoEConfig, device: torch.device) -> None:
+    """A run from scratch draws its initial weights in host memory, piece by piece
+    (models.initialize: the embedding and the output layer, then one decoder layer at a time,
+    each copied into this rank's shards on its device); on a CPU run the model itself lives
+    there too. Before any of it is allocated: every rank counts what it needs (a meta-device
+    build: no storage, the pieces counted in fp32, as drawn); the ranks on one host (by host
+    name, over all ranks) are summed against that host's available memory; if any host is
+    short, every rank raises the same ConfigError naming training.init_from."""
     import socket
 
     from megatron_moe_hybrid.config import ConfigError
     from megatron_moe_hybrid.models import build_model
 
     meta = build_model(config, device="meta")
-    need = sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
+
+    def numel(module):  # parameters and persistent buffers (a state dict also holds extra states)
+        return sum(t.numel() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+
+    layers = [numel(layer) for layer in meta.decoder.layers]
+    every = numel(meta)
+    need = 4 * (every - sum(layers) + max(layers, default=0))  # the pieces alive at once, fp32
+    if device.type == "cpu":  # the model's own storage
+        need += sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
     del meta
     mine = (socket.gethostname(), need, _host_bytes_available())
     everyone = [mine]
@@ -160,14 +169,14 @@ def _check_host_memory_for_cpu_build(config: HybridMoEConfig) -> None:
     short = {h: v for h, v in hosts.items() if v[2] is not None and v[0] > v[2]}
     if short:
         host, (total, count, avail) = max(short.items(), key=lambda kv: kv[1][0] - kv[1][2])
+        where = "and holds the model there (a CPU run)" if device.type == "cpu" else "before copying it to its device"
         raise ConfigError(
             "training.init_from",
-            f"is unset, so each rank builds and initialises its share of the model in host memory "
-            f"before moving it to its device: the {count} rank(s) on host {host} need "
+            f"is unset, so each rank draws its initial weights in host memory (the embedding, the output "
+            f"layer and one decoder layer at a time) {where}: the {count} rank(s) on host {host} need "
             f"{total / 1e9:.1f} GB and {avail / 1e9:.1f} GB is available; start from a safetensors "
-            "checkpoint (training.init_from: built on the meta device, each rank allocates only its "
-            "shards, on its device), or raise parallel.expert_model_parallel_size / "
-            "tensor_model_parallel_size so that each rank holds less",
+            "checkpoint (training.init_from: each rank reads only its shards, on its device), or raise "
+            "parallel.expert_model_parallel_size / tensor_model_parallel_size so that each rank holds less",
         )
 
 
@@ -224,7 +233,7 @@ class Trainer:
         # Context-parallel ranks read the same samples and keep their pieces of each sequence.
         self.cp_layout = CPLayout.from_parallel_state(t.seq_length, config.parallel.cp_layout)
         if t.init_from is None:  # before anything is written or allocated
-            _check_host_memory_for_cpu_build(config)
+            _check_host_memory_for_cpu_build(config, self.device)
         self.output_dir = t.output_dir
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
@@ -261,18 +270,18 @@ class Trainer:
         # still on the meta device, then given storage and loaded: each rank allocates and reads
         # its shards only, and the adapters of a LoRA run's checkpoint load into the adapters.
         # A dist checkpoint loads into the whole model first (it reshards as it loads).
-        load_late = t.init_from is not None and find_dist_checkpoint(t.init_from) is None
-        if t.init_from is not None:
-            # Every weight comes from the checkpoint: built on the meta device and given storage
-            # on this rank's device only (no initialisation, no whole-model copy in host memory);
-            # a tensor the checkpoint lacks is an error (LoRA adapters excepted: drawn anew).
-            self.model = build_model(config, device="meta")
-            if not load_late:
-                materialize(self.model, self.device)
-                ckpt.load_model_weights(t.init_from, self.model)
-        else:
-            # Built and initialised on the CPU, then moved: one seed gives the same weights on any device.
-            self.model = build_model(config).to(self.device)
+        # A run from scratch takes the same way: built on the meta device, wrapped and sharded
+        # there, given storage on this rank's device, and filled by models.initialize, which
+        # draws the pieces of the model on the CPU one at a time (each piece from its own seed:
+        # the weights build_model(config, seed=training.seed) gives, whatever the sharding).
+        from_scratch = t.init_from is None
+        load_late = from_scratch or find_dist_checkpoint(t.init_from) is None
+        # Every weight comes from the checkpoint or initialize: no whole-model copy in host
+        # memory; a tensor the checkpoint lacks is an error (LoRA adapters excepted: drawn anew).
+        self.model = build_model(config, device="meta")
+        if not load_late:
+            materialize(self.model, self.device)
+            ckpt.load_model_weights(t.init_from, self.model)
         if config.lora.enabled:
             from megatron_moe_hybrid.layers.lora import apply_lora
 
@@ -292,7 +301,12 @@ class Trainer:
             from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
             apply_fsdp(self.model, config, device_type=self.device.type)
-        if load_late:
+        if load_late and from_scratch:
+            from megatron_moe_hybrid.models import initialize
+
+            materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
+            initialize(self.model, config, t.seed)
+        elif load_late:
             materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
             missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
             adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()

@@ -299,10 +299,11 @@ def _worker_nan(rank, world, raw, ov, bad_steps):
     original = models.build_model
     state = {"forwards": 0}
 
-    def build_model(config, device=None):
-        model = original(config, device=device)
-        if device is not None:  # the host-memory check's meta build: not the model that trains
-            return model
+    def build_model(config, device=None, **kwargs):
+        # every build is hooked (also the host-memory check's meta build, which never runs):
+        # the model that trains is built on the meta device and keeps its hooks through
+        # materialize
+        model = original(config, device=device, **kwargs)
         micro = config.training.global_batch_size // config.training.micro_batch_size
 
         def count(module, args):
@@ -380,16 +381,17 @@ def _worker_short_host(rank, world, raw, ov):
 
 @pytest.mark.distributed
 def test_a_host_short_of_memory_for_the_cpu_build_stops_every_rank(corpus, cache_dir, tmp_path, raw_config):
-    """A run from scratch builds each rank's share in host memory: when one host lacks it (the
-    shares of its ranks summed, found by host name), every rank stops with the same error,
-    naming training.init_from and the numbers, before anything is written."""
+    """A run from scratch draws its weights in host memory (one layer at a time, and on a CPU
+    run the model lives there): when one host lacks it (its ranks' needs summed, found by host
+    name), every rank stops with the same error, naming training.init_from and the numbers,
+    before anything is written."""
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
         "parallel.world_size": 2, "training.train_steps": 2,
     })
     results = spawn(_worker_short_host, 2, raw, ov)
     for status, message in results:
         assert status == "ConfigError", message
-        assert message.startswith("training.init_from: is unset, so each rank builds"), message
+        assert message.startswith("training.init_from: is unset, so each rank draws its initial weights"), message
         assert "the 2 rank(s) on host" in message and "0.0 GB is available" in message and "\n" not in message
     assert results[0] == results[1]
     assert not os.path.exists(str(tmp_path / "run"))
