@@ -16,6 +16,21 @@ import torch.multiprocessing as mp
 from megatron_moe_hybrid.parallel.launch import free_port  # noqa: F401  (re-exported for tests)
 
 
+def tiny_config(**overrides):
+    """examples/configs/tiny.yaml for one process, sequences of 32 and top-8 sparse attention,
+    with `overrides` ({"section.field": value}) on top."""
+    import yaml
+
+    from megatron_moe_hybrid.config import config_from_dict
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    base = {"parallel.world_size": 1, "training.seq_length": 32, "sparse_attention.topk": 8}
+    base.update(overrides)
+    return config_from_dict(raw, base)
+
+
 def init_megatron(
     rank: int = 0,
     world_size: int = 1,

@@ -2,24 +2,10 @@
 built on the meta device (LoRA-wrapped, FSDP2-sharded, expert-parallel) with exactly the
 weights build_model(config, seed=...) draws, building the pieces on the CPU one at a time."""
 
-import os
-
 import pytest
 import torch
-import yaml
 
-from megatron_moe_hybrid.config import config_from_dict
-from megatron_moe_hybrid.testing import init_megatron, spawn, teardown
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def tiny_config(**overrides):
-    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    base = {"parallel.world_size": 1, "training.seq_length": 32, "sparse_attention.topk": 8}
-    base.update(overrides)
-    return config_from_dict(raw, base)
+from megatron_moe_hybrid.testing import init_megatron, spawn, teardown, tiny_config
 
 
 def _tensors(model):

@@ -1,25 +1,13 @@
 """The hybrid model builds through Megatron specs and runs forward/backward on CPU."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-import yaml
 
-from megatron_moe_hybrid.config import config_from_dict
-from megatron_moe_hybrid.testing import init_megatron, teardown
+from megatron_moe_hybrid.testing import init_megatron, teardown, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def tiny_config(**overrides):
-    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    base = {"parallel.world_size": 1, "training.seq_length": 32, "sparse_attention.topk": 8}
-    base.update(overrides)
-    return config_from_dict(raw, base)
 
 
 @pytest.fixture(scope="module", autouse=True)
