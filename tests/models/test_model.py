@@ -1,13 +1,11 @@
 """The hybrid model builds through Megatron specs and runs forward/backward on CPU."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from megatron_moe_hybrid.testing import init_megatron, teardown, tiny_config
-
 
 
 @pytest.fixture(scope="module", autouse=True)
