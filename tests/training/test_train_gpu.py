@@ -1,5 +1,5 @@
 """The trainer on a GPU (training.device auto takes it under NCCL): the same run as on the CPU
-(weights are initialised on the CPU, so both start equal) to fp32-kernel tolerance, resume,
+(models.initialize draws the weights on the CPU and copies them to the device, so both start equal) to fp32-kernel tolerance, resume,
 and LoRA fine-tuning from the GPU-trained checkpoint. Run on the H200 with `pytest -m gpu`."""
 
 import os
