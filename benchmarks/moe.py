@@ -564,6 +564,25 @@ def gbps(num_bytes, ms):
     return None if ms is None else round(num_bytes / (ms * 1e-3) / 1e9, 1)
 
 
+def layer_row(name, case, num_tokens, mine, theirs, anchor, target, notes):
+    """A "moe fwd+bwd" row: ours (mine) against one anchor (theirs), both measure() results."""
+    notes = notes + [f"ours experts: {mine['info'].get('expert_backend')}",
+                     f"anchor experts: {theirs['info'].get('expert_backend')}"]
+    notes += [f"{who} {res['error']}" for who, res in (("ours", mine), ("anchor", theirs)) if res["error"]]
+    return {
+        "name": name, **case,
+        "ours_ms": mine["ms"], "anchor": anchor, "anchor_ms": theirs["ms"],
+        "speedup": mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3),
+        "target_speedup": target,
+        "ours_peak_mem_bytes": mine["peak"], "anchor_peak_mem_bytes": theirs["peak"],
+        "ours_tokens_per_s": mine["ms"] and round(num_tokens / mine["ms"] * 1e3),
+        "anchor_tokens_per_s": theirs["ms"] and round(num_tokens / theirs["ms"] * 1e3),
+        "ours_host_syncs_per_layer": mine["syncs"], "anchor_host_syncs_per_layer": theirs["syncs"],
+        "max_rel_err_vs_ours": rel_err(theirs["out"], mine["out"]),
+        "notes": "; ".join(notes),
+    }
+
+
 def run_case(key, routing, args, world, rank, ep_group, megatron_error):
     spec = SHAPES[key]
     h, num_experts, topk, ffn, num_tokens = (spec[k] for k in ("hidden", "experts", "topk", "ffn", "tokens"))
@@ -602,21 +621,10 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
                        x, grad_out, args.warmup, args.reps)
         theirs = measure(graphed(build_torch(spec, ep_group, router_weight, w1, w2), x), x, grad_out,
                          args.warmup, args.reps)
-        notes = [timing, "both captured with torch.cuda.make_graphed_callables (forward and backward graphs)",
-                 f"ours experts: {mine['info'].get('expert_backend')}"]
-        notes += [f"{who} {res['error']}" for who, res in (("ours", mine), ("anchor", theirs)) if res["error"]]
-        graph_rows.append({
-            "name": "moe fwd+bwd static, CUDA graph", **case,
-            "ours_ms": mine["ms"], "anchor": TORCH_ANCHOR + ", CUDA graph", "anchor_ms": theirs["ms"],
-            "speedup": mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3), "target_speedup": 1.5,
-            "ours_peak_mem_bytes": mine["peak"], "anchor_peak_mem_bytes": theirs["peak"],
-            "ours_tokens_per_s": mine["ms"] and round(num_tokens / mine["ms"] * 1e3),
-            "anchor_tokens_per_s": theirs["ms"] and round(num_tokens / theirs["ms"] * 1e3),
-            "ours_host_syncs_per_layer": mine["syncs"], "anchor_host_syncs_per_layer": theirs["syncs"],
-            "max_rel_err_vs_ours": rel_err(theirs["out"], mine["out"]),
-            "ours_max_rel_err_vs_eager": rel_err(mine["out"], ours["static"]["out"]) if "static" in ours else None,
-            "notes": "; ".join(notes),
-        })
+        row = layer_row("moe fwd+bwd static, CUDA graph", case, num_tokens, mine, theirs, TORCH_ANCHOR + ", CUDA graph",
+                        1.5, [timing, "both captured with torch.cuda.make_graphed_callables (forward and backward graphs)"])
+        row["ours_max_rel_err_vs_eager"] = rel_err(mine["out"], ours["static"]["out"]) if "static" in ours else None
+        graph_rows.append(row)
     if not args.skip_megatron and megatron_error is None:
         build = build_megatron(spec, world, router_weight, w1, w2, x)
         anchors[MEGATRON_ANCHOR] = measure(build, x, grad_out, args.warmup, args.reps)
@@ -624,24 +632,9 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
         anchors[MEGATRON_ANCHOR] = {"ms": None, "peak": None, "syncs": None, "out": None, "info": {},
                                     "error": f"parallel_state: {megatron_error}"}
 
-    rows = []
-    for variant, mine in ours.items():
-        for anchor, theirs in anchors.items():
-            notes = [timing, f"ours experts: {mine['info'].get('expert_backend')}",
-                     f"anchor experts: {theirs['info'].get('expert_backend')}"]
-            notes += [f"{who} {res['error']}" for who, res in (("ours", mine), ("anchor", theirs)) if res["error"]]
-            rows.append({
-                "name": f"moe fwd+bwd {variant}", **case,
-                "ours_ms": mine["ms"], "anchor": anchor, "anchor_ms": theirs["ms"],
-                "speedup": mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3),
-                "target_speedup": 3.0 if anchor == MEGATRON_ANCHOR else 1.5,
-                "ours_peak_mem_bytes": mine["peak"], "anchor_peak_mem_bytes": theirs["peak"],
-                "ours_tokens_per_s": mine["ms"] and round(num_tokens / mine["ms"] * 1e3),
-                "anchor_tokens_per_s": theirs["ms"] and round(num_tokens / theirs["ms"] * 1e3),
-                "ours_host_syncs_per_layer": mine["syncs"], "anchor_host_syncs_per_layer": theirs["syncs"],
-                "max_rel_err_vs_ours": rel_err(theirs["out"], mine["out"]),
-                "notes": "; ".join(notes),
-            })
+    rows = [layer_row(f"moe fwd+bwd {variant}", case, num_tokens, mine, theirs, anchor,
+                      3.0 if anchor == MEGATRON_ANCHOR else 1.5, [timing])
+            for variant, mine in ours.items() for anchor, theirs in anchors.items()]
     rows += graph_rows
     dispatch = {v: r["extra"] for v, r in ours.items() if r["extra"] is not None}
     if dispatch:

@@ -215,9 +215,7 @@ def initialize(model: torch.nn.Module, config: HybridMoEConfig, seed: int) -> li
     built on the CPU one after another and each copied into this rank's shards. Returns the
     model tensors that no piece holds (LoRA adapters: drawn by materialize); raises if any
     other parameter or persistent buffer is left unfilled."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from megatron_moe_hybrid.training.checkpoint import _unwrapped_name
+    from megatron_moe_hybrid.training.checkpoint import _unwrapped_name, copy_whole
 
     targets = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     unwrapped = _unwrapped_name(model)
@@ -232,12 +230,7 @@ def initialize(model: torch.nn.Module, config: HybridMoEConfig, seed: int) -> li
             name = by_source.get(prefix + key)
             if name is None or not isinstance(value, torch.Tensor) or value.is_meta:
                 continue
-            target = targets[name]
-            value = value.to(target.dtype)
-            if isinstance(target, DTensor):  # every rank built the whole piece: no scatter
-                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
-                                          src_data_rank=None)
-            target.copy_(value)
+            copy_whole(targets[name], value)  # every rank built the whole piece
             filled.add(name)
 
     with SeededBuild(seed, sink=lambda n, layer: fill(f"decoder.layers.{n - 1}.", layer)):

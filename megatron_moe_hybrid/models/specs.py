@@ -43,8 +43,8 @@ def _mlp_spec(config: HybridMoEConfig, layer_index: int):
 
 
 class SeededTransformerLayer(TransformerLayer):
-    """Megatron's TransformerLayer, drawing its initial weights from its own seed when a
-    build sets one (models.gpt.seeded_build): layer n's weights then depend on (seed, n) alone,
+    """Megatron's TransformerLayer, drawing its initial weights from its own seed inside a
+    seeded build (models.gpt.SeededBuild): layer n's weights then depend on (seed, n) alone,
     not on the layers built before it, so that one layer can be built again by itself and
     come out the same (models.gpt.initialize, which builds a model layer by layer). Without a
     seeded build it is TransformerLayer unchanged."""

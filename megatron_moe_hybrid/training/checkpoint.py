@@ -346,6 +346,16 @@ def _unwrapped_name(model: torch.nn.Module):
     return unwrapped
 
 
+@torch.no_grad()
+def copy_whole(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies the whole (unsharded) value into a model tensor, cast to its dtype; into an FSDP2
+    DTensor only this rank's shard (every rank holds the whole value: no scatter)."""
+    value = value.to(tensor.dtype)
+    if isinstance(tensor, DTensor):
+        value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.copy_(value)
+
+
 def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
     """Loads this rank's share of the weights; returns the names of model tensors not found.
 
@@ -416,10 +426,7 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
                     f"{available.get(name) or available.get(f'{name}.expert0')}, the model expects "
                     f"{tuple(tensor.shape)}"
                 )
-            value = value.to(tensor.dtype)
-            if isinstance(tensor, DTensor):  # every rank read the whole tensor: no scatter needed
-                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
-            tensor.copy_(value)
+            copy_whole(tensor, value)
     if strict and missing:
         raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return missing

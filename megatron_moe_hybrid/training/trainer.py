@@ -133,20 +133,18 @@ def _host_bytes_available() -> Optional[int]:
     return None
 
 
-def _check_host_memory_for_cpu_build(config: HybridMoEConfig, device: torch.device) -> None:
+def _check_host_memory_for_initialize(meta: torch.nn.Module, device: torch.device) -> None:
     """A run from scratch draws its initial weights in host memory, piece by piece
     (models.initialize: the embedding and the output layer, then one decoder layer at a time,
     each copied into this rank's shards on its device); on a CPU run the model itself lives
     there too. Before any of it is allocated: every rank counts what it needs (a meta-device
     build: no storage, the pieces counted in fp32, as drawn); the ranks on one host (by host
     name, over all ranks) are summed against that host's available memory; if any host is
-    short, every rank raises the same ConfigError naming training.init_from."""
+    short, every rank raises the same ConfigError naming training.init_from. meta: the model
+    built on the meta device (no storage)."""
     import socket
 
     from megatron_moe_hybrid.config import ConfigError
-    from megatron_moe_hybrid.models import build_model
-
-    meta = build_model(config, device="meta")
 
     def numel(module):  # parameters and persistent buffers (a state dict also holds extra states)
         return sum(t.numel() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
@@ -156,7 +154,6 @@ def _check_host_memory_for_cpu_build(config: HybridMoEConfig, device: torch.devi
     need = 4 * (every - sum(layers) + max(layers, default=0))  # the pieces alive at once, fp32
     if device.type == "cpu":  # the model's own storage
         need += sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
-    del meta
     mine = (socket.gethostname(), need, _host_bytes_available())
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -232,8 +229,11 @@ class Trainer:
 
         # Context-parallel ranks read the same samples and keep their pieces of each sequence.
         self.cp_layout = CPLayout.from_parallel_state(t.seq_length, config.parallel.cp_layout)
-        if t.init_from is None:  # before anything is written or allocated
-            _check_host_memory_for_cpu_build(config, self.device)
+        # Every run builds the model on the meta device (no storage): from scratch, its size
+        # is checked against host memory before anything is written or allocated.
+        self.model = build_model(config, device="meta")
+        if t.init_from is None:
+            _check_host_memory_for_initialize(self.model, self.device)
         self.output_dir = t.output_dir
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
@@ -266,19 +266,15 @@ class Trainer:
         from megatron_moe_hybrid.models import materialize
         from megatron_moe_hybrid.training.dist_checkpoint import find_dist_checkpoint
 
-        # A run from a (safetensors) checkpoint is wrapped (LoRA) and, with FSDP2, sharded while
-        # still on the meta device, then given storage and loaded: each rank allocates and reads
-        # its shards only, and the adapters of a LoRA run's checkpoint load into the adapters.
-        # A dist checkpoint loads into the whole model first (it reshards as it loads).
-        # A run from scratch takes the same way: built on the meta device, wrapped and sharded
-        # there, given storage on this rank's device, and filled by models.initialize, which
-        # draws the pieces of the model on the CPU one at a time (each piece from its own seed:
-        # the weights build_model(config, seed=training.seed) gives, whatever the sharding).
+        # The meta-device model is wrapped (LoRA) and, with FSDP2, sharded, then given storage
+        # on this rank's device and filled: each rank allocates its shards only. From scratch
+        # models.initialize draws the pieces on the CPU one at a time (each from its own seed:
+        # the weights build_model(config, seed=training.seed) gives, whatever the sharding); from
+        # a safetensors checkpoint each rank reads its shards (a tensor the checkpoint lacks is
+        # an error, LoRA adapters excepted: drawn anew, or a LoRA run's checkpoint's); a dist
+        # checkpoint loads into the whole model first (it reshards as it loads).
         from_scratch = t.init_from is None
         load_late = from_scratch or find_dist_checkpoint(t.init_from) is None
-        # Every weight comes from the checkpoint or initialize: no whole-model copy in host
-        # memory; a tensor the checkpoint lacks is an error (LoRA adapters excepted: drawn anew).
-        self.model = build_model(config, device="meta")
         if not load_late:
             materialize(self.model, self.device)
             ckpt.load_model_weights(t.init_from, self.model)

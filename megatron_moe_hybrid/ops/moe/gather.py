@@ -69,14 +69,18 @@ def row_dot_reference(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> 
     return torch.where(idx >= 0, (rows * a.to(acc)[:, None, :]).sum(-1), 0.0)
 
 
+def _check_scatter(src, dest, unread, weights) -> None:
+    _check(src, dest, weights)
+    if unread.dim() != 1 or unread.device != src.device:
+        raise ValueError(f"unread must be a 1-D tensor on {src.device}, got {tuple(unread.shape)} on {unread.device}")
+
+
 def scatter_rows_reference(src: torch.Tensor, dest: torch.Tensor, unread: torch.Tensor,
                            weights: torch.Tensor | None = None) -> torch.Tensor:
     """src [S, h], dest [S, K] (-1 none), unread [M] -> [M, h]: out[dest[s, k]] = weights[s, k]
     * src[s] (1 without weights); rows with unread < 0 are 0. Every other row must be named by
     exactly one dest entry (an inverse map), so nothing is summed and nothing races."""
-    _check(src, dest, weights)
-    if unread.dim() != 1 or unread.device != src.device:
-        raise ValueError(f"unread must be a 1-D tensor on {src.device}, got {tuple(unread.shape)} on {unread.device}")
+    _check_scatter(src, dest, unread, weights)
     acc = _acc(src.dtype)
     out = torch.zeros(unread.shape[0], src.shape[1], dtype=acc, device=src.device)  # [M, h]
     ok = dest >= 0  # [S, K]
@@ -201,9 +205,7 @@ def scatter_rows(src: torch.Tensor, dest: torch.Tensor, unread: torch.Tensor, we
     once the source outgrows the L2)."""
     if not _triton_ok(src, backend):
         return scatter_rows_reference(src, dest, unread, weights)
-    _check(src, dest, weights)
-    if unread.dim() != 1 or unread.device != src.device:
-        raise ValueError(f"unread must be a 1-D tensor on {src.device}, got {tuple(unread.shape)} on {unread.device}")
+    _check_scatter(src, dest, unread, weights)
     src, dest, unread = src.contiguous(), dest.contiguous(), unread.contiguous()
     weights = None if weights is None else weights.contiguous()
     out = src.new_empty(unread.shape[0], src.shape[1])
@@ -238,15 +240,15 @@ class _RowGather(torch.autograd.Function):
 
     inv [R, K'] lists, for each row of x, the output rows that read it (-1 padded), so the
     backward is a gather too: exact when idx reads each (x row, output row) pair at most once.
-    With one source per output row (idx [M, 1]) the Triton forward is scatter_rows through inv:
-    the same rows, each x row read once.
+    With one source per output row (idx [M, 1]) the forward is scatter_rows through inv: the
+    same rows, each x row read once.
     """
 
     @staticmethod
     def forward(ctx, x, idx, inv, backend):
         ctx.save_for_backward(inv)
         ctx.backend = backend
-        if idx.shape[1] == 1 and _triton_ok(x, backend):  # one source per output: read each once
+        if idx.shape[1] == 1:  # one source per output: read each once
             return scatter_rows(x, inv, idx[:, 0], None, backend)
         return gather_sum(x, idx, None, backend)
 
@@ -269,15 +271,9 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         y, idx, w, inv = ctx.saved_tensors
-        topk = idx.shape[1]
-        # row j of y came from copy inv[j] = t * K + k: grad_y[j] = w[t, k] * grad_out[t]
-        if _triton_ok(grad_out, ctx.backend):  # written from each grad_out row once
-            grad_y = scatter_rows(grad_out, idx, inv, w.to(_acc(y.dtype)), ctx.backend)
-        else:
-            w_pad = torch.cat([w.reshape(-1), w.new_zeros(1)])  # a zero weight for rows read by none
-            w_row = w_pad[torch.where(inv >= 0, inv, w.numel())]  # [R]
-            token = torch.where(inv >= 0, inv // topk, -1)  # [R]
-            grad_y = gather_sum(grad_out, token[:, None], w_row[:, None].to(_acc(y.dtype)), ctx.backend)
+        # row idx[t, k] of y came from copy (t, k): grad_y[idx[t, k]] = w[t, k] * grad_out[t],
+        # written from each grad_out row once; rows read by none (inv -1) are 0
+        grad_y = scatter_rows(grad_out, idx, inv, w.to(_acc(y.dtype)), ctx.backend)
         grad_w = None
         if ctx.needs_input_grad[2]:
             grad_w = row_dot(grad_out, y, idx, ctx.backend).to(w.dtype)

@@ -22,6 +22,8 @@ from fractions import Fraction
 
 import torch
 
+from megatron_moe_hybrid.ops.moe.gather import _triton_ok
+
 try:
     import triton
     import triton.language as tl
@@ -140,7 +142,7 @@ def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int, back
         raise ValueError(f"recv_expert must be [M, K], got {tuple(recv_expert.shape)}")
     if num_local < 1 or num_rows < 1:
         raise ValueError(f"expand_layout needs num_local >= 1 and num_rows >= 1, got {num_local}, {num_rows}")
-    if _use_triton(recv_expert, backend):
+    if _triton_ok(recv_expert, backend):  # the gathers' backend rule (int64 keys pass its dtype check)
         return _expand_layout_triton(recv_expert, num_local, num_rows)
     dev = recv_expert.device
     num_recv, topk = recv_expert.shape
@@ -164,14 +166,6 @@ def expand_layout(recv_expert: torch.Tensor, num_local: int, num_rows: int, back
     return ExpandLayout(
         sorted_row, sorted_copy, copy_pos[:-1].view(num_recv, topk), kept, (counts - kept).sum()
     )
-
-
-def _use_triton(t: torch.Tensor, backend: str) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "triton" and triton is None:
-        raise ValueError("backend='triton' needs Triton (pip install triton)")
-    return backend == "triton" or (backend == "auto" and triton is not None and t.is_cuda)
 
 
 # The counting sort: entries i = j * K + k in blocks of COUNT_BLOCK; per block and expert a

@@ -28,7 +28,6 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-
 def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b in fp32 (fp64 stays fp64): 16-bit CUDA operands on tensor cores with an fp32
     output, anything else converted first (the fast paths' batched products share it)."""
@@ -36,6 +35,7 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
         return torch.bmm(a, b, out_dtype=torch.float32)
     dtype = _compute_dtype(a)
     return torch.bmm(a.to(dtype), b.to(dtype))
+
 
 def _shape(x: Tensor, name: str, legend: str) -> tuple[int, ...]:
     num_dims = legend.count(",") + 1
