@@ -138,6 +138,9 @@ class MoEConfig:
     dispatch_capacity_factor: Optional[float] = 2.0  # static: rows per rank pair = factor x balanced share (None: T*K, never overflows)
     dispatch_chunks: int = 1  # static: chunks whose all-to-alls overlap the other chunks' experts
     permute_backend: str = "auto"  # "auto" (compiled _C op where built) | "torch" | "fused"
+    # top-k routing: "auto" (the fused Triton router for CUDA logits without expert groups,
+    # the reference otherwise) | "torch" | "triton" (refuses group-limited routing)
+    router_backend: str = "auto"
 
 
 @dataclass
@@ -575,6 +578,17 @@ def _validate(c: HybridMoEConfig) -> None:
         m.permute_backend in ("auto", "torch", "fused"),
         "moe.permute_backend",
         f"{m.permute_backend!r} is not one of auto, torch, fused",
+    )
+    _require(
+        m.router_backend in ("auto", "torch", "triton"),
+        "moe.router_backend",
+        f"{m.router_backend!r} is not one of auto, torch, triton",
+    )
+    _require(
+        m.router_backend != "triton" or m.topk_groups == m.num_groups,
+        "moe.router_backend",
+        "'triton' routes without expert groups; set moe.router_backend: auto (or torch) for "
+        f"group-limited routing (num_groups={m.num_groups}, topk_groups={m.topk_groups})",
     )
 
     # LoRA

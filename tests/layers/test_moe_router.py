@@ -181,3 +181,33 @@ def test_split_precision_logits_match_fp64_on_cuda(weight_grad, weight_dtype):
     if weight_grad:
         assert grads[1].dtype == weight_dtype
         assert rel(grads[1], want_grads[1]) < (2e-5 if weight_dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("aux_loss_type", ["micro_batch", "global", "seq"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("padded", [False, True], ids=["all-valid", "padded"])
+def test_fused_router_equals_the_reference_router(aux_loss_type, score_func, padded):
+    """router_backend "triton" (the kernel's own lse, score sums and counts feed the losses; the
+    interpreter on CPU) against "torch": choice, weights, both losses and every gradient."""
+    torch.manual_seed(5)
+    s, b = 9, 4
+    x = torch.randn(s * b, H, requires_grad=True)
+    padding_mask = torch.rand(s * b) < 0.3 if padded else None
+    g = torch.randn(s * b, 2)
+    results = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        router = make_router(score_func=score_func, aux_loss_type=aux_loss_type, aux_loss_coeff=0.2,
+                             z_loss_coeff=0.05, expert_bias=True, router_backend=backend)
+        router.float()
+        router.expert_bias.copy_(torch.linspace(-0.01, 0.01, E))
+        probs, idx = router(x, padding_mask, batch_size=b)
+        grads = torch.autograd.grad(probs, [x, router.weight], g)
+        results.append((probs, idx, router.last_aux_loss, router.last_z_loss, *grads))
+        if backend == "triton" and aux_loss_type != "seq":
+            kept = idx if padding_mask is None else idx.masked_fill(padding_mask[:, None], E)
+            assert torch.equal(router.last_counts, torch.bincount(kept.flatten(), minlength=E + 1)[:E])
+    ref, fused = results
+    assert torch.equal(ref[1], fused[1])
+    for a, w in zip(fused[:1] + fused[2:], ref[:1] + ref[2:]):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)

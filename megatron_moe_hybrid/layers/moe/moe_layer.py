@@ -152,19 +152,27 @@ class MoELayer(MegatronModule):
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x)
 
-        self.last_dropped = (topk_idx < 0).sum()
+        dropless = self.router.capacity_factor is None  # the router drops nothing: no -1 in topk_idx
+        if dropless:
+            if self.last_dropped.device != topk_idx.device:
+                self.last_dropped = torch.zeros((), dtype=torch.int64, device=topk_idx.device)
+        else:
+            self.last_dropped = (topk_idx < 0).sum()
         # Counted only with grad enabled so that eval and reentrant-checkpoint recompute
         # forwards do not count twice (Megatron's rule for its expert-bias counts), and not in
         # our recompute (parallel.recompute), whose second forward has grad enabled.
         if torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
-                # a discard bin E collects dropped copies and padding tokens (no boolean
-                # indexing: that would read a size back from the device)
-                num_experts = self.tokens_per_expert.numel()
-                kept_idx = topk_idx.masked_fill(topk_idx < 0, num_experts)  # [T, K]
-                if padding_mask is not None:
-                    kept_idx = kept_idx.masked_fill(padding_mask[:, None], num_experts)
-                self.tokens_per_expert += count_experts(kept_idx, num_experts).to(self.tokens_per_expert.device)
+                counts = self.router.last_counts if dropless else None  # [E]: the fused router counted them
+                if counts is None:
+                    # a discard bin E collects dropped copies and padding tokens (no boolean
+                    # indexing: that would read a size back from the device)
+                    num_experts = self.tokens_per_expert.numel()
+                    kept_idx = topk_idx.masked_fill(topk_idx < 0, num_experts)  # [T, K]
+                    if padding_mask is not None:
+                        kept_idx = kept_idx.masked_fill(padding_mask[:, None], num_experts)
+                    counts = count_experts(kept_idx, num_experts)
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
                 self.dispatch_overflow += self.last_dispatch_overflow.to(self.dispatch_overflow.device)
         return out.view(s, b, h), None
 

@@ -4,6 +4,8 @@ Shape legend: T = s * b tokens in the [s, b] layout, E experts, K experts per to
 h hidden size.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
@@ -14,9 +16,16 @@ from megatron_moe_hybrid.ops.moe.reference import (
     count_experts,
     expert_capacity,
     load_balancing_loss,
-    router_topk,
+    load_balancing_loss_from_sums,
     router_z_loss,
     sequence_load_balancing_loss,
+)
+from megatron_moe_hybrid.ops.moe.topk import (
+    fused_router_topk_stats,
+    routing,
+    split_hi_lo,
+    triton_available,
+    uses_fused_router,
 )
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -27,36 +36,53 @@ class _SplitPrecisionLogits(torch.autograd.Function):
 
     x is exact in its half type. A weight in x's dtype is exact too: one half-precision GEMM
     with fp32 accumulation and output is the fp32 product. An fp32 weight is split, w = w_hi +
-    w_lo (each half, ~16 mantissa bits together): two such GEMMs give the fp32 product to ~1e-5
-    relative. The plain fp32 GEMM (no tensor cores) costs several times as much: with the bf16
-    model's bf16 gate it took 1.4 ms of each layer's forward and backward on the H200 at 16k
-    tokens. The backward splits the fp32 upstream gradient the same way; grad x is rounded to
-    x's dtype, as any activation gradient, grad w is fp32 before the cast to w's dtype.
+    w_lo (each half, ~16 mantissa bits together): one GEMM over the stacked [w_hi; w_lo] gives
+    the fp32 product to ~1e-5 relative. The plain fp32 GEMM (no tensor cores) costs several
+    times as much: with the bf16 model's bf16 gate it took 1.4 ms of each layer's forward and
+    backward on the H200 at 16k tokens. The backward splits the fp32 upstream gradient the same
+    way; grad x is rounded to x's dtype, as any activation gradient, grad w is fp32 before the
+    cast to w's dtype. With Triton each split is one kernel (split_hi_lo) that writes the
+    stacked operand directly.
     """
 
     @staticmethod
     def forward(ctx, x, w):
         f32 = torch.float32
+        num_experts = w.shape[0]
+        ctx.w_dtype = w.dtype
+        ctx.fused = w.dtype == f32 and triton_available()
+        if ctx.fused:
+            w3 = split_hi_lo(w, x.dtype, along_rows=True)  # [3E, h] = [w_hi; w_lo; w_hi]
+            both = torch.mm(x, w3[: 2 * num_experts].t(), out_dtype=f32)  # [T, 2E]
+            ctx.save_for_backward(x, w3)
+            return both[:, :num_experts] + both[:, num_experts:]
         parts = [w.to(x.dtype)]  # [E, h] half
         if w.dtype != x.dtype:
             parts.append((w - parts[0].to(w.dtype)).to(x.dtype))
-        num_experts = w.shape[0]
         # one GEMM over the stacked parts [P * E, h]; the P fp32 column blocks summed
         logits = torch.mm(x, torch.cat(parts).t(), out_dtype=f32)  # [T, P * E]
         if len(parts) > 1:
             logits = logits[:, :num_experts] + logits[:, num_experts:]
         ctx.save_for_backward(x, *parts)
-        ctx.w_dtype = w.dtype
         return logits
 
     @staticmethod
     def backward(ctx, g):
-        x, *parts = ctx.saved_tensors
         f32 = torch.float32
         num_experts = g.shape[1]
+        dx = dw = None
+        if ctx.fused:
+            x, w3 = ctx.saved_tensors
+            lhs = split_hi_lo(g.float(), x.dtype, along_rows=False)  # [T, 3E] = [g_hi | g_hi | g_lo]
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(lhs, w3)  # g_hi w_hi + g_hi w_lo + g_lo w_hi, fp32 accumulation
+            if ctx.needs_input_grad[1]:
+                both = torch.mm(lhs[:, num_experts:].t(), x, out_dtype=f32)  # [2E, h]: [g_hi; g_lo]^T x
+                dw = both[:num_experts] + both[num_experts:]
+            return dx, dw
+        x, *parts = ctx.saved_tensors
         g_hi = g.to(x.dtype)
         g_lo = (g - g_hi.to(g.dtype)).to(x.dtype)
-        dx = dw = None
         if ctx.needs_input_grad[0]:
             # g_hi w_hi + g_lo w_hi (+ g_hi w_lo) as one GEMM along the stacked inner dim, fp32
             # accumulation rounded once to x's dtype: no [T, h] fp32 partial products in memory
@@ -128,6 +154,7 @@ class TopKRouter(MegatronModule):
         self.capacity_factor = getattr(moe, "capacity_factor", None)
         self.drop_policy = getattr(moe, "drop_policy", "probs")
         self.bias_update_rate = moe.bias_update_rate
+        self.backend = getattr(moe, "router_backend", "auto")
         dtype = torch.promote_types(config.params_dtype, torch.float32)
         self.weight = torch.nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, dtype=dtype))
         config.init_method(self.weight)
@@ -137,6 +164,7 @@ class TopKRouter(MegatronModule):
             self.expert_bias = None
         self.last_aux_loss = torch.zeros((), dtype=torch.float32)
         self.last_z_loss = torch.zeros((), dtype=torch.float32)
+        self.last_counts = None
 
     def forward(
         self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, batch_size: int | None = None
@@ -151,29 +179,47 @@ class TopKRouter(MegatronModule):
         """
         logits = router_logits(x, self.weight)  # [T, E] fp32+
         self._keep_expert_bias_fp32()
-        probs, topk_idx, scores = router_topk(
-            logits,
-            self.topk,
-            self.score_func,
-            self.expert_bias,
-            self.norm_topk_prob,
-            self.num_groups,
-            self.topk_groups,
-            self.routed_scaling_factor,
-        )
         valid = None if padding_mask is None else ~padding_mask  # [T]
+        stats = None  # the fused kernel's (lse [T], score_sums [E], counts [E]): the losses' inputs
+        if self.aux_loss_type != "seq" and uses_fused_router(logits, self.num_groups, self.topk_groups, self.backend):
+            probs, topk_idx, scores, *stats = fused_router_topk_stats(
+                logits, self.topk, self.score_func, self.expert_bias, self.norm_topk_prob,
+                self.routed_scaling_factor, valid,
+            )
+        else:
+            probs, topk_idx, scores = routing(
+                logits,
+                self.topk,
+                self.score_func,
+                self.expert_bias,
+                self.norm_topk_prob,
+                self.num_groups,
+                self.topk_groups,
+                self.routed_scaling_factor,
+                self.backend,
+            )
+        # [E] int64: the valid tokens' routed copies per expert before any capacity drop, when
+        # the fused kernel counted them (the MoE layer's load statistics take them), else None
+        self.last_counts = None if stats is None else stats[2].detach()
         # Under CP: this rank's counted tokens (a device scalar: no host sync) and, once, their sum
         # over the CP group, shared by the aux loss and the z-loss.
         n_local = n_cp = None
         if self.cp_group is not None:
             n_local = (torch.tensor(x.shape[0]) if valid is None else valid.sum()).to(scores.device, scores.dtype)
-        aux_loss, n_cp = self._aux_loss(scores, topk_idx, valid, batch_size, n_local)
-        z_loss = router_z_loss(logits if valid is None else logits[valid])
-        if self.cp_group is not None and self.z_loss_coeff:  # cp x this rank's share, as the aux loss
-            if n_cp is None:
-                n_cp = n_local.clone()
-                dist.all_reduce(n_cp, group=self.cp_group)
-            z_loss = z_loss * (n_local / n_cp.clamp_min(1)) * dist.get_world_size(self.cp_group)
+        attach = self.training and torch.is_grad_enabled() and bool(self.aux_loss_coeff or self.z_loss_coeff)
+        with contextlib.nullcontext() if attach else torch.no_grad():  # else only logged: no autograd record
+            aux_loss, n_cp = self._aux_loss(scores, topk_idx, valid, batch_size, n_local, stats)
+            if stats is not None and (self.score_func == "softmax" or not attach):
+                # the kernel's lse is 0 on padding; its gradient reaches the logits for softmax scores
+                n_valid = max(x.shape[0], 1) if valid is None else valid.sum().clamp_min(1)
+                z_loss = stats[0].square().sum() / n_valid
+            else:
+                z_loss = router_z_loss(logits if valid is None else logits[valid])
+            if self.cp_group is not None and self.z_loss_coeff:  # cp x this rank's share, as the aux loss
+                if n_cp is None:
+                    n_cp = n_local.clone()
+                    dist.all_reduce(n_cp, group=self.cp_group)
+                z_loss = z_loss * (n_local / n_cp.clamp_min(1)) * dist.get_world_size(self.cp_group)
         self.last_aux_loss = aux_loss.detach().float()
         self.last_z_loss = z_loss.detach().float()
 
@@ -182,7 +228,7 @@ class TopKRouter(MegatronModule):
             keep = capacity_keep_mask(topk_idx, probs, self.num_experts, capacity, self.drop_policy)  # [T, K]
             topk_idx = topk_idx.masked_fill(~keep, DROPPED)
             probs = probs.masked_fill(~keep, 0.0)
-        if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
+        if attach:
             probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss_coeff * aux_loss + self.z_loss_coeff * z_loss)
         return probs, topk_idx
 
@@ -193,12 +239,14 @@ class TopKRouter(MegatronModule):
         valid: torch.Tensor | None,
         batch_size: int | None,
         n_local: torch.Tensor | None = None,
+        stats: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """scores [T, E], topk_idx [T, K], valid [T] bool or None -> (the unscaled aux loss, the
         counted tokens summed over the CP group when it was needed here, else None).
 
         Under context parallelism (n_local: this rank's counted tokens): this rank's share of
         the loss of the whole sequences, times the CP size (the mean over the CP ranks is the loss).
+        stats: the fused kernel's (lse, score_sums, counts) over the valid tokens, or None.
         """
         cp = self.cp_group
         cp_size = 1 if cp is None else dist.get_world_size(cp)
@@ -224,19 +272,27 @@ class TopKRouter(MegatronModule):
                 sum_over_ranks=None if cp is None else sum_over_cp,
             )
             return cp_size * loss, None
-        if valid is not None:
+        if valid is not None and stats is None:
             scores, topk_idx = scores[valid], topk_idx[valid]
+
+        def local_counts() -> torch.Tensor:  # [E]
+            return (count_experts(topk_idx, self.num_experts) if stats is None else stats[2]).to(scores.dtype)
+
         counts = n_cp = None
         if self.aux_loss_type == "global" and self.aux_loss_group is not None and dist.get_world_size(self.aux_loss_group) > 1:
-            counts = count_experts(topk_idx, self.num_experts).to(scores.dtype)  # [E]
+            counts = local_counts()
             dist.all_reduce(counts, group=self.aux_loss_group)
         if cp is not None:
             if counts is None:  # the micro-batch's load and token count in one collective: [E + 1]
-                both = sum_over_cp(torch.cat([count_experts(topk_idx, self.num_experts).to(scores.dtype), n_local[None]]))
+                both = sum_over_cp(torch.cat([local_counts(), n_local[None]]))
                 counts, n_cp = both[:-1], both[-1]
             else:
                 n_cp = sum_over_cp(n_local)
-        loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, n_cp)
+        if stats is None:
+            loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, n_cp)
+        else:
+            num_tokens = n_cp if n_cp is not None else (scores.shape[0] if valid is None else valid.sum())
+            loss = load_balancing_loss_from_sums(stats[1], stats[2] if counts is None else counts, num_tokens)
         return cp_size * loss, n_cp
 
     def _keep_expert_bias_fp32(self) -> None:

@@ -160,14 +160,23 @@ def load_balancing_loss(
     scores = scores.to(_acc_dtype(scores.dtype))
     if expert_counts is None:
         expert_counts = count_experts(topk_idx, num_experts)
-    counts = expert_counts.detach().to(scores.dtype)  # [E]
+    return load_balancing_loss_from_sums((scores / scores.sum(-1, keepdim=True)).sum(0), expert_counts, num_tokens)
+
+
+def load_balancing_loss_from_sums(
+    score_sums: torch.Tensor, expert_counts: torch.Tensor, num_tokens: float | torch.Tensor
+) -> torch.Tensor:
+    """load_balancing_loss from its two per-expert sums: score_sums [E] (over the tokens, of each
+    token's scores divided by their sum; carries the gradient) and expert_counts [E] (routed
+    copies; no gradient), over num_tokens tokens (an int or a device scalar)."""
+    counts = expert_counts.detach().to(score_sums.dtype)  # [E]
     f = counts / counts.sum().clamp_min(1)  # [E]
     if isinstance(num_tokens, torch.Tensor):
-        num_tokens = num_tokens.to(scores.dtype).clamp_min(1)
+        num_tokens = num_tokens.to(score_sums.dtype).clamp_min(1)
     else:
         num_tokens = max(num_tokens, 1)
-    p = (scores / scores.sum(-1, keepdim=True)).sum(0) / num_tokens  # [E]
-    return num_experts * (f * p).sum()
+    p = score_sums / num_tokens  # [E]
+    return score_sums.shape[0] * (f * p).sum()
 
 
 def sequence_load_balancing_loss(
