@@ -9,6 +9,7 @@ Shape legend: T tokens, E experts, K experts per token.
 import pytest
 import torch
 
+import megatron_moe_hybrid.ops.moe.topk as topk_module
 from megatron_moe_hybrid.ops.moe.reference import count_experts, router_topk
 from megatron_moe_hybrid.ops.moe.topk import fused_router_topk, fused_router_topk_stats, routing, split_hi_lo
 
@@ -58,8 +59,10 @@ def _reference_stats(logits64, k, score_func, bias, norm, valid):
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("padded", [False, True], ids=["all-valid", "padded"])
-def test_stats_match_reference_forward_and_gradients(score_func, padded):
-    t, e, k = 150, 40, 6  # three blocks of tokens, the last one partial
+@pytest.mark.parametrize("max_programs", [1024, 2], ids=["block-per-program", "blocks-looped"])
+def test_stats_match_reference_forward_and_gradients(score_func, padded, max_programs, monkeypatch):
+    monkeypatch.setattr(topk_module, "MAX_PROGRAMS", max_programs)  # 2: a program loops over 2 blocks
+    t, e, k = 150, 40, 6  # three blocks of 64 tokens, the last one partial
     logits, bias = _inputs(t, e, True)
     valid = torch.rand(t) > 0.3 if padded else None
     x = logits.clone().requires_grad_(True)

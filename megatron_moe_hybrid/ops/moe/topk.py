@@ -28,70 +28,76 @@ except ImportError:  # Triton is optional on CPU
 BACKENDS = ("auto", "torch", "triton")
 ROUTER_ELEMS = 4096  # scores held per program: tokens per program = ROUTER_ELEMS // next_pow2(E)
 MAX_EXPERTS = 4096  # one row of scores must fit in a program's registers
+MAX_PROGRAMS = 1024  # the forward's programs (each loops over token blocks): rows of its per-program sums
 
 
 if triton is not None:
 
     @triton.jit
-    def _router_fwd_kernel(logits, bias, scores, probs, idx, valid, lse, score_sums, counts, T, E, scale,
+    def _router_fwd_kernel(logits, bias, scores, probs, idx, valid, lse, score_sums, counts, T, E, scale, BLOCKS,
                            K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                            SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                            HAS_VALID: tl.constexpr, STATS: tl.constexpr):
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT]
+        # program p takes BLOCKS blocks of BT tokens and writes row p of score_sums and counts
         cols = tl.arange(0, BE)  # [BE]
         kcols = tl.arange(0, BK)  # [BK]
-        rmask = rows < T
         cmask = cols < E
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(logits + rows64[:, None] * E + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past T: -inf, kept finite
-        ex = tl.where(mask, tl.exp(x - m[:, None]), 0.0)
-        sum_ex = tl.where(rmask, tl.sum(ex, axis=1), 1.0)
-        if SOFTMAX:
-            s = ex / sum_ex[:, None]
-        else:
-            s = tl.where(mask, tl.sigmoid(x), 0.0)
-        if STATS:  # z-loss input, and the balance loss's per-program sums over this block's tokens
+        if HAS_BIAS:
+            bias_row = tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sums_acc = tl.zeros([BE], dtype=tl.float32)
+        count = tl.zeros([BE], dtype=tl.int32)
+        for blk in range(0, BLOCKS):
+            rows = (tl.program_id(0).to(tl.int64) * BLOCKS + blk) * BT + tl.arange(0, BT)  # [BT]
+            rmask = rows < T
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(logits + rows[:, None] * E + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past T: -inf, kept finite
+            ex = tl.where(mask, tl.exp(x - m[:, None]), 0.0)
+            sum_ex = tl.where(rmask, tl.sum(ex, axis=1), 1.0)
+            if SOFTMAX:
+                s = ex / sum_ex[:, None]
+            else:
+                s = tl.where(mask, tl.sigmoid(x), 0.0)
             if HAS_VALID:
                 rvalid = rmask & (tl.load(valid + rows, mask=rmask, other=0) != 0)
             else:
                 rvalid = rmask
-            tl.store(lse + rows, tl.where(rvalid, m + tl.log(sum_ex), 0.0), mask=rmask)
-            normed = s / tl.where(rvalid, tl.sum(s, axis=1), 1.0)[:, None]
-            tl.store(score_sums + tl.program_id(0) * E + cols, tl.sum(tl.where(rvalid[:, None], normed, 0.0), axis=0),
-                     mask=cmask)
-            count = tl.zeros([BE], dtype=tl.int32)
-        tl.store(scores + rows64[:, None] * E + cols[None, :], s, mask=mask)
-        sel = s
-        if HAS_BIAS:
-            sel = sel + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        sel = tl.where(sel != sel, float("inf"), sel)  # NaN sorts first, as in torch.sort
-        avail = mask
-        top_i = tl.zeros([BT, BK], dtype=tl.int64)
-        top_p = tl.zeros([BT, BK], dtype=tl.float32)
-        for k in tl.static_range(K):
-            best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)  # [BT]
-            hit = avail & (sel == best[:, None])
-            j = tl.min(tl.where(hit, cols[None, :], BE), axis=1)  # the lowest expert index of the best
-            pick = cols[None, :] == j[:, None]  # [BT, BE]
-            avail = avail & ~pick
-            p = tl.sum(tl.where(pick, s, 0.0), axis=1)  # [BT]
-            top_i = tl.where(kcols[None, :] == k, j.to(tl.int64)[:, None], top_i)
-            top_p = tl.where(kcols[None, :] == k, p[:, None], top_p)
-            if STATS:
-                count += tl.sum((pick & rvalid[:, None]).to(tl.int32), axis=0)
+            if STATS:  # the z-loss input, and the balance loss's sums over this program's tokens
+                tl.store(lse + rows, tl.where(rvalid, m + tl.log(sum_ex), 0.0), mask=rmask)
+                normed = s / tl.where(rvalid, tl.sum(s, axis=1), 1.0)[:, None]
+                sums_acc += tl.sum(tl.where(rvalid[:, None], normed, 0.0), axis=0)
+            tl.store(scores + rows[:, None] * E + cols[None, :], s, mask=mask)
+            sel = s
+            if HAS_BIAS:
+                sel = sel + bias_row
+            sel = tl.where(sel != sel, float("inf"), sel)  # NaN sorts first, as in torch.sort
+            avail = mask
+            top_i = tl.zeros([BT, BK], dtype=tl.int64)
+            top_p = tl.zeros([BT, BK], dtype=tl.float32)
+            for k in tl.static_range(K):
+                best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)  # [BT]
+                hit = avail & (sel == best[:, None])
+                j = tl.min(tl.where(hit, cols[None, :], BE), axis=1)  # the lowest expert index of the best
+                pick = cols[None, :] == j[:, None]  # [BT, BE]
+                avail = avail & ~pick
+                p = tl.sum(tl.where(pick, s, 0.0), axis=1)  # [BT]
+                top_i = tl.where(kcols[None, :] == k, j.to(tl.int64)[:, None], top_i)
+                top_p = tl.where(kcols[None, :] == k, p[:, None], top_p)
+                if STATS:
+                    count += tl.sum((pick & rvalid[:, None]).to(tl.int32), axis=0)
+            if NORM:
+                top_p = top_p / tl.where(rmask, tl.sum(top_p, axis=1), 1.0)[:, None]
+            top_p = top_p * scale
+            kmask = rmask[:, None] & (kcols[None, :] < K)
+            tl.store(probs + rows[:, None] * K + kcols[None, :], top_p, mask=kmask)
+            tl.store(idx + rows[:, None] * K + kcols[None, :], top_i, mask=kmask)
         if STATS:
+            tl.store(score_sums + tl.program_id(0) * E + cols, sums_acc, mask=cmask)
             tl.store(counts + tl.program_id(0) * E + cols, count, mask=cmask)
-        if NORM:
-            top_p = top_p / tl.where(rmask, tl.sum(top_p, axis=1), 1.0)[:, None]
-        top_p = top_p * scale
-        kmask = rmask[:, None] & (kcols[None, :] < K)
-        tl.store(probs + rows64[:, None] * K + kcols[None, :], top_p, mask=kmask)
-        tl.store(idx + rows64[:, None] * K + kcols[None, :], top_i, mask=kmask)
 
     @triton.jit
     def _router_bwd_kernel(scores, idx, grad_probs, grad_scores, valid, grad_lse, grad_sums, grad_logits, T, E, scale,
+                           BLOCKS,
                            K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                            SOFTMAX: tl.constexpr, NORM: tl.constexpr, HAS_GS: tl.constexpr,
                            HAS_VALID: tl.constexpr, HAS_GLSE: tl.constexpr, HAS_GSUMS: tl.constexpr):
@@ -128,7 +134,7 @@ if triton is not None:
         else:
             rvalid = rmask
         if HAS_GSUMS:  # score_sums[e] = sum over valid tokens of s[t, e] / sum_e' s[t, e']
-            gn = tl.load(grad_sums + tl.program_id(0) * E + cols, mask=cmask, other=0.0)[None, :]
+            gn = tl.load(grad_sums + (tl.program_id(0) // BLOCKS) * E + cols, mask=cmask, other=0.0)[None, :]
             total_s = tl.where(rvalid, tl.sum(s, axis=1), 1.0)
             chain = gn / total_s[:, None] - (tl.sum(gn * s, axis=1) / (total_s * total_s))[:, None]
             g += tl.where(rvalid[:, None], chain, 0.0)
@@ -187,7 +193,8 @@ def _blocks(num_experts: int, topk: int) -> dict:
 
 class _FusedRouterTopK(torch.autograd.Function):
     """logits [T, E] -> probs [T, K], idx [T, K], scores [T, E], and with stats: lse [T] (0 on
-    invalid tokens), score_sums [P, E] and counts [P, E] int32, one row per program."""
+    invalid tokens), score_sums [P, E] and counts [P, E] int32, one row per program (at most
+    MAX_PROGRAMS: a program takes several blocks of tokens when there are more)."""
 
     @staticmethod
     def forward(ctx, logits, bias, valid, topk, softmax, norm, scale, stats):
@@ -196,7 +203,8 @@ class _FusedRouterTopK(torch.autograd.Function):
         num_tokens, num_experts = logits.shape
         f32, dev = torch.float32, logits.device
         blocks = _blocks(num_experts, topk)
-        programs = triton.cdiv(num_tokens, blocks["BT"])
+        per_program = max(1, triton.cdiv(triton.cdiv(num_tokens, blocks["BT"]), MAX_PROGRAMS))  # token blocks
+        programs = triton.cdiv(num_tokens, blocks["BT"] * per_program)
         scores = torch.empty(num_tokens, num_experts, dtype=f32, device=dev)  # [T, E]
         probs = torch.empty(num_tokens, topk, dtype=f32, device=dev)  # [T, K]
         idx = torch.empty(num_tokens, topk, dtype=torch.int64, device=dev)  # [T, K]
@@ -209,12 +217,12 @@ class _FusedRouterTopK(torch.autograd.Function):
         if num_tokens:
             _router_fwd_kernel[(programs,)](
                 logits, scores if bias is None else bias, scores, probs, idx, scores if valid is None else valid,
-                lse, score_sums, counts, num_tokens, num_experts, float(scale),
+                lse, score_sums, counts, num_tokens, num_experts, float(scale), per_program,
                 K=topk, BK=triton.next_power_of_2(topk), SOFTMAX=softmax, HAS_BIAS=bias is not None,
                 NORM=norm, HAS_VALID=valid is not None, STATS=stats, **blocks)
         ctx.save_for_backward(scores, idx, valid)
         ctx.mark_non_differentiable(idx)
-        ctx.cfg = (topk, softmax, norm, float(scale), logits.dtype)
+        ctx.cfg = (topk, softmax, norm, float(scale), logits.dtype, per_program)
         if not stats:
             return probs, idx, scores
         ctx.mark_non_differentiable(counts)
@@ -225,7 +233,7 @@ class _FusedRouterTopK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_idx, grad_scores, grad_lse=None, grad_sums=None, _grad_counts=None):
         scores, idx, valid = ctx.saved_tensors
-        topk, softmax, norm, scale, dtype = ctx.cfg
+        topk, softmax, norm, scale, dtype, per_program = ctx.cfg
         num_tokens, num_experts = scores.shape
         grad_logits = torch.empty(num_tokens, num_experts, dtype=dtype, device=scores.device)
         blocks = _blocks(num_experts, topk)
@@ -234,7 +242,7 @@ class _FusedRouterTopK(torch.autograd.Function):
             gp, gs, glse, gsums = (scores if g is None else g for g in grads)
             _router_bwd_kernel[(triton.cdiv(num_tokens, blocks["BT"]),)](
                 scores, idx, gp, gs, scores if valid is None else valid, glse, gsums, grad_logits,
-                num_tokens, num_experts, scale, K=topk if grads[0] is not None else 0, SOFTMAX=softmax, NORM=norm,
+                num_tokens, num_experts, scale, per_program, K=topk if grads[0] is not None else 0, SOFTMAX=softmax, NORM=norm,
                 HAS_GS=grads[1] is not None, HAS_VALID=valid is not None, HAS_GLSE=grads[2] is not None,
                 HAS_GSUMS=grads[3] is not None, **blocks)
         return grad_logits, None, None, None, None, None, None, None
