@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+STATE_DTYPE = "fp32"  # --optimizer-state-dtype
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200", "lora.json")
 
 MODEL = {  # about 1.2B parameters: 8 layers LLLS x 2, 16 experts of 3 x 2048 x 1024
@@ -57,6 +58,7 @@ def build(raw, kind, world, device):
     from megatron_moe_hybrid.layers.lora import apply_lora
     from megatron_moe_hybrid.models import build_model
     from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
+    from megatron_moe_hybrid.training.optim import make_optimizer
 
     overrides = {"parallel.world_size": world, "parallel.expert_model_parallel_size": world,
                  "training.global_batch_size": raw["training"]["micro_batch_size"] * world}
@@ -78,7 +80,7 @@ def build(raw, kind, world, device):
     model = model.to(device)
     apply_fsdp(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4) if params else None
+    opt = make_optimizer(params, 1e-4, (0.9, 0.95), 0.01, STATE_DTYPE) if params else None
     if kind == "frozen":  # activations still need their gradients: start them at the embedding
         model.embedding.register_forward_hook(lambda m, i, out: out.detach().requires_grad_(True))
     return config, model, opt
@@ -96,6 +98,8 @@ def count(model, trainable):
 
 def run(kind, raw, world, rank, device, reps, warmup):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_moe_hybrid.training.optim import optimizer_state_bytes
 
     config, model, opt = build(raw, kind, world, device)
     t = config.training
@@ -141,10 +145,9 @@ def run(kind, raw, world, rank, device, reps, warmup):
         kind=kind, ms=round(float(ms), 3), tokens_per_s_per_gpu=round(tokens_per_gpu / float(ms) * 1e3),
         peak_mem_bytes=int(peak), trainable_params_per_rank=count(model, True),
         params_per_rank=count(model, False), first_loss=losses[0], last_loss=losses[-1],
-        optimizer_state_bytes_per_rank=sum(
-            v.numel() * v.element_size() for s in (opt.state.values() if opt else []) for v in s.values()
-            if torch.is_tensor(v) and v.dim() > 0
-        ),
+        # this rank's shards (a DTensor's numel() is the global size)
+        optimizer_state_bytes_per_rank=optimizer_state_bytes(opt) if opt else 0,
+        optimizer_state_dtype=STATE_DTYPE,
     )
     del model, opt
     if cuda:
@@ -159,7 +162,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--kinds", default="frozen,lora,lora_shared,full", help="which steps to time (frozen first)")
+    ap.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="AdamW's moments (training.optimizer_state_dtype); bf16 as DeepSeek-V3")
     args = ap.parse_args()
+    global STATE_DTYPE
+    STATE_DTYPE = args.optimizer_state_dtype
     cuda = torch.cuda.is_available() and not args.tiny
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")

@@ -204,6 +204,9 @@ class TrainingConfig:
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    # AdamW's moments in "fp32" (torch.optim.AdamW) or "bf16" (DeepSeek-V3: half the optimizer
+    # state; training/optim.py's BF16StateAdamW, adam_beta2 <= 0.99)
+    optimizer_state_dtype: str = "fp32"
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 1234
     log_interval: int = 1
@@ -770,6 +773,17 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(t.keep_checkpoints >= 1, "training.keep_checkpoints", f"must be >= 1, got {t.keep_checkpoints}")
     for name in ("adam_beta1", "adam_beta2"):
         _require(0 <= getattr(t, name) < 1, f"training.{name}", f"must be within [0, 1), got {getattr(t, name)}")
+    _require(
+        t.optimizer_state_dtype in ("fp32", "bf16"),
+        "training.optimizer_state_dtype",
+        f"{t.optimizer_state_dtype!r} is not 'fp32' or 'bf16'",
+    )
+    _require(
+        t.optimizer_state_dtype != "bf16" or t.adam_beta2 <= 0.99,
+        "training.adam_beta2",
+        f"{t.adam_beta2} is above 0.99, where a bf16 second moment (training.optimizer_state_dtype: bf16) "
+        "moves by less than its rounding step and stalls; lower adam_beta2 (DeepSeek-V3: 0.95) or keep fp32 state",
+    )
     _require(
         t.resume in ("auto", "none") or os.path.isdir(t.resume),
         "training.resume",

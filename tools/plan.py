@@ -10,8 +10,8 @@ numel()). Memory is a model of what a rank holds at its peak:
 
     weights      base weights (bf16) / EP for experts, / data-parallel replicas under FSDP2
     gradients    trainable parameters only (fp32 main gradients)
-    optimizer    fp32 master copy + Adam moments of trainable parameters; with
-                 offload_optimizer these and the fp32 gradients live in host memory
+    optimizer    fp32 master copy + Adam moments (fp32, or bf16 with optimizer_state_dtype)
+                 of trainable parameters; with offload_optimizer these and the fp32 gradients live in host memory
                  (ZeRO-Offload style) and the device keeps one layer's bf16 gradient bucket
     activations  saved activations of the layers of one micro-batch: the model of fused kernels
                  (_activation_bytes_per_token), or with --probe what our layers save, measured by
@@ -68,6 +68,7 @@ class Cluster:
     seq_length: int = 4096
     weight_bytes: int = 2  # bf16 base weights
     master_weights: bool = True  # full training with weight_bytes < 4 keeps an fp32 master copy
+    optimizer_state_dtype: str = "fp32"  # Adam's moments: "fp32" | "bf16" (training.optimizer_state_dtype)
     headroom: float = 0.9  # usable fraction of HBM (allocator fragmentation, workspaces)
 
     def validate(self) -> None:
@@ -77,6 +78,8 @@ class Cluster:
 
         need(self.training in ("lora", "full"), "training", f"{self.training!r} is not 'lora' or 'full'")
         need(self.recompute in ("none", "full"), "recompute", f"{self.recompute!r} is not 'none' or 'full'")
+        need(self.optimizer_state_dtype in ("fp32", "bf16"), "optimizer_state_dtype",
+             f"{self.optimizer_state_dtype!r} is not 'fp32' or 'bf16'")
         need(self.expert_adapter in ("per_expert", "shared"), "expert_adapter",
              f"{self.expert_adapter!r} is not 'per_expert' or 'shared'")
         # Megatron's two grids: dense TP x PP x CP x DP and expert TP x PP x EP x expert-DP.
@@ -330,7 +333,8 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     # dtype (torch's AdamW on bf16 parameters); LoRA adapters are fp32 either way.
     pure = cl.training == "full" and wb < 4 and not cl.master_weights
     state_bytes = wb if pure else 4
-    optimizer_bytes = (master + 2 * state_bytes) * trainable_local
+    moment_bytes = 2 if cl.optimizer_state_dtype == "bf16" else state_bytes  # BF16StateAdamW: bf16 moments
+    optimizer_bytes = (master + 2 * moment_bytes) * trainable_local
     if cl.offload_optimizer:
         layer_trainable = trainable_local / max(1, c.num_layers / pp)
         gradients, optimizer = 2 * layer_trainable, 0.0  # one layer's bf16 bucket in flight
@@ -619,12 +623,13 @@ def measure_peak(c: HybridMoEConfig, cl: Cluster, device: str = "cpu", micro_bat
     import torch
 
     from megatron_moe_hybrid.testing import init_megatron, teardown
+    from megatron_moe_hybrid.training.optim import make_optimizer
 
     run = _run_config(c, cl)
     with _maybe_megatron(init_megatron, teardown):
         model = _build(run, device)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-5)
+        opt = make_optimizer(params, 1e-5, (0.9, 0.95), 0.0, cl.optimizer_state_dtype)
         batches = [_batch(run, cl.micro_batch_size, cl.seq_length, device, seed=m) for m in range(micro_batches)]
 
         def step():

@@ -3,7 +3,8 @@
 One step: for each micro-batch of this data-parallel rank, forward (the chunked loss returns
 [b, s] per-token losses) and backward; then gradients are summed over replicas and divided
 by the data-parallel size (parallel.data_parallel; under parallel.fsdp FSDP2 reduce-scatters
-them, parallel.fsdp), clipped by the global norm, and AdamW steps. Sample i of the run is
+them, parallel.fsdp), clipped by the global norm, and AdamW steps (its moments in fp32 or, with
+training.optimizer_state_dtype: bf16, in bf16: training/optim.py). Sample i of the run is
 always the same sequence (the dataset indexes statelessly), so the data position is just
 `step * global_batch_size` and resume is exact.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_hybrid.config import HybridMoEConfig, save_config
+from megatron_moe_hybrid.training.optim import make_optimizer
 
 
 class TrainingStopped(RuntimeError):
@@ -317,8 +319,8 @@ class Trainer:
                 )
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        self.optimizer = make_optimizer(
+            self.params, t.lr, (t.adam_beta1, t.adam_beta2), t.weight_decay, t.optimizer_state_dtype
         )
         if config.memory.activation_offload:  # after fully_shard: it hooks the modules that run
             from megatron_moe_hybrid.parallel.offload import ActivationOffload

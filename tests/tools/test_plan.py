@@ -136,6 +136,8 @@ MEASURED = {
     # bf16 weights, gradients and Adam moments (AdamW straight on bf16 parameters, no master copy)
     "LLLS-full-bf16": ({"model.params_dtype": "bfloat16"},
                        {"training": "full", "weight_bytes": 2, "master_weights": False, "seq_length": 256}),
+    # Adam's moments in bf16 (training.optimizer_state_dtype: bf16) on fp32 weights
+    "LLLS-full-bf16-moments": ({}, {"training": "full", "optimizer_state_dtype": "bf16", "seq_length": 64}),
 }
 
 
