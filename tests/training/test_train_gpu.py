@@ -58,3 +58,16 @@ def test_gpu_run_matches_cpu_resumes_and_fine_tunes(corpus, cache_dir, tmp_path,
     adapter = load_file(os.path.join(tuned["adapter"], "adapter_model.safetensors"))
     assert tuned["on_gpu"] and len(tuned["losses"]) == 4
     assert any(k.endswith("lora_B") and v.abs().sum() > 0 for k, v in adapter.items())
+
+
+def test_bf16_optimizer_state_on_the_gpu_follows_the_cpu(corpus, cache_dir, tmp_path, raw_config):
+    """training.optimizer_state_dtype bf16: the GPU run's curve equals the CPU run's (fp32 weights,
+    bf16 moments on both) to the tolerance of the fp32 comparison above."""
+    steps = {"training.train_steps": 6, "training.warmup_steps": 2, "training.optimizer_state_dtype": "bf16"}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "cpu"), **steps)
+    (cpu,) = spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "gpu"), **steps)
+    (gpu,) = spawn(_train, 1, raw, ov, backend="nccl")
+    assert gpu["on_gpu"] and len(gpu["losses"]) == 6 and gpu["losses"][-1] < gpu["losses"][0]
+    for a, b in zip(gpu["losses"], cpu["losses"]):
+        assert abs(a - b) <= 1e-2 * abs(b), (gpu["losses"], cpu["losses"])

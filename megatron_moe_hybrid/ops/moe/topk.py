@@ -80,7 +80,13 @@ if triton is not None:
                 j = tl.min(tl.where(hit, cols[None, :], BE), axis=1)  # the lowest expert index of the best
                 pick = cols[None, :] == j[:, None]  # [BT, BE]
                 avail = avail & ~pick
-                p = tl.sum(tl.where(pick, s, 0.0), axis=1)  # [BT]
+                # the chosen score from its logit (the same operations as s: the same bits), not
+                # a third reduction over the E lanes
+                xj = tl.load(logits + rows * E + j, mask=rmask, other=0.0).to(tl.float32)  # [BT]
+                if SOFTMAX:
+                    p = tl.exp(xj - m) / sum_ex
+                else:
+                    p = tl.sigmoid(xj)
                 top_i = tl.where(kcols[None, :] == k, j.to(tl.int64)[:, None], top_i)
                 top_p = tl.where(kcols[None, :] == k, p[:, None], top_p)
                 if STATS:
