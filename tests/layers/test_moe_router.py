@@ -211,3 +211,45 @@ def test_fused_router_equals_the_reference_router(aux_loss_type, score_func, pad
     assert torch.equal(ref[1], fused[1])
     for a, w in zip(fused[:1] + fused[2:], ref[:1] + ref[2:]):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)
+
+
+def _cp_router_run(rank, world, aux_loss_type):
+    """One rank's half of the tokens under context parallelism (and, for "global", the group
+    summing the loads), through router_backend torch and triton."""
+    import torch.distributed as dist
+
+    torch.manual_seed(11)
+    x_all = torch.randn(2 * 12, H)
+    g_all = torch.randn(2 * 12, 2)
+    mask_all = torch.rand(2 * 12) < 0.25
+    rows = slice(rank * 12, (rank + 1) * 12)
+    out = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True)
+        cfg.moe = types.SimpleNamespace(
+            num_experts=E, topk=2, score_func="softmax", aux_loss_coeff=0.2, z_loss_coeff=0.05, expert_bias=False,
+            bias_update_rate=1e-3, capacity_factor=None, aux_loss_type=aux_loss_type, router_backend=backend,
+        )
+        group = dist.group.WORLD
+        router = TopKRouter(cfg, aux_loss_group=group if aux_loss_type == "global" else None,
+                            cp_group=group if aux_loss_type != "global" else None).float()
+        x = x_all[rows].clone().requires_grad_(True)
+        probs, idx = router(x, mask_all[rows], batch_size=1)
+        grads = torch.autograd.grad(probs, [x, router.weight], g_all[rows])
+        out[backend] = (probs, idx, router.last_aux_loss, router.last_z_loss, *grads)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("aux_loss_type", ["micro_batch", "global"], ids=["cp2", "global-group2"])
+def test_fused_router_equals_the_reference_across_ranks(aux_loss_type):
+    """The fused router's losses from its sums and counts under context parallelism (loads and
+    token counts summed over the CP group) and over an aux-loss group: equal to the reference."""
+    from megatron_moe_hybrid.testing import spawn
+
+    for out in spawn(_cp_router_run, 2, aux_loss_type):
+        ref, fused = out["torch"], out["triton"]
+        assert torch.equal(ref[1], fused[1])
+        for a, w in zip(fused[:1] + fused[2:], ref[:1] + ref[2:]):
+            torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)
