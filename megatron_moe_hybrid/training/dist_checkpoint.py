@@ -9,7 +9,8 @@ This is torchtitan's layout. Megatron-Core's own dist_checkpointing "torch_dist"
 the same DCP files but needs CUDA (its async writer synchronises the device), so we call DCP.
 
     save_dist_checkpoint(path, model)            all ranks; written atomically (tmp, rename)
-    load_dist_checkpoint(path, model)            all ranks; each reads only its own shards
+    load_dist_checkpoint(path, model)            all ranks; each reads only its own shards (also
+                                                 into FSDP2 shards and LoRA-wrapped base weights)
     DistCheckpointReader(path).get(key)          one tensor at a time, in the global naming of
                                                  training/checkpoint.py (experts: `<name>.expert<g>`)
 """
@@ -53,31 +54,71 @@ def _mesh(group, device: torch.device):
     return DeviceMesh.from_group(group, device.type)
 
 
-def _dcp_state_dict(model: torch.nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """{name: DTensor (sharded over EP or TP) or Tensor (replicated)} viewing this rank's share of
-    the model's tensors (or of `tensors`: the same names and local shapes)."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("model: FSDP2-sharded parameters; save or load a dist checkpoint before fully_shard")
+def _expert_grid_mesh(device: torch.device):
+    """The (expert-parallel, expert-data-parallel) 2-D mesh over the world, from Megatron's
+    groups: what an FSDP2-sharded expert weight's local rows are of the global [E, ...] tensor
+    (EP splits E, then expert-dp splits each rank's E_local as FSDP2 does). Needs every rank in
+    one EP x expert-dp grid (tensor and pipeline parallel size 1)."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ep, edp = ps.get_expert_model_parallel_world_size(), ps.get_expert_data_parallel_world_size()
+    if ep * edp != dist.get_world_size():
+        raise CheckpointError(
+            f"a dist checkpoint loads into FSDP2-sharded experts over one EP x expert-dp grid; EP {ep} x "
+            f"expert-dp {edp} != world {dist.get_world_size()}: load it before fully_shard (parallel.fsdp: false)"
+        )
+    mine = [dist.get_rank(), ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    grid = torch.empty(ep, edp, dtype=torch.int64)
+    for rank, i, j in everyone:
+        grid[i, j] = rank
+    groups = [ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group()]
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=("ep", "edp"))
+
+
+def _dcp_state_dict(model: torch.nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None,
+                    names: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{name: DTensor (sharded over EP or TP, or FSDP2's shards) or Tensor (replicated)} viewing
+    this rank's share of the model's tensors (or of `tensors`: the same names and local shapes).
+    names: model name -> checkpoint name (a LoRA wrapper's `x.base.weight` read as `x.weight`).
+
+    FSDP2-sharded parameters (DTensors over the dp or expert-dp mesh) are their own global view,
+    except routed experts under EP: their FSDP2 tensor is this EP rank's [E_local, ...], which a
+    (ep, expert-dp) mesh with two row splits places in the global [E, ...]."""
     from megatron.core import parallel_state as ps
 
     parallel = dist.is_initialized() and ps.model_parallel_is_initialized()
     ep_size = ps.get_expert_model_parallel_world_size() if parallel else 1
     tp_size = ps.get_tensor_model_parallel_world_size() if parallel else 1
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if sharded and tp_size > 1:
+        raise CheckpointError("a dist checkpoint loads into an FSDP2-sharded model at tensor parallel size 1 only")
     experts = _expert_params(model)
     params = dict(model.named_parameters())
+    grid = None
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
             continue
         data = tensor.detach() if tensors is None else tensors[name]
         p = params.get(name)
-        if name in experts and ep_size > 1:  # [E_local, ...] rows ep_rank * E_local ... of [E, ...]
+        key = name if names is None else names.get(name, name)
+        if isinstance(data, DTensor):  # FSDP2: shards of a global tensor
+            if name in experts and ep_size > 1:
+                if grid is None:
+                    grid = _expert_grid_mesh(data.device)
+                shape = (ep_size * data.shape[0], *data.shape[1:])
+                data = DTensor.from_local(data.to_local(), grid, [Shard(0), Shard(0)], run_check=False,
+                                          shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        elif name in experts and ep_size > 1:  # [E_local, ...] rows ep_rank * E_local ... of [E, ...]
             data = DTensor.from_local(data, _mesh(ps.get_expert_model_parallel_group(), data.device), [Shard(0)],
                                       run_check=False)  # fmt: skip
         elif p is not None and getattr(p, "tensor_model_parallel", False) and tp_size > 1:
             data = DTensor.from_local(data, _mesh(ps.get_tensor_model_parallel_group(), data.device),
                                       [Shard(p.partition_dim)], run_check=False)  # fmt: skip
-        out[name] = data
+        out[key] = data
     return out
 
 
@@ -159,19 +200,26 @@ def _stored(path: str) -> dict[str, Any]:
 
 
 def load_dist_checkpoint(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
-    """Loads this rank's share of every model tensor; returns the names the checkpoint lacks
-    (strict=True raises on any). Global shapes are checked before anything is read."""
+    """Loads this rank's share of every model tensor; returns the model names the checkpoint
+    lacks (strict=True raises on any). Global shapes are checked before anything is read. The
+    model may be FSDP2-sharded (each rank then reads its shards only) and LoRA-wrapped (a base
+    tensor `<wrapper>.base.weight` is read from the checkpoint's `<wrapper>.weight`)."""
+    from .checkpoint import _unwrapped_name
+
     if not is_dist_checkpoint(path):
         raise CheckpointError(f"{path}: not a dist checkpoint of ours (no .metadata and {META_FILE})")
     stored = _stored(path)
     state = model.state_dict()
+    unwrapped = _unwrapped_name(model)
+    names = {n: (n if n in stored or unwrapped(n) not in stored else unwrapped(n)) for n in state}
     # Read in the stored dtype (DCP copies bytes), then cast into the model.
     buffers = {
-        name: torch.empty_like(t, dtype=stored[name].properties.dtype) if name in stored else t
+        name: torch.empty_like(t, dtype=stored[names[name]].properties.dtype) if names[name] in stored else t
         for name, t in state.items() if isinstance(t, torch.Tensor)
     }  # fmt: skip
-    wanted = _dcp_state_dict(model, buffers)
-    missing = sorted(k for k in wanted if k not in stored)
+    wanted = _dcp_state_dict(model, buffers, names)
+    model_name = {names[n]: n for n in buffers}
+    missing = sorted(model_name[k] for k in wanted if k not in stored)
     if missing and strict:
         raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for key, t in wanted.items():
@@ -179,11 +227,12 @@ def load_dist_checkpoint(path: str, model: torch.nn.Module, strict: bool = True)
             raise CheckpointError(
                 f"{path}: tensor {key} has global shape {tuple(stored[key].size)}, the model expects {tuple(t.shape)}"
             )
-    request = {k: v for k, v in wanted.items() if k not in missing}
+    request = {k: v for k, v in wanted.items() if k in stored}
     dcp.load(request, storage_reader=FileSystemReader(path))
     with torch.no_grad():
         for key in request:
-            state[key].copy_(buffers[key].to(state[key].dtype))
+            name = model_name[key]
+            state[name].copy_(buffers[name].to(state[name].dtype))
     return missing
 
 

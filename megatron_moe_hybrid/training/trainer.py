@@ -266,20 +266,15 @@ class Trainer:
         _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
         from megatron_moe_hybrid.models import materialize
-        from megatron_moe_hybrid.training.dist_checkpoint import find_dist_checkpoint
 
         # The meta-device model is wrapped (LoRA) and, with FSDP2, sharded, then given storage
         # on this rank's device and filled: each rank allocates its shards only. From scratch
         # models.initialize draws the pieces on the CPU one at a time (each from its own seed:
         # the weights build_model(config, seed=training.seed) gives, whatever the sharding); from
-        # a safetensors checkpoint each rank reads its shards (a tensor the checkpoint lacks is
-        # an error, LoRA adapters excepted: drawn anew, or a LoRA run's checkpoint's); a dist
-        # checkpoint loads into the whole model first (it reshards as it loads).
+        # a checkpoint (safetensors, or a dist checkpoint, which reshards as it loads) each rank
+        # reads its shards (a tensor the checkpoint lacks is an error, LoRA adapters excepted:
+        # drawn anew, or a LoRA run's checkpoint's).
         from_scratch = t.init_from is None
-        load_late = from_scratch or find_dist_checkpoint(t.init_from) is None
-        if not load_late:
-            materialize(self.model, self.device)
-            ckpt.load_model_weights(t.init_from, self.model)
         if config.lora.enabled:
             from megatron_moe_hybrid.layers.lora import apply_lora
 
@@ -299,12 +294,12 @@ class Trainer:
             from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
             apply_fsdp(self.model, config, device_type=self.device.type)
-        if load_late and from_scratch:
+        if from_scratch:
             from megatron_moe_hybrid.models import initialize
 
             materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
             initialize(self.model, config, t.seed)
-        elif load_late:
+        else:
             materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
             missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
             adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()

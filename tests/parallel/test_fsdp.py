@@ -279,3 +279,58 @@ def test_meta_model_sharded_before_storage_holds_only_its_shards():
         assert r["local"]["dense"] <= 0.52 * r["full"]["dense"], r
         assert r["local"]["experts"] == r["full"]["experts"] > 0, r
     assert results[0]["local"]["dense"] + results[1]["local"]["dense"] == results[0]["full"]["dense"]
+
+
+def _to_dist_checkpoint(rank, world_size, raw, overrides, src, dst):
+    """The base run's safetensors checkpoint rewritten as a dist checkpoint (one process)."""
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.testing import init_megatron
+    from megatron_moe_hybrid.training.checkpoint import load_model_weights
+    from megatron_moe_hybrid.training.dist_checkpoint import save_dist_checkpoint
+
+    init_megatron(rank, world_size)
+    model = build_model(config_from_dict(raw, overrides))
+    load_model_weights(src, model)
+    save_dist_checkpoint(dst, model)
+    return True
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(base_dir, corpus, cache_dir, tmp_path_factory, raw_config):
+    path = str(tmp_path_factory.mktemp("dcp") / "dcp")
+    raw, ov = raw_config(corpus, cache_dir, base_dir, **{"training.train_steps": 3, "training.global_batch_size": 8})
+    assert spawn(_to_dist_checkpoint, 1, raw, ov, base_dir, path) == [True]
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dist_checkpoint_init_loads_into_fsdp_shards(base_dir, dcp_dir, corpus, cache_dir, tmp_path, raw_config):
+    """training.init_from a dist checkpoint under FSDP2 + EP=2 x expert-dp 2: each rank reads its
+    shards (experts through the (ep, expert-dp) grid) and the run equals one process's."""
+    common = {**FULL, "training.init_from": dcp_dir, "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model")}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "single"), **common)
+    (single,) = spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "safetensors"), **{**common, "training.init_from": base_dir})
+    (from_safetensors,) = spawn(_train, 1, raw, ov)
+    assert single["losses"] == from_safetensors["losses"]  # the same weights in both formats
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **common, **_layout(4, 2))
+    runs = spawn(_train, 4, raw, ov)
+    _assert_losses_close(single["losses"], runs[0]["losses"])
+    _assert_tensors_close(_tensors(single["checkpoint"]), _tensors(runs[0]["checkpoint"]))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_from_a_dist_checkpoint_under_fsdp(base_dir, dcp_dir, corpus, cache_dir, tmp_path, raw_config):
+    """LoRA under FSDP2 + EP=2 from a dist checkpoint: the wrapped base weights read their
+    unwrapped names, the adapters start fresh, and the run equals one process's from safetensors."""
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "single"), **_lora_overrides(base_dir))
+    (single,) = spawn(_train, 1, raw, ov, "finetune")
+    lora = _lora_overrides(base_dir, **{"training.init_from": dcp_dir})
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **lora, **_layout(2, 2))
+    runs = spawn(_train, 2, raw, ov, "finetune")
+    _assert_losses_close(single["losses"], runs[0]["losses"])
+    ref_adapter = load_file(os.path.join(single["adapter"], "adapter_model.safetensors"))
+    _assert_tensors_close(ref_adapter, load_file(os.path.join(runs[0]["adapter"], "adapter_model.safetensors")))
