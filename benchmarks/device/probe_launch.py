@@ -35,6 +35,17 @@ def per_call(fn, n=2000):
     return dict(host_us=round((t1 - t0) / n * 1e6, 2), wall_us=round((t2 - t0) / n * 1e6, 2))
 
 
+def profile_table(step, iters, sort_by, rows):
+    """The profiler's CPU + CUDA table of `iters` calls of step, and the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows), prof
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -56,8 +67,8 @@ def main():
     rows["aten torch.empty(16384, 8)"] = per_call(lambda: torch.empty(16384, 8, device="cuda"))
     rows["triton trivial kernel[grid](x, n, BLOCK=)"] = per_call(lambda: _trivial[(1,)](x, 1024, BLOCK=1024))
     rows["triton router fwd kernel launch only"] = per_call(lambda: _router_fwd_kernel[(1024,)](
-        logits, scores, scores, probs, tk, 16384, 64, 1.0, K=8, BK=8, BT=64, BE=64, SOFTMAX=True, HAS_BIAS=False,
-        NORM=False, num_warps=4))
+        logits, scores, scores, probs, tk, scores, scores, scores, scores, 16384, 64, 1.0, 1, K=8, BK=8, BT=64, BE=64,
+        SOFTMAX=True, HAS_BIAS=False, NORM=False, HAS_VALID=False, STATS=False, num_warps=4))
     with torch.no_grad():
         rows["fused_router_topk no grad"] = per_call(lambda: fused_router_topk(logits, 8))
         rows["torch softmax+sort+gather no grad"] = per_call(
@@ -75,13 +86,7 @@ def main():
     for name, r in rows.items():
         print(f"{name:48s} host {r['host_us']:8.2f} us  wall {r['wall_us']:8.2f} us", flush=True)
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            fused_step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+    table, _ = profile_table(fused_step, 20, "cpu_time_total", 30)
     print(table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_launch.json"), "w") as f:
@@ -116,13 +121,7 @@ def layer_profile(out):
         layer.router.backend = backend
         r = per_call(step, 30)
         print(f"S1 layer fwd+bwd router {backend:5s}: host {r['host_us']:.1f} us wall {r['wall_us']:.1f} us per step")
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+    table, prof = profile_table(step, 5, "self_cpu_time_total", 45)
     print(table)
     with open(os.path.join(out, "probe_layer_profile.txt"), "w") as f:
         f.write(table)

@@ -11,7 +11,13 @@ import torch
 
 import megatron_moe_hybrid.ops.moe.topk as topk_module
 from megatron_moe_hybrid.ops.moe.reference import count_experts, router_topk
-from megatron_moe_hybrid.ops.moe.topk import fused_router_topk, fused_router_topk_stats, routing, split_hi_lo
+from megatron_moe_hybrid.ops.moe.topk import (
+    fused_router_topk,
+    routing,
+    split_hi_lo,
+    split_hi_lo_reference,
+    uses_fused_router,
+)
 
 CASES = [  # T, E, K, score_func, bias, norm, scale
     (1, 4, 1, "softmax", False, None, 1.0),
@@ -66,7 +72,7 @@ def test_stats_match_reference_forward_and_gradients(score_func, padded, max_pro
     logits, bias = _inputs(t, e, True)
     valid = torch.rand(t) > 0.3 if padded else None
     x = logits.clone().requires_grad_(True)
-    got = fused_router_topk_stats(x, k, score_func, bias, None, 1.0, valid)
+    got = fused_router_topk(x, k, score_func, bias, None, 1.0, valid, stats=True)
     x64 = logits.double().requires_grad_(True)
     want = _reference_stats(x64, k, score_func, bias.double(), None, valid)
     assert torch.equal(got[1], want[1]) and torch.equal(got[5], want[5]) and got[5].dtype == torch.int64
@@ -85,8 +91,8 @@ def test_stats_match_reference_forward_and_gradients(score_func, padded, max_pro
 
 def test_stats_repeat_bitwise():
     logits, _ = _inputs(300, 64, False)
-    a = fused_router_topk_stats(logits, 8)
-    b = fused_router_topk_stats(logits, 8)
+    a = fused_router_topk(logits, 8, stats=True)
+    b = fused_router_topk(logits, 8, stats=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -148,11 +154,16 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="backend"):
         routing(torch.randn(3, 8), 2, backend="cuda")
     with pytest.raises(ValueError, match="valid"):
-        fused_router_topk_stats(torch.randn(3, 8), 2, valid=torch.ones(4, dtype=torch.bool))
+        fused_router_topk(torch.randn(3, 8), 2, valid=torch.ones(4, dtype=torch.bool), stats=True)
 
 
 def test_auto_takes_the_reference_for_groups_and_cpu():
     logits = torch.randn(12, 16)
+    # the dispatch itself: the reference's results alone could not tell the two apart
+    assert not uses_fused_router(logits, 1, 1, "auto")  # CPU logits
+    assert not uses_fused_router(logits, 4, 2, "auto")  # group-limited
+    assert uses_fused_router(logits, 1, 1, "triton") and uses_fused_router(logits, 4, 4, "triton")
+    assert not uses_fused_router(logits, 1, 1, "torch")
     for kw in (dict(), dict(num_groups=4, topk_groups=2)):
         got = routing(logits, 3, backend="auto", **kw)
         want = router_topk(logits, 3, **kw)
@@ -189,6 +200,7 @@ def test_split_hi_lo_layout_and_values(along_rows):
     lo = (a - hi.float()).half()
     want = torch.cat([hi, lo, hi]) if along_rows else torch.cat([hi, hi, lo], dim=1)
     assert torch.equal(out, want)
+    assert torch.equal(split_hi_lo_reference(a, torch.float16, along_rows), want)
     assert float((hi.double() + lo.double() - a.double()).abs().max()) < 1e-6 * float(a.abs().max())
     with pytest.raises(ValueError, match="float32"):
         split_hi_lo(a.double(), torch.float16, along_rows)

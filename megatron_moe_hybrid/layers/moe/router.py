@@ -20,13 +20,7 @@ from megatron_moe_hybrid.ops.moe.reference import (
     router_z_loss,
     sequence_load_balancing_loss,
 )
-from megatron_moe_hybrid.ops.moe.topk import (
-    fused_router_topk_stats,
-    routing,
-    split_hi_lo,
-    triton_available,
-    uses_fused_router,
-)
+from megatron_moe_hybrid.ops.moe.topk import fused_router_topk, routing, split_hi_lo, uses_fused_router
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -41,8 +35,7 @@ class _SplitPrecisionLogits(torch.autograd.Function):
     times as much: with the bf16 model's bf16 gate it took 1.4 ms of each layer's forward and
     backward on the H200 at 16k tokens. The backward splits the fp32 upstream gradient the same
     way; grad x is rounded to x's dtype, as any activation gradient, grad w is fp32 before the
-    cast to w's dtype. With Triton each split is one kernel (split_hi_lo) that writes the
-    stacked operand directly.
+    cast to w's dtype. Each split is one pass (split_hi_lo) that writes the stacked operand.
     """
 
     @staticmethod
@@ -50,47 +43,30 @@ class _SplitPrecisionLogits(torch.autograd.Function):
         f32 = torch.float32
         num_experts = w.shape[0]
         ctx.w_dtype = w.dtype
-        ctx.fused = w.dtype == f32 and triton_available()
-        if ctx.fused:
-            w3 = split_hi_lo(w, x.dtype, along_rows=True)  # [3E, h] = [w_hi; w_lo; w_hi]
-            both = torch.mm(x, w3[: 2 * num_experts].t(), out_dtype=f32)  # [T, 2E]
-            ctx.save_for_backward(x, w3)
-            return both[:, :num_experts] + both[:, num_experts:]
-        parts = [w.to(x.dtype)]  # [E, h] half
-        if w.dtype != x.dtype:
-            parts.append((w - parts[0].to(w.dtype)).to(x.dtype))
-        # one GEMM over the stacked parts [P * E, h]; the P fp32 column blocks summed
-        logits = torch.mm(x, torch.cat(parts).t(), out_dtype=f32)  # [T, P * E]
-        if len(parts) > 1:
-            logits = logits[:, :num_experts] + logits[:, num_experts:]
-        ctx.save_for_backward(x, *parts)
-        return logits
+        if w.dtype == x.dtype:
+            ctx.save_for_backward(x, w)
+            return torch.mm(x, w.t(), out_dtype=f32)
+        w3 = split_hi_lo(w.to(f32), x.dtype, along_rows=True)  # [3E, h] = [w_hi; w_lo; w_hi]
+        both = torch.mm(x, w3[: 2 * num_experts].t(), out_dtype=f32)  # [T, 2E]
+        ctx.save_for_backward(x, w3)
+        return both[:, :num_experts] + both[:, num_experts:]
 
     @staticmethod
     def backward(ctx, g):
         f32 = torch.float32
+        x, rhs = ctx.saved_tensors  # w, or [w_hi; w_lo; w_hi]
         num_experts = g.shape[1]
+        lhs = split_hi_lo(g.to(f32), x.dtype, along_rows=False)  # [T, 3E] = [g_hi | g_hi | g_lo]
         dx = dw = None
-        if ctx.fused:
-            x, w3 = ctx.saved_tensors
-            lhs = split_hi_lo(g.float(), x.dtype, along_rows=False)  # [T, 3E] = [g_hi | g_hi | g_lo]
-            if ctx.needs_input_grad[0]:
-                dx = torch.mm(lhs, w3)  # g_hi w_hi + g_hi w_lo + g_lo w_hi, fp32 accumulation
-            if ctx.needs_input_grad[1]:
-                both = torch.mm(lhs[:, num_experts:].t(), x, out_dtype=f32)  # [2E, h]: [g_hi; g_lo]^T x
-                dw = both[:num_experts] + both[num_experts:]
-            return dx, dw
-        x, *parts = ctx.saved_tensors
-        g_hi = g.to(x.dtype)
-        g_lo = (g - g_hi.to(g.dtype)).to(x.dtype)
         if ctx.needs_input_grad[0]:
-            # g_hi w_hi + g_lo w_hi (+ g_hi w_lo) as one GEMM along the stacked inner dim, fp32
-            # accumulation rounded once to x's dtype: no [T, h] fp32 partial products in memory
-            lhs = torch.cat([g_hi, g_lo, g_hi][: len(parts) + 1], dim=1)  # [T, (P + 1) E]
-            rhs = torch.cat([parts[0], parts[0], *parts[1:]])  # [(P + 1) E, h]
-            dx = torch.mm(lhs, rhs)
+            # one GEMM along the stacked inner dim, fp32 accumulation rounded once to x's dtype:
+            # g_hi w_hi + g_hi w_lo + g_lo w_hi, or g_hi w + g_lo w for a weight in x's dtype
+            if rhs.shape[0] == 3 * num_experts:
+                dx = torch.mm(lhs, rhs)
+            else:
+                dx = torch.mm(lhs[:, num_experts:], torch.cat([rhs, rhs]))
         if ctx.needs_input_grad[1]:
-            both = torch.mm(torch.cat([g_hi, g_lo], dim=1).t(), x, out_dtype=f32)  # [2E, h]
+            both = torch.mm(lhs[:, num_experts:].t(), x, out_dtype=f32)  # [2E, h]: [g_hi; g_lo]^T x
             dw = (both[:num_experts] + both[num_experts:]).to(ctx.w_dtype)
         return dx, dw
 
@@ -182,9 +158,9 @@ class TopKRouter(MegatronModule):
         valid = None if padding_mask is None else ~padding_mask  # [T]
         stats = None  # the fused kernel's (lse [T], score_sums [E], counts [E]): the losses' inputs
         if self.aux_loss_type != "seq" and uses_fused_router(logits, self.num_groups, self.topk_groups, self.backend):
-            probs, topk_idx, scores, *stats = fused_router_topk_stats(
+            probs, topk_idx, scores, *stats = fused_router_topk(
                 logits, self.topk, self.score_func, self.expert_bias, self.norm_topk_prob,
-                self.routed_scaling_factor, valid,
+                self.routed_scaling_factor, valid, stats=True,
             )
         else:
             probs, topk_idx, scores = routing(
@@ -200,19 +176,20 @@ class TopKRouter(MegatronModule):
             )
         # [E] int64: the valid tokens' routed copies per expert before any capacity drop, when
         # the fused kernel counted them (the MoE layer's load statistics take them), else None
-        self.last_counts = None if stats is None else stats[2].detach()
+        self.last_counts = None if stats is None else stats[2]
         # Under CP: this rank's counted tokens (a device scalar: no host sync) and, once, their sum
         # over the CP group, shared by the aux loss and the z-loss.
+        # the tokens the losses count: an int, or a device scalar with padding (no host sync)
+        n_valid = x.shape[0] if valid is None else valid.sum()
         n_local = n_cp = None
         if self.cp_group is not None:
-            n_local = (torch.tensor(x.shape[0]) if valid is None else valid.sum()).to(scores.device, scores.dtype)
+            n_local = torch.as_tensor(n_valid).to(scores.device, scores.dtype)
         attach = self.training and torch.is_grad_enabled() and bool(self.aux_loss_coeff or self.z_loss_coeff)
         with contextlib.nullcontext() if attach else torch.no_grad():  # else only logged: no autograd record
-            aux_loss, n_cp = self._aux_loss(scores, topk_idx, valid, batch_size, n_local, stats)
+            aux_loss, n_cp = self._aux_loss(scores, topk_idx, valid, batch_size, n_local, stats, n_valid)
             if stats is not None and (self.score_func == "softmax" or not attach):
                 # the kernel's lse is 0 on padding; its gradient reaches the logits for softmax scores
-                n_valid = max(x.shape[0], 1) if valid is None else valid.sum().clamp_min(1)
-                z_loss = stats[0].square().sum() / n_valid
+                z_loss = stats[0].square().sum() / (max(n_valid, 1) if valid is None else n_valid.clamp_min(1))
             else:
                 z_loss = router_z_loss(logits if valid is None else logits[valid])
             if self.cp_group is not None and self.z_loss_coeff:  # cp x this rank's share, as the aux loss
@@ -240,13 +217,15 @@ class TopKRouter(MegatronModule):
         batch_size: int | None,
         n_local: torch.Tensor | None = None,
         stats: list[torch.Tensor] | None = None,
+        n_valid: int | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """scores [T, E], topk_idx [T, K], valid [T] bool or None -> (the unscaled aux loss, the
         counted tokens summed over the CP group when it was needed here, else None).
 
         Under context parallelism (n_local: this rank's counted tokens): this rank's share of
         the loss of the whole sequences, times the CP size (the mean over the CP ranks is the loss).
-        stats: the fused kernel's (lse, score_sums, counts) over the valid tokens, or None.
+        stats: the fused kernel's (lse, score_sums, counts) over the valid tokens, or None;
+        n_valid: their number (with stats).
         """
         cp = self.cp_group
         cp_size = 1 if cp is None else dist.get_world_size(cp)
@@ -291,7 +270,7 @@ class TopKRouter(MegatronModule):
         if stats is None:
             loss = load_balancing_loss(scores, topk_idx, self.num_experts, self.topk, counts, n_cp)
         else:
-            num_tokens = n_cp if n_cp is not None else (scores.shape[0] if valid is None else valid.sum())
+            num_tokens = n_cp if n_cp is not None else n_valid
             loss = load_balancing_loss_from_sums(stats[1], stats[2] if counts is None else counts, num_tokens)
         return cp_size * loss, n_cp
 

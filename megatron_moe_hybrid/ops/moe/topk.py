@@ -9,8 +9,9 @@ program takes a block of tokens with all E scores in registers and picks the k e
 rounds of max + lowest matching index, which is the stable sort's order; the backward
 recomputes the weights' chain from the saved scores and writes the logits' gradient once.
 
-`fused_router_topk` covers routing without expert groups (num_groups 1, or every group kept);
-`routing(..., backend)` picks it or the reference.
+`fused_router_topk` covers routing without expert groups (num_groups 1, or every group kept)
+and, with stats=True, gives the balance and z losses' inputs too; `routing(..., backend)` picks
+it or the reference.
 
 Shape legend: T tokens, E experts, K experts per token.
 """
@@ -170,6 +171,13 @@ if triton is not None:
 SPLIT_BLOCK = 1024
 
 
+def split_hi_lo_reference(a: torch.Tensor, dtype: torch.dtype, along_rows: bool) -> torch.Tensor:
+    """split_hi_lo in torch ops."""
+    hi = a.to(dtype)
+    lo = (a - hi.to(a.dtype)).to(dtype)
+    return torch.cat([hi, lo, hi]) if along_rows else torch.cat([hi, hi, lo], dim=1)
+
+
 def split_hi_lo(a: torch.Tensor, dtype: torch.dtype, along_rows: bool) -> torch.Tensor:
     """a [R, C] fp32 -> its two-term split a = hi + lo (each in dtype, hi the rounding of a, lo
     the rounding of the rest) laid out for the router's split-precision GEMMs, in one pass:
@@ -179,6 +187,8 @@ def split_hi_lo(a: torch.Tensor, dtype: torch.dtype, along_rows: bool) -> torch.
     [w_hi; w_lo; w_hi] = g_hi w_hi + g_hi w_lo + g_lo w_hi."""
     if a.dim() != 2 or a.dtype != torch.float32:
         raise ValueError(f"a must be a 2-D float32 tensor, got {a.dtype} {tuple(a.shape)}")
+    if triton is None:
+        return split_hi_lo_reference(a, dtype, along_rows)
     a = a.contiguous()
     rows, cols = a.shape
     if along_rows:
@@ -192,7 +202,7 @@ def split_hi_lo(a: torch.Tensor, dtype: torch.dtype, along_rows: bool) -> torch.
     return out
 
 
-def _blocks(num_experts: int, topk: int) -> dict:
+def _blocks(num_experts: int) -> dict:
     be = triton.next_power_of_2(max(num_experts, 16))
     return dict(BT=max(1, ROUTER_ELEMS // be), BE=be, num_warps=4 if be <= 256 else 8)
 
@@ -208,7 +218,7 @@ class _FusedRouterTopK(torch.autograd.Function):
         logits = logits.contiguous()
         num_tokens, num_experts = logits.shape
         f32, dev = torch.float32, logits.device
-        blocks = _blocks(num_experts, topk)
+        blocks = _blocks(num_experts)
         per_program = max(1, triton.cdiv(triton.cdiv(num_tokens, blocks["BT"]), MAX_PROGRAMS))  # token blocks
         programs = triton.cdiv(num_tokens, blocks["BT"] * per_program)
         scores = torch.empty(num_tokens, num_experts, dtype=f32, device=dev)  # [T, E]
@@ -242,7 +252,7 @@ class _FusedRouterTopK(torch.autograd.Function):
         topk, softmax, norm, scale, dtype, per_program = ctx.cfg
         num_tokens, num_experts = scores.shape
         grad_logits = torch.empty(num_tokens, num_experts, dtype=dtype, device=scores.device)
-        blocks = _blocks(num_experts, topk)
+        blocks = _blocks(num_experts)
         if num_tokens:
             grads = [None if g is None else g.contiguous() for g in (grad_probs, grad_scores, grad_lse, grad_sums)]
             gp, gs, glse, gsums = (scores if g is None else g for g in grads)
@@ -252,10 +262,6 @@ class _FusedRouterTopK(torch.autograd.Function):
                 HAS_GS=grads[1] is not None, HAS_VALID=valid is not None, HAS_GLSE=grads[2] is not None,
                 HAS_GSUMS=grads[3] is not None, **blocks)
         return grad_logits, None, None, None, None, None, None, None
-
-
-def triton_available() -> bool:
-    return triton is not None
 
 
 def _fits(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:
@@ -271,35 +277,25 @@ def fused_router_topk(
     expert_bias: torch.Tensor | None = None,
     norm_topk_prob: bool | None = None,
     routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """router_topk (reference.py) without expert groups, in the Triton kernels:
-    logits [T, E] -> probs [T, K] fp32, topk_idx [T, K] int64, scores [T, E] fp32.
-    probs and scores carry gradients to the logits (the balance losses take scores)."""
-    args = _checked(logits, topk, score_func, expert_bias, norm_topk_prob, None)
-    return _FusedRouterTopK.apply(logits, _f32(expert_bias), None, topk, *args, routed_scaling_factor, False)
-
-
-def fused_router_topk_stats(
-    logits: torch.Tensor,
-    topk: int,
-    score_func: str = "softmax",
-    expert_bias: torch.Tensor | None = None,
-    norm_topk_prob: bool | None = None,
-    routed_scaling_factor: float = 1.0,
     valid: torch.Tensor | None = None,
-):
-    """fused_router_topk plus, from the same kernel, what the balance losses need:
-    -> probs [T, K], topk_idx [T, K], scores [T, E], lse [T] (logsumexp of each valid token's
-    logits, 0 for the others: the z-loss input), score_sums [E] (sum over valid tokens of
-    scores / their sum over E: load_balancing_loss's P_e times the token count), counts [E]
-    int64 (the valid tokens' routed copies per expert).
+    stats: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """router_topk (reference.py) without expert groups, in the Triton kernels:
+    logits [T, E] -> probs [T, K] fp32, topk_idx [T, K] int64, scores [T, E] fp32; probs and
+    scores carry gradients to the logits.
 
-    valid [T] bool (False = padding) or None. score_sums and, for softmax scores, lse carry
-    gradients to the logits; sums run in a fixed order (per block of tokens, then over the
-    blocks), so results repeat bitwise."""
-    args = _checked(logits, topk, score_func, expert_bias, norm_topk_prob, valid)
-    probs, idx, scores, lse, sums, counts = _FusedRouterTopK.apply(
-        logits, _f32(expert_bias), None if valid is None else valid.contiguous(), topk, *args, routed_scaling_factor, True)
+    stats=True adds, from the same kernel, what the balance losses need: lse [T] (logsumexp of
+    each valid token's logits, 0 for the others: the z-loss input), score_sums [E] (sum over
+    valid tokens of scores / their sum over E: load_balancing_loss's P_e times the token
+    count), counts [E] int64 (the valid tokens' routed copies per expert). valid [T] bool
+    (False = padding) or None. score_sums and, for softmax scores, lse carry gradients; sums
+    run in a fixed order (per block of tokens, then over the blocks): results repeat bitwise."""
+    softmax, norm = _checked(logits, topk, score_func, expert_bias, norm_topk_prob, valid)
+    out = _FusedRouterTopK.apply(logits, _f32(expert_bias), None if valid is None else valid.contiguous(), topk,
+                                 softmax, norm, routed_scaling_factor, stats)  # fmt: skip
+    if not stats:
+        return out
+    probs, idx, scores, lse, sums, counts = out
     return probs, idx, scores, lse, sums.sum(0), counts.sum(0, dtype=torch.int64)
 
 
