@@ -394,10 +394,13 @@ def build_ours(spec, variant, ep_group, router_weight, w1, w2, x, warmup, reps):
             layer.experts.weight2.copy_(w2)
         num_tokens, hidden = x.shape
 
-        def forward(x_th):
-            return layer(x_th.view(num_tokens, 1, hidden))[0].view(num_tokens, hidden)
-
         info = {"expert_backend": ours_expert_backend(layer, x)}
+
+        def forward(x_th):
+            out = layer(x_th.view(num_tokens, 1, hidden))[0].view(num_tokens, hidden)
+            info["expert_backend"] = getattr(layer.experts, "last_gemm_kind", None) or info["expert_backend"]
+            return out
+
         extra = (lambda: dispatch_only(layer, x, warmup, reps)) if chunks == 1 else None
         return forward, [p for p in layer.parameters() if p.requires_grad], info, extra
 

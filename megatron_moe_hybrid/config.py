@@ -141,6 +141,10 @@ class MoEConfig:
     # top-k routing: "auto" (the fused Triton router for CUDA logits without expert groups,
     # the reference otherwise) | "torch" | "triton" (refuses group-limited routing)
     router_backend: str = "auto"
+    # the experts' grouped GEMMs: "auto" (our Triton kernel for the forward and input gradient
+    # where experts hold few rows each, torch._grouped_mm otherwise and for the weight gradient;
+    # a loop over experts off CUDA) | "torch" | "triton"
+    grouped_gemm_backend: str = "auto"
 
 
 @dataclass
@@ -586,6 +590,11 @@ def _validate(c: HybridMoEConfig) -> None:
         m.router_backend in ("auto", "torch", "triton"),
         "moe.router_backend",
         f"{m.router_backend!r} is not one of auto, torch, triton",
+    )
+    _require(
+        m.grouped_gemm_backend in ("auto", "torch", "triton"),
+        "moe.grouped_gemm_backend",
+        f"{m.grouped_gemm_backend!r} is not one of auto, torch, triton",
     )
     _require(
         m.router_backend != "triton" or m.topk_groups == m.num_groups,

@@ -60,6 +60,7 @@ INVALID = [
     ("first-k-dense-too-many", {"moe.first_k_dense": 9}, 1, "moe.first_k_dense"),
     ("unknown-dispatcher", {"moe.dispatcher": "deepep"}, 1, "moe.dispatcher"),
     ("unknown-permute-backend", {"moe.permute_backend": "cuda"}, 1, "moe.permute_backend"),
+    ("unknown-grouped-gemm-backend", {"moe.grouped_gemm_backend": "cutlass"}, 1, "moe.grouped_gemm_backend"),
     ("zero-experts", {"moe.num_experts": 0}, 1, "moe.num_experts"),
     ("tp-unsupported", {"parallel.tensor_model_parallel_size": 2}, 2, "parallel.tensor_model_parallel_size"),
     ("pp-unsupported", {"parallel.pipeline_model_parallel_size": 2}, 2, "parallel.pipeline_model_parallel_size"),

@@ -9,7 +9,13 @@ from typing import Callable, Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, swiglu_experts, uses_grouped_mm
+from megatron_moe_hybrid.ops.moe.grouped import (
+    grouped_gemm_kind,
+    grouped_matmul,
+    swiglu_experts,
+    uses_grouped_mm,
+    uses_triton_grouped_gemm,
+)
 from megatron_moe_hybrid.ops.moe.swiglu import swiglu
 
 # (rows [N, in], counts) -> [N, out]: added to a matmul's output (a LoRA adapter)
@@ -32,6 +38,8 @@ class GroupedExperts(MegatronModule):
         h, ffn = config.hidden_size, config.moe.ffn_hidden_size
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
+        self.gemm_backend = getattr(getattr(config, "moe", None), "grouped_gemm_backend", "auto")
+        self.last_gemm_kind = None  # what the last forward's fc1 ran (grouped_gemm_kind), for reports
         self.weight1 = torch.nn.Parameter(
             torch.empty(num_local_experts, h, 2 * ffn, dtype=config.params_dtype)
         )
@@ -64,16 +72,17 @@ class GroupedExperts(MegatronModule):
         where FSDP2 gathers them. Rows past sum(tokens_per_local_expert) are padding; their
         outputs are unspecified."""
         w1, w2 = self.weight1, self.weight2
+        self.last_gemm_kind = grouped_gemm_kind(x_sorted, w1, self.gemm_backend)
         if fc1_extra is None and fc2_extra is None:
-            return swiglu_experts(x_sorted, tokens_per_local_expert, w1, w2)
+            return swiglu_experts(x_sorted, tokens_per_local_expert, w1, w2, self.gemm_backend)
         counts = tokens_per_local_expert
-        if not uses_grouped_mm(x_sorted, w1):  # the loop over experts reads host ints once, not per matmul
-            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
-        h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts).to(x_sorted.dtype)  # [N, 2F]
+        if not (uses_grouped_mm(x_sorted, w1) or uses_triton_grouped_gemm(x_sorted, w1, self.gemm_backend)):
+            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)  # the loop reads host ints once
+        h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts, self.gemm_backend).to(x_sorted.dtype)  # [N, 2F]
         if fc1_extra is not None:
             h1 = h1 + fc1_extra(x_sorted, counts).to(h1.dtype)
         act = swiglu(h1)  # [N, F]: fused on CUDA
-        out = grouped_matmul(act.to(w2.dtype), w2, counts).to(act.dtype)  # [N, h]
+        out = grouped_matmul(act.to(w2.dtype), w2, counts, self.gemm_backend).to(act.dtype)  # [N, h]
         if fc2_extra is not None:
             out = out + fc2_extra(act, counts).to(out.dtype)
         return out

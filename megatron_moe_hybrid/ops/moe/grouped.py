@@ -14,15 +14,53 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == x.dtype and hasattr(torch, "_grouped_mm")
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+GROUPED_GEMM_BACKENDS = ("auto", "torch", "triton")
+# auto takes our Triton kernel where experts hold at most this many rows on average: below it
+# torch._grouped_mm's forward and input gradient ran 1.24-1.56x slower on the H200 (issue 5's
+# second shape, 128 rows per expert), above it ours was 0.88-0.92x (2048 rows per expert)
+# (benchmarks/device/probe_grouped_gemm.py).
+TRITON_MAX_ROWS_PER_EXPERT = 512
+
+
+def uses_triton_grouped_gemm(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether grouped_matmul runs our Triton kernel for x [N, K] @ w [E, K, M]."""
+    if backend not in GROUPED_GEMM_BACKENDS:
+        raise ValueError(f"backend: unknown grouped GEMM backend {backend!r}; choose from {', '.join(GROUPED_GEMM_BACKENDS)}")
+    if backend == "triton":
+        return True
+    return (
+        backend == "auto"
+        and uses_grouped_mm(x, w)
+        and x.shape[0] <= TRITON_MAX_ROWS_PER_EXPERT * w.shape[0]
+        and min(w.shape[1], w.shape[2]) >= 128  # narrow products (LoRA's rank) leave its tiles empty
+    )
+
+
+def grouped_gemm_kind(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> str:
+    """What grouped_matmul runs for x [N, K] @ w [E, K, M], in words (for benchmarks and logs)."""
+    if uses_triton_grouped_gemm(x, w, backend):
+        from .grouped_triton import _torch_wgrad_ok
+
+        return "triton grouped GEMM (weight gradient: " + ("torch._grouped_mm)" if _torch_wgrad_ok(x) else "triton)")
+    return "torch._grouped_mm" if uses_grouped_mm(x, w) else "loop over experts"
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert, backend: str = "auto") -> torch.Tensor:
     """x [N, K] grouped by expert, w [E, K, M] (any strides), tokens_per_expert [E] -> [N, M].
 
     Rows past sum(tokens_per_expert) (the static dispatcher's padding tail) belong to no
     expert: their outputs and gradients are unspecified (zeros in the loop, left unwritten by
-    the grouped GEMM) and callers never read them.
-    One grouped GEMM (torch._grouped_mm) for bf16 on CUDA; a loop over experts elsewhere,
-    which reads the counts on the host.
+    the grouped GEMMs) and callers never read them.
+    On CUDA: our Triton grouped GEMM (grouped_triton.py; backend "triton", or "auto" where
+    experts hold few rows) or torch._grouped_mm (bf16), both taking the counts on the device;
+    elsewhere a loop over experts, which reads the counts on the host (backend "triton" runs
+    the kernel there too: Triton's interpreter on CPU).
     """
+    if uses_triton_grouped_gemm(x, w, backend):
+        from .grouped_triton import GroupedMM, row_bounds
+
+        counts = torch.as_tensor(tokens_per_expert, device=x.device)
+        return GroupedMM.apply(x, w, row_bounds(counts))
     if uses_grouped_mm(x, w):
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
@@ -40,7 +78,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert) -> torch
     return torch.cat(parts)
 
 
-def swiglu_experts(x_sorted: torch.Tensor, tokens_per_expert, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu_experts(x_sorted: torch.Tensor, tokens_per_expert, w1: torch.Tensor, w2: torch.Tensor,
+                   backend: str = "auto") -> torch.Tensor:
     """SwiGLU of each expert over its rows: x_sorted [N, h], w1 [E, h, 2F] (gate | up),
     w2 [E, F, h] -> [N, h]."""
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0] or w1.shape[2] != 2 * w2.shape[1]:
@@ -49,5 +88,5 @@ def swiglu_experts(x_sorted: torch.Tensor, tokens_per_expert, w1: torch.Tensor, 
         )
     if x_sorted.dim() != 2 or x_sorted.shape[1] != w1.shape[1] or w2.shape[2] != w1.shape[1]:
         raise ValueError(f"x_sorted must be [N, h={w1.shape[1]}] matching w1/w2, got {tuple(x_sorted.shape)}")
-    act = swiglu(grouped_matmul(x_sorted, w1, tokens_per_expert))  # [N, F]
-    return grouped_matmul(act, w2, tokens_per_expert)  # [N, h]
+    act = swiglu(grouped_matmul(x_sorted, w1, tokens_per_expert, backend))  # [N, F]
+    return grouped_matmul(act, w2, tokens_per_expert, backend)  # [N, h]

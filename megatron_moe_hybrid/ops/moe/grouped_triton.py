@@ -1,0 +1,233 @@
+"""Grouped GEMM over rows grouped by expert, in Triton: the experts' matmuls and their gradients.
+
+    out[rows of e] = x[rows of e] @ w[e]                       (grouped_mm: forward, and dx with w[e]^T)
+    dw[e]          = x[rows of e]^T @ dy[rows of e]           (grouped_mm_wgrad: the weight gradient)
+
+Rows of expert e are [bounds[e], bounds[e + 1]); rows past bounds[E] (a padding tail) belong to
+no expert and their outputs are left unwritten. The counts stay on the device: the number of
+row tiles is bounded by ceil(N / BM) + E, programs past the real number return at once, and
+each program finds its expert by a binary search over the cumulative row-tile counts. No
+host sync.
+
+Program order keeps HBM traffic at one read of each weight: one expert's programs run back to
+back, its column tiles outer and its row tiles inner, so the expert's rows (a few MB) and each
+weight column tile stay in L2 while they are reused.
+
+Offsets are int64 (tokens x hidden past 2^31). Accumulation is fp32, outputs in x's dtype.
+The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional on CPU
+    triton = None
+
+
+def row_bounds(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """[E] counts -> int32 [E + 1] row bounds (0, c0, c0 + c1, ...), on the counts' device."""
+    bounds = torch.zeros(tokens_per_expert.numel() + 1, dtype=torch.int32, device=tokens_per_expert.device)
+    torch.cumsum(tokens_per_expert, 0, out=bounds[1:])
+    return bounds
+
+
+# (BM, BN, BK, warps, stages) for x @ w; (BK, BN, BR over rows, warps, stages, column tiles per
+# program) for the weight gradient.
+# Chosen on the H200 (benchmarks/device/probe_grouped_gemm.py), not autotuned at run time.
+FWD_CONFIG = (128, 128, 64, 8, 3)
+WGRAD_CONFIG = (128, 128, 64, 8, 3, 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _find_expert(tile_bounds, t, E, LOG_E: tl.constexpr):
+        # the largest e < E with tile_bounds[e] <= t: the expert owning row tile t (empty
+        # experts before it have the same bound, and the search keeps the last of them)
+        lo = t * 0
+        hi = lo + E - 1
+        for _ in tl.static_range(LOG_E):
+            mid = (lo + hi + 1) // 2
+            go = tl.load(tile_bounds + mid) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        return lo
+
+    @triton.jit
+    def _grouped_mm_kernel(x, w, out, bounds, tile_bounds, E, M, K,
+                           sxm, sxk, swe, swk, swm, som, som_col,
+                           LOG_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(M, BN)
+        t = pid // num_n  # the row tile's rank among all row tiles; the program's expert is t's
+        if t >= tl.load(tile_bounds + E):
+            return
+        e = _find_expert(tile_bounds, t, E, LOG_E)
+        tile0 = tl.load(tile_bounds + e)
+        tiles_e = tl.load(tile_bounds + e + 1) - tile0
+        local = pid - tile0 * num_n  # within the expert: column tile outer, row tile inner
+        n = local // tiles_e
+        j = local % tiles_e
+        row0 = tl.load(bounds + e)
+        row_end = tl.load(bounds + e + 1)
+        rm = (row0 + j * BM + tl.arange(0, BM)).to(tl.int64)  # [BM]
+        rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
+        rk = tl.arange(0, BK).to(tl.int64)  # [BK]
+        row_ok = rm < row_end
+        a_ptr = x + rm[:, None] * sxm + rk[None, :] * sxk  # [BM, BK]
+        b_ptr = w + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm  # [BK, BN]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptr, mask=rn[None, :] < M, other=0.0)
+            else:
+                k_ok = rk < K - k * BK
+                a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptr, mask=k_ok[:, None] & (rn[None, :] < M), other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptr += BK * sxk
+            b_ptr += BK * swk
+        o_ptr = out + rm[:, None] * som + rn[None, :] * som_col
+        tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < M))
+
+    @triton.jit
+    def _grouped_wgrad_kernel(x, dy, dw, bounds, K, M,
+                              sxm, sxk, sdm, sdn, swe, swk, swm,
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
+        # one program: expert e, row tile kt of dw[e], NT column tiles in turn (the x^T tile it
+        # reads is the same for each: L1/L2 hits), each a short reduction over the expert's rows
+        pid = tl.program_id(0)
+        num_k = tl.cdiv(K, BK)
+        num_n = tl.cdiv(M, BN)
+        n_groups = tl.cdiv(num_n, NT)
+        e = pid // (num_k * n_groups)  # one expert's tiles back to back: its rows stay in L2
+        local = pid % (num_k * n_groups)
+        kt = local // n_groups
+        n0 = (local % n_groups) * NT
+        row0 = tl.load(bounds + e)
+        row_end = tl.load(bounds + e + 1)
+        rk = (kt * BK + tl.arange(0, BK)).to(tl.int64)  # [BK]
+        n_stop = tl.minimum(n0 + NT, num_n)
+        if row_end - row0 <= BR:
+            # the expert's rows fit one tile: x^T's tile is read once, and the loop over column
+            # tiles is one pipelined stream of dy loads, products and stores
+            rr = (row0 + tl.arange(0, BR)).to(tl.int64)  # [BR]
+            r_ok = rr < row_end
+            a = tl.load(x + rr[None, :] * sxm + rk[:, None] * sxk, mask=r_ok[None, :] & (rk[:, None] < K), other=0.0)
+            for n in range(n0, n_stop):
+                rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
+                b = tl.load(dy + rr[:, None] * sdm + rn[None, :] * sdn, mask=r_ok[:, None] & (rn[None, :] < M), other=0.0)
+                acc = tl.dot(a, b)  # [BK, BR] @ [BR, BN]
+                o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
+                tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
+            return
+        for n in range(n0, n_stop):
+            rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
+            acc = tl.zeros((BK, BN), dtype=tl.float32)
+            for r in range(row0, row_end, BR):
+                rr = (r + tl.arange(0, BR)).to(tl.int64)  # [BR]
+                r_ok = rr < row_end
+                a = tl.load(x + rr[None, :] * sxm + rk[:, None] * sxk, mask=r_ok[None, :] & (rk[:, None] < K), other=0.0)
+                b = tl.load(dy + rr[:, None] * sdm + rn[None, :] * sdn, mask=r_ok[:, None] & (rn[None, :] < M), other=0.0)
+                acc = tl.dot(a, b, acc)  # [BK, BR] @ [BR, BN]
+            o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
+            tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
+
+
+def _check(x: torch.Tensor, bounds: torch.Tensor, n_experts: int) -> None:
+    if triton is None:
+        raise RuntimeError("grouped GEMM backend 'triton' needs the triton package; use backend='torch'")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [N, K], got {tuple(x.shape)}")
+    if bounds.dtype != torch.int32 or bounds.shape != (n_experts + 1,) or bounds.device != x.device:
+        raise ValueError(
+            f"bounds must be int32 [E + 1] = [{n_experts + 1}] on {x.device} (row_bounds(tokens_per_expert)), "
+            f"got {bounds.dtype} {tuple(bounds.shape)} on {bounds.device}"
+        )
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, config=None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] grouped by expert, w [E, K, M] (any strides), bounds int32 [E + 1] -> [N, M] in x's dtype.
+
+    Rows past bounds[E] are left unwritten (torch.empty, or what `out` held)."""
+    E = w.shape[0]
+    _check(x, bounds, E)
+    if w.dim() != 3 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must be [E, K={x.shape[1]}, M] in {x.dtype} on {x.device}, got {w.dtype} {tuple(w.shape)}")
+    BM, BN, BK, warps, stages = config or FWD_CONFIG
+    N, K = x.shape
+    M = w.shape[2]
+    if out is None:
+        out = torch.empty(N, M, dtype=x.dtype, device=x.device)
+    elif out.shape != (N, M) or out.device != x.device:
+        raise ValueError(f"out must be [N, M] = {(N, M)} on {x.device}, got {tuple(out.shape)} on {out.device}")
+    if N == 0 or M == 0:
+        return out
+    tiles = torch.zeros(E + 1, dtype=torch.int32, device=x.device)  # cumulative row tiles per expert
+    torch.cumsum((bounds[1:] - bounds[:-1] + BM - 1) // BM, 0, out=tiles[1:])
+    max_tiles = triton.cdiv(N, BM) + E  # a bound on tiles[E] that needs no host read
+    grid = (max_tiles * triton.cdiv(M, BN),)
+    _grouped_mm_kernel[grid](
+        x, w, out, bounds, tiles, E, M, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        LOG_E=max(1, (E - 1).bit_length()), BM=BM, BN=BN, BK=BK, EVEN_K=K % BK == 0,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, config=None) -> torch.Tensor:
+    """x [N, K], dy [N, M] grouped by expert, bounds int32 [E + 1] -> dw [E, K, M] in x's dtype
+    (zero for an expert without rows)."""
+    E = bounds.shape[0] - 1
+    _check(x, bounds, E)
+    if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or dy.device != x.device:
+        raise ValueError(f"dy must be [N={x.shape[0]}, M] in {x.dtype} on {x.device}, got {dy.dtype} {tuple(dy.shape)}")
+    BK, BN, BR, warps, stages, nt = config or WGRAD_CONFIG
+    K, M = x.shape[1], dy.shape[1]
+    dw = torch.empty(E, K, M, dtype=x.dtype, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    grid = (E * triton.cdiv(K, BK) * triton.cdiv(triton.cdiv(M, BN), nt),)
+    _grouped_wgrad_kernel[grid](
+        x, dy, dw, bounds, K, M,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+        BK=BK, BN=BN, BR=BR, NT=nt, num_warps=warps, num_stages=stages,
+    )
+    return dw
+
+
+def _torch_wgrad_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class GroupedMM(torch.autograd.Function):
+    """x [N, K] @ w[e] [K, M] per expert; the input gradient by the same kernel, the weight
+    gradient by `grouped_mm_wgrad` (wgrad="triton") or torch._grouped_mm (wgrad="torch"; "auto":
+    torch's where it runs, bf16 on CUDA, faster there on both of issue 5's shapes). No host sync."""
+
+    @staticmethod
+    def forward(ctx, x, w, bounds, wgrad="auto"):
+        if wgrad not in ("auto", "torch", "triton"):
+            raise ValueError(f"wgrad must be auto, torch or triton, got {wgrad!r}")
+        ctx.save_for_backward(x, w, bounds)
+        ctx.wgrad = wgrad
+        return grouped_mm(x, w, bounds)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, bounds = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = grouped_mm(dy, w.transpose(1, 2), bounds) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.wgrad == "torch" or (ctx.wgrad == "auto" and _torch_wgrad_ok(x)):
+                dw = torch._grouped_mm(x.t(), dy, offs=bounds[1:])
+            else:
+                dw = grouped_mm_wgrad(x, dy, bounds)
+        return dx, dw, None, None

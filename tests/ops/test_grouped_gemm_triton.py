@@ -1,0 +1,174 @@
+"""The Triton grouped GEMM (the interpreter on CPU, bf16 on the GPU) against the loop over
+experts (`grouped_matmul`'s reference), forward, input gradient and weight gradient, on fresh
+random inputs: empty experts, one expert holding every row, groups that straddle row tiles,
+K and M not multiples of the tile, a padding tail left unwritten, and strided weights.
+
+Shape legend: N rows grouped by expert, E experts, K input width, M output width.
+"""
+
+import pytest
+import torch
+
+from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul
+from megatron_moe_hybrid.ops.moe.grouped_triton import GroupedMM, grouped_mm, grouped_mm_wgrad, row_bounds
+
+SMALL_FWD = (16, 16, 16, 4, 1)  # small tiles keep the interpreter quick and make groups straddle tiles
+SMALL_WGRAD = (16, 16, 16, 4, 1, 2)  # two column tiles per program: M=24, 33 leave a last short group
+
+CASES = [  # counts, tail, K, M
+    ([5, 0, 23, 1, 16], 3, 40, 24),  # empty expert, 1-row expert, groups across tile edges, K % 16 != 0
+    ([0, 0, 37], 0, 32, 20),  # every row in the last expert; M % 16 != 0
+    ([7], 5, 16, 16),  # one expert
+    ([0, 0, 0, 0], 6, 24, 8),  # no rows routed at all: dw is zero
+    ([3, 9, 0, 2, 0, 11, 4], 0, 48, 33),  # E not a power of 2
+]
+
+
+def _case(counts, tail, k, m, dtype=torch.float32, device="cpu"):
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
+    n = sum(counts) + tail
+    x = torch.randn(n, k, dtype=torch.float64).to(device=device, dtype=dtype)
+    w = (torch.randn(len(counts), k, m, dtype=torch.float64) / k**0.5).to(device=device, dtype=dtype)
+    dy = torch.randn(n, m, dtype=torch.float64).to(device=device, dtype=dtype)
+    return counts_t, x, w, dy
+
+
+def _ref_wgrad(x, dy, counts):
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0] + ends[:-1]
+    return torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(starts, ends)])
+
+
+@pytest.mark.parametrize("counts,tail,k,m", CASES, ids=[f"E{len(c[0])}-K{c[2]}-M{c[3]}" for c in CASES])
+def test_forward_dx_and_wgrad_equal_the_loop(counts, tail, k, m):
+    counts_t, x, w, dy = _case(counts, tail, k, m)
+    bounds = row_bounds(counts_t)
+    n_real = sum(counts)
+    ref = grouped_matmul(x.double(), w.double(), counts)
+    out = grouped_mm(x, w, bounds, SMALL_FWD)
+    torch.testing.assert_close(out[:n_real].double(), ref[:n_real], rtol=1e-5, atol=1e-5)
+    dx = grouped_mm(dy, w.transpose(1, 2), bounds, SMALL_FWD)  # a strided (transposed) weight
+    ref_dx = grouped_matmul(dy.double(), w.double().transpose(1, 2), counts)
+    torch.testing.assert_close(dx[:n_real].double(), ref_dx[:n_real], rtol=1e-5, atol=1e-5)
+    dw = grouped_mm_wgrad(x, dy, bounds, SMALL_WGRAD)
+    torch.testing.assert_close(dw.double(), _ref_wgrad(x, dy, counts_t), rtol=1e-5, atol=1e-5)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # written, not left as torch.empty
+
+
+def test_padding_tail_rows_are_not_written():
+    counts_t, x, w, _ = _case([4, 6], 7, 16, 16)
+    out = torch.full((x.shape[0], 16), float("nan"))  # poisoned: every real row must be overwritten
+    grouped_mm(x, w, row_bounds(counts_t), SMALL_FWD, out=out)
+    torch.testing.assert_close(out[:10], grouped_matmul(x, w, [4, 6])[:10], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(out[10:]).all()
+
+
+def test_autograd_function_equals_the_loop_gradients():
+    counts_t, x, w, dy = _case([9, 0, 14, 3], 2, 40, 24)
+    bounds = row_bounds(counts_t)
+    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
+
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    saved = gt.FWD_CONFIG, gt.WGRAD_CONFIG
+    gt.FWD_CONFIG, gt.WGRAD_CONFIG = SMALL_FWD, SMALL_WGRAD
+    try:
+        out = GroupedMM.apply(xa, wa, bounds)
+        out[:26].backward(dy[:26])
+    finally:
+        gt.FWD_CONFIG, gt.WGRAD_CONFIG = saved
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = grouped_matmul(xr, wr, [9, 0, 14, 3])
+    ref[:26].backward(dy[:26].double())
+    torch.testing.assert_close(out[:26].double(), ref[:26].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xa.grad[:26].double(), xr.grad[:26], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wa.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_skips_the_weight_gradient():
+    counts_t, x, w, dy = _case([5, 6], 0, 16, 16)
+    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
+
+    calls = []
+    real = gt.grouped_mm_wgrad
+    gt.grouped_mm_wgrad = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        xa = x.clone().requires_grad_()
+        GroupedMM.apply(xa, w, row_bounds(counts_t)).backward(dy)
+    finally:
+        gt.grouped_mm_wgrad = real
+    assert not calls and xa.grad is not None
+
+
+def test_bad_inputs_name_the_argument():
+    counts_t, x, w, dy = _case([3, 4], 0, 16, 16)
+    with pytest.raises(ValueError, match="bounds"):
+        grouped_mm(x, w, counts_t, SMALL_FWD)  # counts, not bounds
+    with pytest.raises(ValueError, match="w must be"):
+        grouped_mm(x, w[:, :8], row_bounds(counts_t), SMALL_FWD)
+    with pytest.raises(ValueError, match="dy must be"):
+        grouped_mm_wgrad(x, dy[:5], row_bounds(counts_t), SMALL_WGRAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["triton", "torch"])
+@pytest.mark.parametrize("counts_kind", ["balanced", "skewed"])
+def test_bf16_on_the_gpu_matches_fp32(counts_kind, wgrad):
+    torch.manual_seed(0)
+    e, k, m = 16, 512, 384
+    if counts_kind == "balanced":
+        counts = torch.full((e,), 200)
+    else:
+        counts = torch.zeros(e, dtype=torch.int64)
+        counts[3], counts[4], counts[15] = 2500, 1, 700  # 2500 rows: the weight gradient's many-row path
+    counts_t, x, w, dy = _case(counts.tolist(), 17, k, m, dtype=torch.bfloat16, device="cuda")
+    bounds = row_bounds(counts_t)
+    n_real = int(counts.sum())
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = GroupedMM.apply(xa, wa, bounds, wgrad)
+    out[:n_real].backward(dy[:n_real])
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    ref = grouped_matmul(xr, wr, counts.tolist())
+    ref[:n_real].backward(dy[:n_real].float())
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert rel(out[:n_real], ref[:n_real].detach()) < 1e-2
+    assert rel(xa.grad[:n_real], xr.grad[:n_real]) < 1e-2
+    assert rel(wa.grad, wr.grad) < 1e-2
+    if counts_kind == "skewed":
+        assert torch.equal(wa.grad[0], torch.zeros_like(wa.grad[0]))  # an expert without rows
+
+
+def test_swiglu_experts_on_the_triton_backend_equal_the_loop():
+    """The experts' fc1 -> SwiGLU -> fc2 through grouped_matmul(backend="triton") (the kernel
+    here for the forward, the input gradient and the weight gradient) against the loop."""
+    from megatron_moe_hybrid.ops.moe.grouped import swiglu_experts
+
+    counts = [6, 0, 11, 3]
+    n, h, f = sum(counts) + 2, 32, 24
+    x = torch.randn(n, h, dtype=torch.float64).float()
+    w1 = (torch.randn(4, h, 2 * f, dtype=torch.float64) / h**0.5).float()
+    w2 = (torch.randn(4, f, h, dtype=torch.float64) / f**0.5).float()
+    dy = torch.randn(sum(counts), h)
+    grads = []
+    for backend in ("triton", "torch"):
+        xs, a, b = (t.clone().requires_grad_() for t in (x, w1, w2))
+        out = swiglu_experts(xs, torch.tensor(counts), a, b, backend=backend)
+        out[: sum(counts)].backward(dy)
+        grads.append((out[: sum(counts)].detach(), xs.grad[: sum(counts)], a.grad, b.grad))
+    for mine, ref in zip(*grads):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_backend_picks_by_rows_per_expert():
+    from megatron_moe_hybrid.ops.moe.grouped import TRITON_MAX_ROWS_PER_EXPERT, uses_triton_grouped_gemm
+
+    w = torch.empty(8, 256, 256, dtype=torch.bfloat16)
+    x = torch.empty(8 * TRITON_MAX_ROWS_PER_EXPERT, 256, dtype=torch.bfloat16)
+    assert not uses_triton_grouped_gemm(x, w, "auto")  # CPU: never auto
+    assert uses_triton_grouped_gemm(x, w, "triton") and not uses_triton_grouped_gemm(x, w, "torch")
+    with pytest.raises(ValueError, match="backend"):
+        uses_triton_grouped_gemm(x, w, "cutlass")
