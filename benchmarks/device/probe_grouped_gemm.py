@@ -17,8 +17,10 @@ from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 SHAPES = {  # tokens, hidden, experts, topk, ffn
     "S1": (16384, 2048, 64, 8, 1408),
     "S2": (4096, 7168, 256, 8, 2048),
+    "S1-T4096": (4096, 2048, 64, 8, 1408),  # 512 rows per expert: auto's threshold
+    "Q3N": (16384, 2048, 512, 10, 512),  # Qwen3-Next's experts (benchmarks/end_to_end.py): 320 rows per expert
 }
-FWD_CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3)]
+FWD_CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3)]
 WGRAD_CONFIGS = [(128, 256, 64, 8, 3, 4), (128, 128, 256, 8, 2, 16), (128, 256, 128, 8, 2, 16), (64, 256, 256, 8, 2, 16),
                  (128, 128, 256, 8, 3, 16), (128, 256, 256, 8, 2, 16), (128, 128, 128, 4, 3, 32)]
 PEAK_TFLOPS, PEAK_TBPS = 687.0, 4.27  # measured bf16 matmul and copy ceilings (issue 5's anchors)
@@ -42,7 +44,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="S1,S2")
     p.add_argument("--out", default=None)
-    p.add_argument("--forms", default="", help="only forms whose name contains this (e.g. wgrad)")
+    p.add_argument("--forms", default="", help="comma list: only forms whose name contains one of these (e.g. fwd,dx)")
     p.add_argument("--no-experts", action="store_true", help="skip the experts forward+backward")
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -77,7 +79,7 @@ def main():
                           2 * N * F * h, 2 * (N * F + E * F * h + N * h)),
         }
         for form, (tfn, ofn, flops, nbytes) in forms.items():
-            if a.forms not in form:
+            if not any(f in form for f in a.forms.split(",")):
                 continue
             floor = max(flops / PEAK_TFLOPS / 1e9, nbytes / PEAK_TBPS / 1e9)
             ref = None

@@ -15,11 +15,11 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 GROUPED_GEMM_BACKENDS = ("auto", "torch", "triton")
-# auto takes our Triton kernel where experts hold at most this many rows on average: below it
-# torch._grouped_mm's forward and input gradient ran 1.24-1.56x slower on the H200 (issue 5's
-# second shape, 128 rows per expert), above it ours was 0.88-0.92x (2048 rows per expert)
-# (benchmarks/device/probe_grouped_gemm.py).
-TRITON_MAX_ROWS_PER_EXPERT = 512
+# auto takes our Triton kernel where experts hold at most this many rows on average. On the H200
+# (benchmarks/device/probe_grouped_gemm.py), its forward and input gradient against
+# torch._grouped_mm's: 1.23-1.37x at 128 rows per expert (issue 5's second shape, K 7168),
+# 1.02-1.12x at 320 (Qwen3-Next's experts, K 2048), 0.91-0.96x at 512 and 0.88-0.97x at 2048.
+TRITON_MAX_ROWS_PER_EXPERT = 384
 
 
 def uses_triton_grouped_gemm(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> bool:

@@ -39,8 +39,8 @@ def row_bounds(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 # (BM, BN, BK, warps, stages) for x @ w; (BK, BN, BR over rows, warps, stages, column tiles per
 # program) for the weight gradient.
 # Chosen on the H200 (benchmarks/device/probe_grouped_gemm.py), not autotuned at run time.
-FWD_CONFIG = (128, 128, 64, 8, 3)
-WGRAD_CONFIG = (128, 128, 64, 8, 3, 4)
+FWD_CONFIG = (128, 256, 64, 8, 3)
+WGRAD_CONFIG = (128, 256, 64, 8, 3, 4)
 
 
 if triton is not None:
