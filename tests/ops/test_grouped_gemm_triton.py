@@ -172,3 +172,24 @@ def test_auto_backend_picks_by_rows_per_expert():
     assert uses_triton_grouped_gemm(x, w, "triton") and not uses_triton_grouped_gemm(x, w, "torch")
     with pytest.raises(ValueError, match="backend"):
         uses_triton_grouped_gemm(x, w, "cutlass")
+
+
+@pytest.mark.gpu
+def test_row_offsets_past_two_to_the_31_elements():
+    """x with more than 2^31 elements (issue 5's int64 edge case, TE #2908): the rows past
+    2^31 / K are read and written at their int64 offsets, in the forward and the weight gradient."""
+    torch.manual_seed(0)
+    e, k, m = 2, 8192, 256
+    n = 2**31 // k + 4096  # [n, k] holds more than 2^31 elements
+    counts = torch.tensor([n - 1000, 1000], device="cuda")
+    x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, k, m, device="cuda", dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(n, m, device="cuda", dtype=torch.bfloat16)
+    bounds = row_bounds(counts)
+    out = grouped_mm(x, w, bounds)
+    ref = torch.cat([x[n - 2000 : n - 1000].float() @ w[0].float(), x[n - 1000 :].float() @ w[1].float()])
+    got = out[n - 2000 :].float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    dw = grouped_mm_wgrad(x, dy, bounds)
+    ref_dw = x[n - 1000 :].float().T @ dy[n - 1000 :].float()
+    assert ((dw[1].float() - ref_dw).norm() / ref_dw.norm()).item() < 1e-2
