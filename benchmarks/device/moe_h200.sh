@@ -9,7 +9,7 @@ steps=${*:-tests bench1 bench2}
 for step in $steps; do
   case $step in
     tests) CUDA_VISIBLE_DEVICES=0 timeout 240 python -m pytest -m gpu -q -x -p no:cacheprovider \
-             tests/layers/test_moe_gpu.py tests/ops/test_moe_static_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+             tests/layers/test_moe_gpu.py tests/ops/test_moe_static_dispatch.py tests/ops/test_grouped_gemm_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     bench1) CUDA_VISIBLE_DEVICES=0 timeout 300 python benchmarks/moe.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench1.log" | tail -30 ;;
     bench2) timeout 300 torchrun --nproc_per_node 2 benchmarks/moe.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench2.log" | tail -30 ;;
   esac
