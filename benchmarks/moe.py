@@ -396,10 +396,16 @@ def build_ours(spec, variant, ep_group, router_weight, w1, w2, x, warmup, reps):
 
         info = {"expert_backend": ours_expert_backend(layer, x)}
 
+        from megatron_moe_hybrid.ops.moe.grouped import grouped_gemm_kind
+
+        def record_kind(experts, args):  # what the experts run on the rows they get; once, then removed
+            info["expert_backend"] = grouped_gemm_kind(args[0], experts.weight1, getattr(experts, "gemm_backend", "auto"))
+            hook.remove()
+
+        hook = layer.experts.register_forward_pre_hook(record_kind)
+
         def forward(x_th):
-            out = layer(x_th.view(num_tokens, 1, hidden))[0].view(num_tokens, hidden)
-            info["expert_backend"] = getattr(layer.experts, "last_gemm_kind", None) or info["expert_backend"]
-            return out
+            return layer(x_th.view(num_tokens, 1, hidden))[0].view(num_tokens, hidden)
 
         extra = (lambda: dispatch_only(layer, x, warmup, reps)) if chunks == 1 else None
         return forward, [p for p in layer.parameters() if p.requires_grad], info, extra

@@ -163,15 +163,23 @@ def test_swiglu_experts_on_the_triton_backend_equal_the_loop():
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_backend_picks_by_rows_per_expert():
-    from megatron_moe_hybrid.ops.moe.grouped import TRITON_MAX_ROWS_PER_EXPERT, uses_triton_grouped_gemm
+def test_auto_backend_picks_by_rows_per_expert(monkeypatch):
+    import megatron_moe_hybrid.ops.moe.grouped as grouped
+    from megatron_moe_hybrid.ops.moe.grouped import TRITON_MAX_ROWS_PER_EXPERT, grouped_gemm_kind, uses_triton_grouped_gemm
 
     w = torch.empty(8, 256, 256, dtype=torch.bfloat16)
     x = torch.empty(8 * TRITON_MAX_ROWS_PER_EXPERT, 256, dtype=torch.bfloat16)
-    assert not uses_triton_grouped_gemm(x, w, "auto")  # CPU: never auto
+    assert not uses_triton_grouped_gemm(x, w, "auto")  # CPU: no torch._grouped_mm, so never auto
     assert uses_triton_grouped_gemm(x, w, "triton") and not uses_triton_grouped_gemm(x, w, "torch")
+    assert grouped_gemm_kind(x, w, "auto") == "loop over experts"
     with pytest.raises(ValueError, match="backend"):
         uses_triton_grouped_gemm(x, w, "cutlass")
+    # where torch._grouped_mm runs (bf16 on CUDA), auto's rule: rows per expert and product width
+    monkeypatch.setattr(grouped, "uses_grouped_mm", lambda x, w: True)
+    assert uses_triton_grouped_gemm(x, w, "auto")  # at the threshold
+    assert not uses_triton_grouped_gemm(torch.empty(x.shape[0] + 8, 256), w, "auto")  # one row per expert over
+    assert not uses_triton_grouped_gemm(x, torch.empty(8, 256, 16), "auto")  # LoRA-narrow product
+    assert grouped_gemm_kind(x, w, "auto") == "triton grouped GEMM (weight gradient: torch._grouped_mm)"
 
 
 @pytest.mark.gpu

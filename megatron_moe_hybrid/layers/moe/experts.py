@@ -10,7 +10,6 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_moe_hybrid.ops.moe.grouped import (
-    grouped_gemm_kind,
     grouped_matmul,
     swiglu_experts,
     uses_grouped_mm,
@@ -39,7 +38,6 @@ class GroupedExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
         self.gemm_backend = getattr(getattr(config, "moe", None), "grouped_gemm_backend", "auto")
-        self.last_gemm_kind = None  # what the last forward's fc1 ran (grouped_gemm_kind), for reports
         self.weight1 = torch.nn.Parameter(
             torch.empty(num_local_experts, h, 2 * ffn, dtype=config.params_dtype)
         )
@@ -72,7 +70,6 @@ class GroupedExperts(MegatronModule):
         where FSDP2 gathers them. Rows past sum(tokens_per_local_expert) are padding; their
         outputs are unspecified."""
         w1, w2 = self.weight1, self.weight2
-        self.last_gemm_kind = grouped_gemm_kind(x_sorted, w1, self.gemm_backend)
         if fc1_extra is None and fc2_extra is None:
             return swiglu_experts(x_sorted, tokens_per_local_expert, w1, w2, self.gemm_backend)
         counts = tokens_per_local_expert

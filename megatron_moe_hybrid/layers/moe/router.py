@@ -177,10 +177,10 @@ class TopKRouter(MegatronModule):
         # [E] int64: the valid tokens' routed copies per expert before any capacity drop, when
         # the fused kernel counted them (the MoE layer's load statistics take them), else None
         self.last_counts = None if stats is None else stats[2]
-        # Under CP: this rank's counted tokens (a device scalar: no host sync) and, once, their sum
-        # over the CP group, shared by the aux loss and the z-loss.
         # the tokens the losses count: an int, or a device scalar with padding (no host sync)
         n_valid = x.shape[0] if valid is None else valid.sum()
+        # Under CP: this rank's counted tokens and, once, their sum over the CP group, shared by
+        # the aux loss and the z-loss.
         n_local = n_cp = None
         if self.cp_group is not None:
             n_local = torch.as_tensor(n_valid).to(scores.device, scores.dtype)

@@ -16,9 +16,9 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 GROUPED_GEMM_BACKENDS = ("auto", "torch", "triton")
 # auto takes our Triton kernel where experts hold at most this many rows on average. On the H200
-# (benchmarks/device/probe_grouped_gemm.py), its forward and input gradient against
-# torch._grouped_mm's: 1.23-1.37x at 128 rows per expert (issue 5's second shape, K 7168),
-# 1.02-1.12x at 320 (Qwen3-Next's experts, K 2048), 0.91-0.96x at 512 and 0.88-0.97x at 2048.
+# (benchmarks/results/h200/grouped_gemm.json), its forward and input gradient against
+# torch._grouped_mm's: 1.23-1.56x at 128 rows per expert (issue 5's second shape, K 7168),
+# 1.02-1.12x at 320 (Qwen3-Next's experts, K 2048), 0.91-0.96x at 512 and 0.88-0.92x at 2048.
 TRITON_MAX_ROWS_PER_EXPERT = 384
 
 
@@ -39,9 +39,7 @@ def uses_triton_grouped_gemm(x: torch.Tensor, w: torch.Tensor, backend: str = "a
 def grouped_gemm_kind(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> str:
     """What grouped_matmul runs for x [N, K] @ w [E, K, M], in words (for benchmarks and logs)."""
     if uses_triton_grouped_gemm(x, w, backend):
-        from .grouped_triton import _torch_wgrad_ok
-
-        return "triton grouped GEMM (weight gradient: " + ("torch._grouped_mm)" if _torch_wgrad_ok(x) else "triton)")
+        return "triton grouped GEMM (weight gradient: " + ("torch._grouped_mm)" if uses_grouped_mm(x, x) else "triton)")
     return "torch._grouped_mm" if uses_grouped_mm(x, w) else "loop over experts"
 
 

@@ -14,9 +14,11 @@ back, its column tiles outer and its row tiles inner, so the expert's rows (a fe
 weight column tile stay in L2 while they are reused.
 
 Offsets are int64 (tokens x hidden past 2^31). Accumulation is fp32, outputs in x's dtype.
-Tried on the H200 and not kept: TMA descriptors for the operands (forward and input gradient:
-0.98x at 128 rows per expert, 1.07x at 2048 where torch._grouped_mm is used anyway) and a
-persistent weight gradient storing by TMA (1.03x; still 0.82x torch._grouped_mm's).
+Tried on the H200 in probe runs (not kept in a results file) and dropped: TMA descriptors for
+the operands (forward and input gradient 0.98x at 128 rows per expert, 1.07x at 2048 where
+torch._grouped_mm runs anyway), a persistent weight gradient storing by TMA (1.03x, still 0.82x
+torch._grouped_mm's), a weight-gradient path holding an expert's rows in one tile (no gain).
+Measured: benchmarks/results/h200/grouped_gemm.json.
 The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
 
@@ -28,12 +30,21 @@ try:
 except ImportError:  # Triton is optional on CPU
     triton = None
 
+from .grouped import uses_grouped_mm
+
 
 def row_bounds(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """[E] counts -> int32 [E + 1] row bounds (0, c0, c0 + c1, ...), on the counts' device."""
     bounds = torch.zeros(tokens_per_expert.numel() + 1, dtype=torch.int32, device=tokens_per_expert.device)
     torch.cumsum(tokens_per_expert, 0, out=bounds[1:])
     return bounds
+
+
+def row_tile_bounds(bounds: torch.Tensor, bm: int) -> torch.Tensor:
+    """int32 [E + 1] row bounds -> int32 [E + 1] cumulative counts of bm-row tiles per expert."""
+    tiles = torch.zeros_like(bounds)
+    torch.cumsum((bounds[1:] - bounds[:-1] + bm - 1) // bm, 0, out=tiles[1:])
+    return tiles
 
 
 # (BM, BN, BK, warps, stages) for x @ w; (BK, BN, BR over rows, warps, stages, column tiles per
@@ -102,7 +113,7 @@ if triton is not None:
                               sxm, sxk, sdm, sdn, swe, swk, swm,
                               BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
         # one program: expert e, row tile kt of dw[e], NT column tiles in turn (the x^T tile it
-        # reads is the same for each: L1/L2 hits), each a short reduction over the expert's rows
+        # reads is the same for each: L1/L2 hits), each a reduction over the expert's rows
         pid = tl.program_id(0)
         num_k = tl.cdiv(K, BK)
         num_n = tl.cdiv(M, BN)
@@ -115,20 +126,6 @@ if triton is not None:
         row_end = tl.load(bounds + e + 1)
         rk = (kt * BK + tl.arange(0, BK)).to(tl.int64)  # [BK]
         n_stop = tl.minimum(n0 + NT, num_n)
-        if row_end - row0 <= BR:
-            # the expert's rows fit one tile: x^T's tile is read once for all NT column tiles
-            # (with BR = 128 or 256 for every expert this path measured slower than the loop
-            # below with BR = 64: its registers or shared memory ran out)
-            rr = (row0 + tl.arange(0, BR)).to(tl.int64)  # [BR]
-            r_ok = rr < row_end
-            a = tl.load(x + rr[None, :] * sxm + rk[:, None] * sxk, mask=r_ok[None, :] & (rk[:, None] < K), other=0.0)
-            for n in range(n0, n_stop):
-                rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
-                b = tl.load(dy + rr[:, None] * sdm + rn[None, :] * sdn, mask=r_ok[:, None] & (rn[None, :] < M), other=0.0)
-                acc = tl.dot(a, b)  # [BK, BR] @ [BR, BN]
-                o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
-                tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
-            return
         for n in range(n0, n_stop):
             rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
             acc = tl.zeros((BK, BN), dtype=tl.float32)
@@ -155,10 +152,12 @@ def _check(x: torch.Tensor, bounds: torch.Tensor, n_experts: int) -> None:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, config=None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K] grouped by expert, w [E, K, M] (any strides), bounds int32 [E + 1] -> [N, M] in x's dtype.
 
-    Rows past bounds[E] are left unwritten (torch.empty, or what `out` held)."""
+    Rows past bounds[E] are left unwritten (torch.empty, or what `out` held). tiles:
+    row_tile_bounds(bounds, the config's BM) when the caller has it (GroupedMM reuses the
+    forward's in the backward)."""
     E = w.shape[0]
     _check(x, bounds, E)
     if w.dim() != 3 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or w.device != x.device:
@@ -172,8 +171,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, config=No
         raise ValueError(f"out must be [N, M] = {(N, M)} on {x.device}, got {tuple(out.shape)} on {out.device}")
     if N == 0 or M == 0:
         return out
-    tiles = torch.zeros(E + 1, dtype=torch.int32, device=x.device)  # cumulative row tiles per expert
-    torch.cumsum((bounds[1:] - bounds[:-1] + BM - 1) // BM, 0, out=tiles[1:])
+    if tiles is None:
+        tiles = row_tile_bounds(bounds, BM)
     max_tiles = triton.cdiv(N, BM) + E  # a bound on tiles[E] that needs no host read
     grid = (max_tiles * triton.cdiv(M, BN),)
     _grouped_mm_kernel[grid](
@@ -206,31 +205,28 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, co
     return dw
 
 
-def _torch_wgrad_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-
-
 class GroupedMM(torch.autograd.Function):
     """x [N, K] @ w[e] [K, M] per expert; the input gradient by the same kernel, the weight
     gradient by `grouped_mm_wgrad` (wgrad="triton") or torch._grouped_mm (wgrad="torch"; "auto":
-    torch's where it runs, bf16 on CUDA, faster there on both of issue 5's shapes). No host sync."""
+    torch's where it runs, bf16 on CUDA, faster there at every shape measured). No host sync."""
 
     @staticmethod
     def forward(ctx, x, w, bounds, wgrad="auto"):
         if wgrad not in ("auto", "torch", "triton"):
             raise ValueError(f"wgrad must be auto, torch or triton, got {wgrad!r}")
-        ctx.save_for_backward(x, w, bounds)
+        tiles = row_tile_bounds(bounds, FWD_CONFIG[0])  # the input gradient's kernel tiles rows alike
+        ctx.save_for_backward(x, w, bounds, tiles)
         ctx.wgrad = wgrad
-        return grouped_mm(x, w, bounds)
+        return grouped_mm(x, w, bounds, tiles=tiles)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, bounds = ctx.saved_tensors
+        x, w, bounds, tiles = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = grouped_mm(dy, w.transpose(1, 2), bounds) if ctx.needs_input_grad[0] else None
+        dx = grouped_mm(dy, w.transpose(1, 2), bounds, tiles=tiles) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            if ctx.wgrad == "torch" or (ctx.wgrad == "auto" and _torch_wgrad_ok(x)):
+            if ctx.wgrad == "torch" or (ctx.wgrad == "auto" and uses_grouped_mm(x, dy)):
                 dw = torch._grouped_mm(x.t(), dy, offs=bounds[1:])
             else:
                 dw = grouped_mm_wgrad(x, dy, bounds)
