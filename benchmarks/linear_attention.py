@@ -176,7 +176,8 @@ def kernel_resources():
 
 def breakdown(op, x, cu, do):
     """{(kernel, (BV, num_warps)): ms} of each of our kernels on these inputs, called the way
-    _fwd/_bwd call them, under a few launch configs (triton_chunk.CONFIGS holds the defaults)."""
+    _fwd/_bwd call them without the sequence split (device/probe_split.py times that), under a
+    few launch configs (triton_chunk.CONFIGS holds the defaults)."""
     q, k, v, g = (x[n].detach() for n in ("q", "k", "v", "g"))
     beta = x["beta"].detach() if op == "gdn" else None
     scale = q.shape[-1] ** -0.5
@@ -208,7 +209,7 @@ def breakdown(op, x, cu, do):
         def run(bv, nw):
             tc._recurrence_fwd_kernel[(triton.cdiv(V, bv), chunks.N * HV)](
                 q, k, w, u if gdn else v, gam, P, o if store_o else None, None, None,
-                None if store_o else h, None if store_o else U, chunks.cu_seqlens, chunks.offsets,
+                None if store_o else h, None if store_o else U, None, chunks.cu_seqlens, chunks.offsets,
                 scale, T, BV=bv, IS_GDN=gdn, STORE_O=store_o, STORE_H=not store_o, USE_H0=False,
                 STORE_HT=False, num_warps=nw, **common)
         return run

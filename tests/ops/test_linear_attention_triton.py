@@ -97,6 +97,57 @@ def test_varlen_with_empty_and_length_one_segments_cpu(op):
         torch.testing.assert_close(got["state"][n], x["initial_state"][n])
 
 
+SPLIT_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
+    "B2-T200-H1-HV2-K16-V32": (2, 200, 1, 2, 16, 32, None),
+    "varlen-130-0-1-200-H1-HV2-K32-V16": (1, 331, 1, 2, 32, 16, [130, 0, 1, 200]),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_sequence_split_matches_reference_cpu(op, case, segment_chunks, monkeypatch):
+    """Sequences cut into segments of 1 or 2 chunks (the last shorter, an empty sequence one
+    empty segment): forward, final state and every gradient, initial state included."""
+    B, T, H, HV, K, V, lengths = SPLIT_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), seed=5)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    scans = []
+    real_scan = triton_chunk._scan
+    monkeypatch.setattr(triton_chunk, "_scan", lambda *a, **kw: scans.append(kw["reverse"]) or real_scan(*a, **kw))
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    assert scans == [False, True]  # the split ran, forward and backward
+    ref = outputs_and_grads(op, x, "torch", cu_seqlens=cu)
+    assert_rel_rms(got, ref, 2e-5, 2e-5)
+
+
+def test_sequence_split_plan():
+    """Few sequence-heads on long sequences are split (simple GLA), into segments of
+    >= MIN_SEGMENT_CHUNKS chunks; enough of them already fill the GPU and are not; the delta
+    rule splits only when forced (SEGMENT_CHUNKS)."""
+
+    def plan(B, T, HV, lengths=None, gdn=False):
+        cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        chunks = triton_chunk._Chunks(B, T, cu)
+        return triton_chunk._plan_segments(chunks, HV, 128, "cpu", gdn)
+
+    assert plan(1, 32768, 4, gdn=True) is None
+
+    seg = plan(1, 32768, 16)
+    assert seg is not None and seg.N == 1
+    counts = (seg.layout.cu[1:] - seg.layout.cu[:-1]).tolist()
+    assert sum(counts) == 32768 and len(counts) > 4
+    assert min(counts[:-1]) >= triton_chunk.MIN_SEGMENT_CHUNKS * triton_chunk.CHUNK
+    assert plan(4, 8192, 16) is not None  # 256 programs at BV 32: still split
+    assert plan(16, 8192, 32) is None  # 16 x 32 x 4 programs: no split
+    assert plan(1, 512, 2) is None  # 8 chunks: shorter than a segment
+    seg = plan(1, 20000, 2, lengths=[100, 19900])  # only the long sequence is cut
+    assert seg.first.tolist()[:2] == [0, 1] and seg.layout.N > 2
+    assert seg.layout.offsets.tolist()[:2] == [0, 2]  # chunk numbers stay global
+
+
 @interpreter
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("split", [37, 64])
@@ -248,3 +299,21 @@ def test_triton_bf16_matches_fp32_reference_gpu(op, case):
     ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\n{op} {case} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["B1-T4000-H2-HV4-D128", "varlen-300-0-1-2700-H2-HV4-D128"])
+def test_sequence_split_bf16_matches_fp32_reference_gpu(op, case, monkeypatch):
+    """The split on the GPU (segments of 8 chunks, forced): bf16 against the fp32 reference, with
+    an initial and a final state, so the scan's products and its reverse run in real kernels."""
+    lengths = None if case.startswith("B1") else [300, 0, 1, 2700]
+    T = 4000 if lengths is None else sum(lengths)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(1, T, 2, 128, 128, HV=4, N=1 if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=13)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 8)
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\n{op} {case} split relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))

@@ -20,6 +20,9 @@ Kernels (each program one chunk of one value head, or one V block of one sequenc
               (state gradient on chip, reverse over chunks, writes dh and dU), _bwd_chunk_kernel
               (every input gradient of one chunk, including the WY backward and the reverse
               cumsum of dg inside the chunk).
+    sequence split (_Segments; simple GLA with few sequence-heads, README.md): the recurrences
+              run per segment, first from a zero state, then, after _segment_scan_kernel joins
+              the segments, from each segment's true entering state.
 Dots take the input dtype (bf16/fp16; fp32 inputs use Triton's default tf32 on the GPU) and
 accumulate in fp32; the state, gam and every exponent are fp32.
 """
@@ -28,6 +31,7 @@ import functools
 import itertools
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,8 +50,22 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # shape), picked from benchmarks/linear_attention.py --breakdown on the H200 at
 # B1-T32768-HQK16-HV32-D128: kernel -> (BV, num_warps); BV None: the kernel takes none.
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
-CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (64, 8)}
+CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (64, 8), "split": (128, 8), "split_gdn": (32, 4)}
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
+# The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
+# each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, enough of them for
+# about SPLIT_PROGRAMS_PER_SM recurrence programs per SM (each then takes a whole [K, V] state,
+# BV 128, so q, k and P are read once per chunk, not once per V block). Chosen from
+# benchmarks/device/probe_split.py on the H200: simple GLA fwd+bwd 3.40 -> 1.66 ms at
+# B1-T32768-H16-D128 and 2.00 -> 1.62 ms at B4-T8192-H16; the delta rule's split (two first
+# passes, one of them on the [K, K] transition) was 0.8-0.9x at every shape tried, so only
+# simple GLA splits unless SEGMENT_CHUNKS forces it; a forced delta-rule split runs at BV 32
+# ("split_gdn": at BV 128 its kernels need 238 KB of shared memory, over the H200's 227 KB). SPLIT_MAX_PROGRAMS: split only where the
+# unsplit recurrences would run at most this many programs (at BV 32).
+SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_SEGMENT_CHUNKS = 16
+SEGMENT_CHUNKS: int | None = None
 
 
 @triton.jit
@@ -140,16 +158,21 @@ def _prep_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _recurrence_fwd_kernel(
-    q, k, w, u, gam, P, o, h0, ht, h, U, cu_seqlens, chunk_offsets, scale, T,
+    q, k, w, u, gam, P, o, h0, ht, h, U, gt, cu_seqlens, chunk_offsets, scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ZERO_U: tl.constexpr = False, H0_EYE: tl.constexpr = False, STORE_GT: tl.constexpr = False,
 ):
     """One V block of one sequence-head, chunk after chunk: U = u - w S, o = q^ S + P U, S'.
 
     u is v for simple GLA. STORE_H (the backward's recompute) writes the state entering each
     chunk to h [NT, HV, K, V] and U to U [B, T, HV, V].
+    The sequence split's first pass (_Segments) uses three more switches: STORE_GT writes the
+    sequence's total log decay (the sum of its chunks' gC) to gt [N, HV]; ZERO_U with H0_EYE
+    (the delta rule, V = K) starts from the identity with u = 0, so that ht is the product of
+    the chunks' state transitions S -> e^gC S - k'^T w S.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -174,6 +197,9 @@ def _recurrence_fwd_kernel(
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    if H0_EYE:
+        b_S += tl.where((o_k[:, None] == o_v[None, :]) & m_kv, 1.0, 0.0)
+    b_G = tl.sum(tl.zeros([1], dtype=tl.float32), axis=0)  # the total log decay (STORE_GT)
     for i_t in range(NT):
         o_t = i_t * BT + o_c
         m_t = o_t < T
@@ -184,7 +210,12 @@ def _recurrence_fwd_kernel(
             tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
-        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        if STORE_GT:
+            b_G += b_glast
+        if ZERO_U:
+            b_u = tl.zeros([BT, BV], dtype=tl.float32)
+        else:
+            b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
         if IS_GDN:
             b_w = tl.load(w + (r_t * HV + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_U = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(dt))
@@ -205,6 +236,9 @@ def _recurrence_fwd_kernel(
         b_S = b_S * tl.exp(b_glast) + tl.dot(b_kT, b_Ud)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_S.to(ht.dtype.element_ty), mask=m_kv)
+    if STORE_GT:
+        if i_v == 0:
+            tl.store(gt + i_nh, b_G)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
@@ -213,10 +247,12 @@ def _recurrence_bwd_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    STORE: tl.constexpr = True,
 ):
     """One V block of one sequence-head, chunks in reverse: dU = P^T do + k' dS',
     dS = e^gC dS' + q^T do - w^T dU. Writes dh (the gradient of the state leaving each chunk)
-    and dU (for simple GLA that is dv itself)."""
+    and dU (for simple GLA that is dv itself); with STORE False only dh0 (the sequence split's
+    first pass: each segment's own contribution to the gradient of the state entering it)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -246,7 +282,8 @@ def _recurrence_bwd_kernel(
         r_t = bos + o_t
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-        tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        if STORE:
+            tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
@@ -254,7 +291,8 @@ def _recurrence_bwd_kernel(
         b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_kp = (b_k * tl.exp(b_glast - b_gam)[:, None]).to(dt)
         b_dU = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, b_dS.to(dt))
-        tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
+        if STORE:
+            tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
         b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_qT = (b_qT * (scale * tl.exp(b_gam))[None, :]).to(dt)
         b_dS = b_dS * tl.exp(b_glast) + tl.dot(b_qT, b_do)
@@ -263,6 +301,55 @@ def _recurrence_bwd_kernel(
             b_dS -= tl.dot(b_wT, b_dU.to(dt))
     if USE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["HV"])
+def _segment_scan_kernel(
+    L, G, M, s0, S_in, st, seq_first, HV, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_GDN: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr, STORE_ST: tl.constexpr,
+):
+    """The sequence split's middle pass: one V block of one sequence-head, over its segments.
+
+    Segment s maps the state entering it to T_s S + L_s, with T_s = e^{G_s} (simple GLA) or
+    the [K, K] matrix M_s (the delta rule). Forward: S_in[s] is the state entering segment s
+    and st the one leaving the sequence. REVERSE (the backward) runs the segments last to
+    first with T_s^T: S_in[s] is then the gradient of the state leaving segment s, st that of
+    the state entering the sequence. s0 [N, HV, K, V] starts the scan.
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    first = tl.load(seq_first + i_n)
+    count = tl.load(seq_first + i_n + 1) - first
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        b_S += tl.load(s0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for j in range(count):
+        if REVERSE:
+            i_s = (first + count - 1 - j).to(tl.int64)
+        else:
+            i_s = (first + j).to(tl.int64)
+        p_s = (i_s * HV + i_h) * K * V
+        tl.store(S_in + p_s + o_kv, b_S, mask=m_kv)
+        if IS_GDN:
+            p_m = M + (i_s * HV + i_h) * K * K
+            m_kk = m_k[:, None] & m_k[None, :]
+            if REVERSE:  # M^T [a, b] = M[b, a]
+                b_M = tl.load(p_m + o_k[None, :] * K + o_k[:, None], mask=m_kk, other=0.0)
+            else:
+                b_M = tl.load(p_m + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
+            b_S = tl.dot(b_M, b_S, input_precision="tf32x3")  # ~fp32; "ieee" ran 10x slower
+        else:
+            b_S = b_S * tl.exp(tl.load(G + i_s * HV + i_h))
+        b_S += tl.load(L + p_s + o_kv, mask=m_kv, other=0.0)
+    if STORE_ST:
+        tl.store(st + i_nh.to(tl.int64) * K * V + o_kv, b_S, mask=m_kv)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
@@ -382,24 +469,105 @@ def _bwd_chunk_kernel(
 
 class _Chunks:
     """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
-    (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1]."""
+    (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1].
+    starts / lengths: each sequence's first token and token count (host ints)."""
 
     def __init__(self, B: int, T: int, cu_seqlens):
         self.cu_seqlens = cu_seqlens
         if cu_seqlens is None:
             self.N, self.NT = B, B * triton.cdiv(T, CHUNK)
             self.indices = self.offsets = None
+            self.starts, self.lengths = [b * T for b in range(B)], [T] * B
             return
         cu = cu_seqlens.to(torch.int64)
+        bounds = cu.tolist()
+        self.starts, self.lengths = bounds[:-1], [b - a for a, b in itertools.pairwise(bounds)]
         counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self.N = counts.numel()
-        self.NT = int(offsets[-1])
+        self.NT = sum(triton.cdiv(n, CHUNK) for n in self.lengths)
         seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts)
         within = torch.arange(self.NT, device=cu.device) - offsets[seq]
         self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous()
         self.offsets = offsets.to(torch.int32)
         self.cu_seqlens = cu.to(torch.int32).contiguous()
+
+
+class _Layout(NamedTuple):
+    """What a recurrence kernel walks: N sequences, packed (cu [N + 1] tokens, offsets [N] chunks)
+    or not (B rows of T tokens)."""
+
+    N: int
+    cu: Tensor | None
+    offsets: Tensor | None
+    varlen: bool
+
+
+def _layout(chunks: _Chunks) -> _Layout:
+    return _Layout(chunks.N, chunks.cu_seqlens, chunks.offsets, chunks.indices is not None)
+
+
+class _Segments(NamedTuple):
+    """The sequence split: every sequence cut into segments of a fixed number of chunks (its
+    last one shorter), run side by side by the recurrence kernels as packed sequences.
+
+    Chunks keep their global numbers, so h / dh and the chunk-parallel kernels are unchanged.
+    Three passes replace one sequential sweep (README.md, "The sequence split"): each segment
+    from a zero state (its L_s, and its transition: e^{G_s}, or the [K, K] M_s of the delta
+    rule), a scan over each sequence's few segments (_segment_scan_kernel), then each segment
+    again from its true entering state, writing o (forward) or dh, dU (backward).
+    """
+
+    layout: _Layout  # N = NS segments
+    first: Tensor  # [N + 1] int32, the first segment of each sequence
+    N: int  # sequences
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(starts: tuple, lengths: tuple, length: int, device: torch.device) -> _Segments:
+    """Cached per shape: the split's index tensors are built once (one host-to-device copy), so
+    repeated steps, and CUDA-graph capture after a warm-up step, copy nothing."""
+    cu, offsets, first, chunk = [], [], [0], 0
+    for start, n in zip(starts, lengths):
+        m = max(1, triton.cdiv(n, length * CHUNK))
+        cu += [start + j * length * CHUNK for j in range(m)]
+        offsets += [chunk + j * length for j in range(m)]
+        first.append(first[-1] + m)
+        chunk += triton.cdiv(n, CHUNK)
+    cu.append(starts[-1] + lengths[-1])
+    flat = torch.tensor(cu + offsets + first, dtype=torch.int32).to(device)
+    NS = len(offsets)
+    layout = _Layout(NS, flat[: NS + 1], flat[NS + 1 : 2 * NS + 1], True)
+    return _Segments(layout, flat[2 * NS + 1 :], len(lengths))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: the H200's count, so CPU runs plan as the GPU would
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _plan_segments(chunks: _Chunks, HV: int, V: int, device, gdn: bool) -> _Segments | None:
+    """The split, or None where the sequences alone give the recurrences enough programs.
+
+    Segments are sized so that all of them together make about SPLIT_PROGRAMS_PER_SM
+    recurrence programs per SM, and hold at least MIN_SEGMENT_CHUNKS chunks (the split's
+    first pass and scan cost more than they save on short segments). SEGMENT_CHUNKS, when
+    set, forces the segment length (tests).
+    """
+    longest = max(triton.cdiv(n, CHUNK) for n in chunks.lengths)
+    if SEGMENT_CHUNKS is not None:
+        length = SEGMENT_CHUNKS
+    else:
+        if chunks.N * HV * triton.cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
+            return None
+        BV = _split_config(V, gdn)[0]
+        target = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
+        length = max(MIN_SEGMENT_CHUNKS, triton.cdiv(chunks.NT * HV * triton.cdiv(V, BV), target))
+    if length >= longest:
+        return None
+    return _segments(tuple(chunks.starts), tuple(chunks.lengths), length, torch.device(device))
 
 
 def _alloc(shape, dtype, device) -> Tensor:
@@ -422,6 +590,12 @@ def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
     return BV, num_warps
 
 
+def _split_config(V: int, gdn: bool) -> tuple[int, int]:
+    """(BV, num_warps) of the recurrences under the sequence split (which supplies the programs)."""
+    BV, num_warps = CONFIGS["split_gdn" if gdn else "split"]
+    return min(BV, max(16, triton.next_power_of_2(V))), num_warps
+
+
 def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -442,52 +616,106 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
     return gam, P, A, w, u
 
 
-def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
+def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
+               h=None, U=None, gt=None, zero_u=False, h0_eye=False):
+    """_recurrence_fwd_kernel over layout's sequences; each output given is written."""
     T, H, K = q.shape[1:]
-    HV, V = v.shape[2], v.shape[3]
-    BK, _ = _blocks(K, V)
-    gam, P, _, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=False)
-    o = _alloc(v.shape, v.dtype, v.device)
-    ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    gdn = beta is not None
-    BV, num_warps = _seq_config(V, chunks.N * HV)
-    _recurrence_fwd_kernel[(triton.cdiv(V, BV), chunks.N * HV)](
-        q, k, w, u if gdn else v, gam, P, o, h0, ht, None, None, chunks.cu_seqlens, chunks.offsets,
-        scale, T, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        IS_GDN=gdn, STORE_O=True, STORE_H=False, USE_H0=h0 is not None, STORE_HT=ht is not None,
-        IS_VARLEN=chunks.indices is not None, num_warps=num_warps,
+    HV = gam.shape[2]
+    V = u.shape[3] if V is None else V
+    BV, num_warps = config
+    _recurrence_fwd_kernel[(triton.cdiv(V, BV), layout.N * HV)](
+        q, k, w, u, gam, P, o, h0, ht, h, U, gt, layout.cu, layout.offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
+        STORE_HT=ht is not None, IS_VARLEN=layout.varlen, ZERO_U=zero_u, H0_EYE=h0_eye,
+        STORE_GT=gt is not None, num_warps=num_warps,
     )
-    return o, ht
 
 
-def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
+def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, dh=None, dht=None, dh0=None):
+    """_recurrence_bwd_kernel over layout's sequences; without dh (and dU) it writes only dh0."""
+    T, H, K = q.shape[1:]
+    HV, V = do.shape[2], do.shape[3]
+    BV, num_warps = config
+    _recurrence_bwd_kernel[(triton.cdiv(V, BV), layout.N * HV)](
+        q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
+        STORE=dh is not None, num_warps=num_warps,
+    )
+
+
+def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
+    """_segment_scan_kernel: (per segment the state entering it, or in reverse the gradient of
+    the state leaving it; and the sequence's end of the scan, or None)."""
+    NS, HV, K, V = L.shape
+    gdn = trans.dim() == 4
+    S_in = _alloc(L.shape, torch.float32, L.device)
+    st = _alloc((seg.N, HV, K, V), torch.float32, L.device) if want_end else None
+    BV = min(32, _blocks(1, V)[1])
+    _segment_scan_kernel[(triton.cdiv(V, BV), seg.N * HV)](
+        L, None if gdn else trans, trans if gdn else None, s0, S_in, st, seg.first, HV, K=K, V=V,
+        BK=_blocks(K, V)[0], BV=BV, IS_GDN=gdn, REVERSE=reverse, USE_S0=s0 is not None, STORE_ST=want_end,
+        num_warps=8 if gdn else 4,
+    )
+    return S_in, st
+
+
+def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
+    K = q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    gam, P, _, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=False)
+    gdn = beta is not None
+    u = u if gdn else v
+    o = _alloc(v.shape, v.dtype, v.device)
+    seg = _plan_segments(chunks, HV, V, q.device, gdn)
+    if seg is None:
+        ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
+        config = _seq_config(V, chunks.N * HV)
+        _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
+        return o, ht, None
+    config = _split_config(V, gdn)
+    # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
+    L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
+    if gdn:
+        trans = _alloc((seg.layout.N, HV, K, K), torch.float32, q.device)
+        _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L)
+        _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, V=K, ht=trans, zero_u=True, h0_eye=True)
+    else:
+        trans = _alloc((seg.layout.N, HV), torch.float32, q.device)
+        _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L, gt=trans)
+    # 2. the states entering the segments; 3. each segment from its state, writing o
+    S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
+    _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in)
+    return o, ht, (seg, S_in, trans)
+
+
+def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BK, _ = _blocks(K, V)
     gdn = beta is not None
     varlen = chunks.indices is not None
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
-    BV, num_warps = _seq_config(V, chunks.N * HV)
-    seq_grid = (triton.cdiv(V, BV), chunks.N * HV)
-    _recurrence_fwd_kernel[seq_grid](
-        q, k, w, u if gdn else v, gam, P, None, h0, None, h, U, chunks.cu_seqlens, chunks.offsets,
-        scale, T, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        IS_GDN=gdn, STORE_O=False, STORE_H=True, USE_H0=h0 is not None, STORE_HT=False,
-        IS_VARLEN=varlen, num_warps=num_warps,
-    )
-    del u
     dh = _alloc(h.shape, h.dtype, h.device)
     dU = _alloc(v.shape, v.dtype, v.device)  # dv itself for simple GLA
-    dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
-    _recurrence_bwd_kernel[seq_grid](
-        q, k, w, gam, P, do, dU, dh, dht, dh0, chunks.cu_seqlens, chunks.offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        IS_GDN=gdn, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=varlen,
-        num_warps=num_warps,
-    )
+    if split is None:
+        layout, config = _layout(chunks), _seq_config(V, chunks.N * HV)
+        _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
+        del u
+        dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
+        _sweep_bwd(layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht, dh0=dh0)
+    else:
+        seg, S_in, trans = split
+        config = _split_config(V, gdn)
+        _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
+        del u
+        L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
+        _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dh0=L)
+        dht_in, dh0 = _scan(seg, L, trans, dht, reverse=True, want_end=h0 is not None)
+        _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht_in)
     del w, P
     grouped = HV != H
     # per value head, in the input dtype; a group of heads is summed in fp32 afterwards
@@ -500,7 +728,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks):
     _bwd_chunk_kernel[grid](
         q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]),
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]),
         IS_GDN=gdn, IS_VARLEN=varlen, num_warps=CONFIGS["chunk_bwd"][1],
     )
     if grouped:
@@ -515,9 +743,9 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
         chunks = _Chunks(q.shape[0], q.shape[1], cu_seqlens)
-        o, ht = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
+        o, ht, split = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.chunks, ctx.scale = chunks, scale
+        ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
         if ht is None:
             return o
         return o, ht
@@ -527,7 +755,7 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _bwd(
             q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), ctx.chunks,
+            None if dht is None else dht.contiguous(), ctx.chunks, ctx.split,
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),

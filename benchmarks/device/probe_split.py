@@ -1,0 +1,125 @@
+"""The sequence split of the linear-attention recurrences (triton_chunk._plan_segments), on the H200.
+
+    python benchmarks/device/probe_split.py [--shapes gla_t32k,qwen,...] [--ops gla,gdn] [--ppsm 2,4,8]
+        [--min-chunks 16] [--fla]
+
+Per shape and op: ours without the split (MIN_SEGMENT_CHUNKS huge), then with it at each
+SPLIT_PROGRAMS_PER_SM in --ppsm; fwd / bwd / fwd+bwd medians (benchmarks/linear_attention.py's
+measure), the segment count, and the split's relative RMS distance from the unsplit run
+(output and gradients, bf16). --fla times fla in the same process (guard lifted as there).
+Prints one JSON line per row; writes nothing else.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import linear_attention as bench  # noqa: E402
+from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="gla_t32k,gla_b4,qwen,h32,b4,tp8,varlen")
+    p.add_argument("--ops", default="gla,gdn")
+    p.add_argument("--ppsm", default="2,4,8")
+    p.add_argument("--min-chunks", type=int, default=16)
+    p.add_argument("--fla", action="store_true")
+    p.add_argument("--split-configs", default="32x4", help="BVxwarps,... for CONFIGS['split']")
+    p.add_argument("--breakdown", default="", help="op:shape,... to time pass by pass")
+    a = p.parse_args()
+    for item in filter(None, a.breakdown.split(",")):
+        breakdown(*item.split(":"))
+    if a.breakdown:
+        return
+    for op in a.ops.split(","):
+        for key in a.shapes.split(","):
+            if key not in bench.OP_SHAPES[op]:
+                continue
+            name, B, T, H, HV, D, lengths = bench.SHAPES[key]
+            x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
+            do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+            fn = bench.ours_fn(op, cu)
+            tc.MIN_SEGMENT_CHUNKS = 10**9
+            base_ms, base_peak, (base_o, base_g) = bench.measure(fn, x, do)
+            print(json.dumps(dict(op=op, shape=name, split="off", ms=base_ms, peak=base_peak)), flush=True)
+            if a.fla:
+                ms, _, _ = bench.measure(bench.fla_fn(op, cu), x, do)
+                print(json.dumps(dict(op=op, shape=name, split="fla", ms=ms)), flush=True)
+            tc.MIN_SEGMENT_CHUNKS = a.min_chunks
+            tc.SPLIT_MAX_PROGRAMS = {"gla": 10**9, "gdn": 10**9}
+            for ppsm, cfg in [(int(v), c) for v in a.ppsm.split(",") for c in a.split_configs.split(",")]:
+                tc.SPLIT_PROGRAMS_PER_SM = ppsm
+                tc.CONFIGS["split_gdn" if op == "gdn" else "split"] = tuple(int(n) for n in cfg.split("x"))
+                chunks = tc._Chunks(B, T, cu)
+                seg = tc._plan_segments(chunks, HV, D, "cuda", op == "gdn")
+                if seg is None:
+                    print(json.dumps(dict(op=op, shape=name, split=ppsm, segments=None)), flush=True)
+                    continue
+                ms, peak, (o, g) = bench.measure(fn, x, do)
+                err = {"o": bench.rel_rms(o, base_o), **{f"d{n}": bench.rel_rms(gs, gb) for n, gs, gb in zip(x, g, base_g)}}
+                print(json.dumps(dict(op=op, shape=name, split=ppsm, config=cfg, segments=seg.layout.N, ms=ms, peak=peak,
+                                      speedup={m: round(base_ms[m] / ms[m], 3) for m in ms},
+                                      rel_rms_vs_unsplit={n: f"{e:.1e}" for n, e in err.items()})), flush=True)
+            tc.SPLIT_PROGRAMS_PER_SM = 2
+
+
+
+
+def breakdown(op, key, segment_chunks=16):
+    """Each pass of the split forward on one shape, timed alone (do_bench medians, ms)."""
+    import triton
+
+    name, B, T, H, HV, D, lengths = bench.SHAPES[key]
+    x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
+    q, k, v, g = (x[n].detach() for n in "qkvg")
+    beta = x["beta"].detach() if op == "gdn" else None
+    chunks = tc._Chunks(B, T, cu)
+    tc.SEGMENT_CHUNKS = segment_chunks
+    seg = tc._plan_segments(chunks, HV, D, "cuda", op == "gdn")
+    tc.SEGMENT_CHUNKS = None
+    scale = D**-0.5
+    gam, P, _, w, u = tc._prep(q, k, v, g, beta, scale, chunks, store_A=False)
+    u = u if op == "gdn" else v
+    config = tc._split_config(D, op == "gdn")
+    NS = seg.layout.N
+    L = torch.empty(NS, HV, D, D, device="cuda")
+    M = torch.empty(NS, HV, D, D, device="cuda")
+    G = torch.empty(NS, HV, device="cuda")
+    o = torch.empty_like(v)
+    bench_ms = lambda f: round(triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median"), 4)  # noqa: E731
+    rows = {"prep": bench_ms(lambda: tc._prep(q, k, v, g, beta, scale, chunks, store_A=False))}
+    if op == "gdn":
+        rows["L pass"] = bench_ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L))
+        rows["M pass"] = bench_ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, V=D, ht=M,
+                                                        zero_u=True, h0_eye=True))
+        trans = M
+    else:
+        rows["L pass"] = bench_ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L, gt=G))
+        trans = G
+    rows["scan"] = bench_ms(lambda: tc._scan(seg, L, trans, None, reverse=False, want_end=True))
+    S_in, _ = tc._scan(seg, L, trans, None, reverse=False, want_end=True)
+    rows["output pass"] = bench_ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in))
+    full = tc._layout(chunks)
+    rows["unsplit sweep"] = bench_ms(lambda: tc._sweep_fwd(full, tc._seq_config(D, chunks.N * HV), q, k, w, u, gam, P,
+                                                           scale, o=o))
+    print(json.dumps(dict(op=op, shape=name, segments=NS, breakdown_ms=rows)), flush=True)
+    # split against unsplit, same inputs, directly
+    fn = bench.ours_fn(op, cu)
+    with torch.no_grad():
+        tc.MIN_SEGMENT_CHUNKS = 10**9
+        o1 = fn(x)
+        tc.SEGMENT_CHUNKS = segment_chunks
+        o2 = fn(x)
+        tc.SEGMENT_CHUNKS, tc.MIN_SEGMENT_CHUNKS = None, 16
+    print(json.dumps(dict(op=op, shape=name, max_abs_diff=(o1.float() - o2.float()).abs().max().item(),
+                          differing=int((o1 != o2).sum()))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
