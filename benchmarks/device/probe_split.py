@@ -57,7 +57,7 @@ def main():
                 tc.SPLIT_PROGRAMS_PER_SM = ppsm
                 tc.CONFIGS["split_gdn" if op == "gdn" else "split"] = tuple(int(n) for n in cfg.split("x"))
                 chunks = tc._Chunks(B, T, cu)
-                seg = tc._plan_segments(chunks, HV, D, "cuda", op == "gdn")
+                seg = tc._plan_segments(chunks, D, HV, D, "cuda", op == "gdn")
                 if seg is None:
                     print(json.dumps(dict(op=op, shape=name, split=ppsm, segments=None)), flush=True)
                     continue
@@ -81,12 +81,12 @@ def breakdown(op, key, segment_chunks=16):
     beta = x["beta"].detach() if op == "gdn" else None
     chunks = tc._Chunks(B, T, cu)
     tc.SEGMENT_CHUNKS = segment_chunks
-    seg = tc._plan_segments(chunks, HV, D, "cuda", op == "gdn")
+    seg = tc._plan_segments(chunks, D, HV, D, "cuda", op == "gdn")
     tc.SEGMENT_CHUNKS = None
     scale = D**-0.5
     gam, P, _, w, u = tc._prep(q, k, v, g, beta, scale, chunks, store_A=False)
     u = u if op == "gdn" else v
-    config = tc._split_config(D, op == "gdn")
+    config = tc._split_config(D, D, op == "gdn")
     NS = seg.layout.N
     L = torch.empty(NS, HV, D, D, device="cuda")
     M = torch.empty(NS, HV, D, D, device="cuda")

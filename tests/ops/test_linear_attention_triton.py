@@ -131,7 +131,7 @@ def test_sequence_split_plan():
     def plan(B, T, HV, lengths=None, gdn=False):
         cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         chunks = triton_chunk._Chunks(B, T, cu)
-        return triton_chunk._plan_segments(chunks, HV, 128, "cpu", gdn)
+        return triton_chunk._plan_segments(chunks, 128, HV, 128, "cpu", gdn)
 
     assert plan(1, 32768, 4, gdn=True) is None
 
@@ -254,6 +254,23 @@ def test_bad_inputs_raise_value_error_naming_argument(case):
         la.gated_delta_rule(**args, backend="triton")
 
 
+def test_simple_gla_takes_key_head_dim_256_and_refuses_512():
+    q = torch.zeros(1, 4, 1, 512)
+    with pytest.raises(ValueError, match="^q: .*simple GLA.*K <= 256"):
+        la.chunk_simple_gla(q, q, q[..., :16], g=torch.zeros(1, 4, 1), backend="triton")
+
+
+@interpreter
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+def test_simple_gla_head_dim_256_matches_reference_cpu(segment_chunks, monkeypatch):
+    """K = 256 (simple GLA only), T off the chunk, grouped value heads, unsplit and split."""
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    x = make_inputs(1, 130, 1, 256, 32, HV=2, seed=9)
+    got = outputs_and_grads("simple_gla", x, "triton")
+    ref = outputs_and_grads("simple_gla", x, "torch")
+    assert_rel_rms(got, ref, 2e-5, 2e-5)
+
+
 def test_simple_gla_decay_arguments_are_checked():
     q = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ValueError, match="^g_gamma:"):
@@ -275,6 +292,9 @@ def test_auto_picks_triton_only_for_16_bit_cuda_tensors():
         for dtype in (torch.float32, torch.float64):
             q = cpu.to("cuda", dtype)
             assert la._pick("gated_delta_rule", "auto", q) is la._BACKENDS["gated_delta_rule"]["torch"]
+        q256 = torch.zeros(1, 2, 1, 256, device="cuda", dtype=torch.bfloat16)  # K 256: simple GLA only
+        assert la._pick("simple_gla", "auto", q256) is la._BACKENDS["simple_gla"]["triton"]
+        assert la._pick("gated_delta_rule", "auto", q256) is la._BACKENDS["gated_delta_rule"]["torch"]
 
 
 GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
@@ -317,3 +337,15 @@ def test_sequence_split_bf16_matches_fp32_reference_gpu(op, case, monkeypatch):
     ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\n{op} {case} split relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segment_chunks", [None, 4])
+def test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu(segment_chunks, monkeypatch):
+    """K = V = 256 simple GLA in bf16 against the fp32 reference, unsplit and split."""
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    x = make_inputs(2, 1000, 2, 256, 256, dtype=torch.bfloat16, device="cuda", seed=17)
+    got = outputs_and_grads("simple_gla", x, "triton")
+    ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch")
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\nsimple_gla K256 segments {segment_chunks} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))

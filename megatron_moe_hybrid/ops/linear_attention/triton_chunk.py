@@ -41,7 +41,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 CHUNK = 64
-MAX_HEAD_DIM_K = 128
+MAX_HEAD_DIM_K = {"gdn": 128, "gla": 256}  # key head dims the kernels take, per op
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -56,14 +56,15 @@ MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, enough of them for
 # about SPLIT_PROGRAMS_PER_SM recurrence programs per SM (each then takes a whole [K, V] state,
 # BV 128, so q, k and P are read once per chunk, not once per V block). Chosen from
-# benchmarks/device/probe_split.py on the H200: simple GLA fwd+bwd 3.40 -> 1.66 ms at
-# B1-T32768-H16-D128 and 2.00 -> 1.62 ms at B4-T8192-H16; the delta rule's split (two first
+# benchmarks/device/probe_split.py on the H200: simple GLA fwd+bwd 3.43 -> 1.61 ms at
+# B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66 and
+# 1.63, 3 per SM: 1.71 and 1.69); the delta rule's split (two first
 # passes, one of them on the [K, K] transition) was 0.8-0.9x at every shape tried, so only
 # simple GLA splits unless SEGMENT_CHUNKS forces it; a forced delta-rule split runs at BV 32
 # ("split_gdn": at BV 128 its kernels need 238 KB of shared memory, over the H200's 227 KB). SPLIT_MAX_PROGRAMS: split only where the
 # unsplit recurrences would run at most this many programs (at BV 32).
 SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
-SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_PER_SM = 1
 MIN_SEGMENT_CHUNKS = 16
 SEGMENT_CHUNKS: int | None = None
 
@@ -548,7 +549,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan_segments(chunks: _Chunks, HV: int, V: int, device, gdn: bool) -> _Segments | None:
+def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) -> _Segments | None:
     """The split, or None where the sequences alone give the recurrences enough programs.
 
     Segments are sized so that all of them together make about SPLIT_PROGRAMS_PER_SM
@@ -562,7 +563,7 @@ def _plan_segments(chunks: _Chunks, HV: int, V: int, device, gdn: bool) -> _Segm
     else:
         if chunks.N * HV * triton.cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
             return None
-        BV = _split_config(V, gdn)[0]
+        BV = _split_config(K, V, gdn)[0]
         target = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
         length = max(MIN_SEGMENT_CHUNKS, triton.cdiv(chunks.NT * HV * triton.cdiv(V, BV), target))
     if length >= longest:
@@ -590,10 +591,24 @@ def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
     return BV, num_warps
 
 
-def _split_config(V: int, gdn: bool) -> tuple[int, int]:
+def _split_config(K: int, V: int, gdn: bool) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences under the sequence split (which supplies the programs)."""
     BV, num_warps = CONFIGS["split_gdn" if gdn else "split"]
-    return min(BV, max(16, triton.next_power_of_2(V))), num_warps
+    # K 256 (simple GLA): BV 32, as BV 64 needs 241 KB of shared memory on the H200 (227 KB)
+    BV = min(BV, max(16, triton.next_power_of_2(V)), 128 if _blocks(K, V)[0] <= 128 else 32)
+    return BV, num_warps
+
+
+def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of _bwd_chunk_kernel. K 256 (simple GLA) takes (32, 4): at the default
+    (64, 8) it needs 240 KB of shared memory, and (32, 8) gave dq 2.8e-2 off the fp32 reference
+    in bf16 on the H200 (Triton 3.6), where (32, 4) and (16, 4) passed; measured this session
+    by a one-off probe, the GPU test test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu
+    covers this config."""
+    BV, num_warps = min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]), CONFIGS["chunk_bwd"][1]
+    if _blocks(K, V)[0] > 128:
+        return min(BV, 32), 4
+    return BV, num_warps
 
 
 def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
@@ -668,13 +683,13 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
     gdn = beta is not None
     u = u if gdn else v
     o = _alloc(v.shape, v.dtype, v.device)
-    seg = _plan_segments(chunks, HV, V, q.device, gdn)
+    seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(V, chunks.N * HV)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
         return o, ht, None
-    config = _split_config(V, gdn)
+    config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
     L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
     if gdn:
@@ -709,7 +724,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
         _sweep_bwd(layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht, dh0=dh0)
     else:
         seg, S_in, trans = split
-        config = _split_config(V, gdn)
+        config = _split_config(K, V, gdn)
         _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
         del u
         L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
@@ -728,8 +743,8 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
     _bwd_chunk_kernel[grid](
         q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]),
-        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=CONFIGS["chunk_bwd"][1],
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=_chunk_bwd_config(K, V)[0],
+        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=_chunk_bwd_config(K, V)[1],
     )
     if grouped:
         dq = dq.view(B, T, H, HV // H, K).sum(3, dtype=torch.float32).to(q.dtype)
@@ -771,8 +786,12 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
             f"{q.dtype} {list(q.shape)}; use backend='torch' for other dtypes"
         )
     B, T, H, K = q.shape
-    if K > MAX_HEAD_DIM_K:
-        raise ValueError(f"q: the triton backend handles head dims K <= {MAX_HEAD_DIM_K}, got K={K}")
+    op = "gla" if beta is None else "gdn"
+    if K > MAX_HEAD_DIM_K[op]:
+        raise ValueError(
+            f"q: the triton backend's {'simple GLA' if beta is None else 'gated delta rule'} handles key head "
+            f"dims K <= {MAX_HEAD_DIM_K[op]}, got K={K}; use backend='torch'"
+        )
     if k.shape != q.shape or k.dtype != q.dtype:
         raise ValueError(f"k: expected {list(q.shape)} {q.dtype} like q, got {list(k.shape)} {k.dtype}")
     if v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % H or v.dtype != q.dtype:
