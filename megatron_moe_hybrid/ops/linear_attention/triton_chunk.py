@@ -57,12 +57,13 @@ MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # about SPLIT_PROGRAMS_PER_SM recurrence programs per SM (each then takes a whole [K, V] state,
 # BV 128, so q, k and P are read once per chunk, not once per V block). Chosen from
 # benchmarks/device/probe_split.py on the H200: simple GLA fwd+bwd 3.43 -> 1.61 ms at
-# B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66 and
-# 1.63, 3 per SM: 1.71 and 1.69); the delta rule's split (two first
-# passes, one of them on the [K, K] transition) was 0.8-0.9x at every shape tried, so only
-# simple GLA splits unless SEGMENT_CHUNKS forces it; a forced delta-rule split runs at BV 32
-# ("split_gdn": at BV 128 its kernels need 238 KB of shared memory, over the H200's 227 KB). SPLIT_MAX_PROGRAMS: split only where the
-# unsplit recurrences would run at most this many programs (at BV 32).
+# B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66
+# and 1.63, 3 per SM: 1.71 and 1.69). The delta rule's split (two first passes, one of them
+# over the [K, K] transition) was 0.8-0.9x at every shape tried, so only simple GLA splits
+# unless SEGMENT_CHUNKS forces it; a forced delta-rule split runs at BV 32 ("split_gdn": at
+# BV 128 its kernels need 238 KB of shared memory, over the H200's 227 KB).
+# SPLIT_MAX_PROGRAMS: split only where the unsplit recurrences would run at most this many
+# programs (at BV 32).
 SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
 SPLIT_PROGRAMS_PER_SM = 1
 MIN_SEGMENT_CHUNKS = 16
