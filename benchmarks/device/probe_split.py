@@ -7,7 +7,9 @@ Per shape and op: ours without the split (MIN_SEGMENT_CHUNKS huge), then with it
 SPLIT_PROGRAMS_PER_SM in --ppsm; fwd / bwd / fwd+bwd medians (benchmarks/linear_attention.py's
 measure), the segment count, and the split's relative RMS distance from the unsplit run
 (output and gradients, bf16). --fla times fla in the same process (guard lifted as there).
-Prints one JSON line per row; writes nothing else.
+Prints one JSON line per row; with --out also writes them in the results format (one row per
+split setting: ours_ms the split's fwd+bwd, anchor_ms the unsplit run's, as in
+results/h200/linear_attention_split.json).
 """
 
 import argparse
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import linear_attention as bench  # noqa: E402
+from common import write_results  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
 
 
@@ -32,11 +35,13 @@ def main():
     p.add_argument("--fla", action="store_true")
     p.add_argument("--split-configs", default="32x4", help="BVxwarps,... for CONFIGS['split']")
     p.add_argument("--breakdown", default="", help="op:shape,... to time pass by pass")
+    p.add_argument("--out", default=None, help="also write the rows here (results format)")
     a = p.parse_args()
     for item in filter(None, a.breakdown.split(",")):
         breakdown(*item.split(":"))
     if a.breakdown:
         return
+    rows = []
     for op in a.ops.split(","):
         for key in a.shapes.split(","):
             if key not in bench.OP_SHAPES[op]:
@@ -47,6 +52,7 @@ def main():
             fn = bench.ours_fn(op, cu)
             tc.MIN_SEGMENT_CHUNKS = 10**9
             base_ms, base_peak, (base_o, base_g) = bench.measure(fn, x, do)
+            base = dict(ms=base_ms, peak=base_peak)
             print(json.dumps(dict(op=op, shape=name, split="off", ms=base_ms, peak=base_peak)), flush=True)
             if a.fla:
                 ms, _, _ = bench.measure(bench.fla_fn(op, cu), x, do)
@@ -63,12 +69,32 @@ def main():
                     continue
                 ms, peak, (o, g) = bench.measure(fn, x, do)
                 err = {"o": bench.rel_rms(o, base_o), **{f"d{n}": bench.rel_rms(gs, gb) for n, gs, gb in zip(x, g, base_g)}}
-                print(json.dumps(dict(op=op, shape=name, split=ppsm, config=cfg, segments=seg.layout.N, ms=ms, peak=peak,
-                                      speedup={m: round(base_ms[m] / ms[m], 3) for m in ms},
-                                      rel_rms_vs_unsplit={n: f"{e:.1e}" for n, e in err.items()})), flush=True)
+                record = dict(op=op, shape=name, split=ppsm, config=cfg, segments=seg.layout.N, ms=ms, peak=peak,
+                              speedup={m: round(base_ms[m] / ms[m], 3) for m in ms},
+                              rel_rms_vs_unsplit={n: f"{e:.1e}" for n, e in err.items()})
+                print(json.dumps(record), flush=True)
+                rows.append(result_row(record, base))
+                if a.out:
+                    write_results(a.out, rows)
             tc.SPLIT_PROGRAMS_PER_SM = 2
 
 
+
+
+def result_row(r, base):
+    """One printed record (and its unsplit run) as a results-format row."""
+    bv, nw = (int(x) for x in r["config"].split("x"))
+    return {
+        "name": f"{r['op']} fwd+bwd, sequence split", "shape": r["shape"] + "-bf16",
+        "ours_ms": round(r["ms"]["fwd+bwd"], 4), "anchor": "ours unsplit (one sweep per sequence-head, BV 32 or less)",
+        "anchor_ms": round(base["ms"]["fwd+bwd"], 4), "speedup": round(base["ms"]["fwd+bwd"] / r["ms"]["fwd+bwd"], 3),
+        "target_speedup": None, "ours_peak_mem_bytes": r["peak"], "anchor_peak_mem_bytes": base["peak"],
+        "fwd_ms": round(r["ms"]["fwd"], 4), "bwd_ms": round(r["ms"]["bwd"], 4),
+        "anchor_fwd_ms": round(base["ms"]["fwd"], 4), "anchor_bwd_ms": round(base["ms"]["bwd"], 4),
+        "split_programs_per_sm": r["split"], "split_config": {"BV": bv, "num_warps": nw}, "segments": r["segments"],
+        "rel_rms_vs_unsplit": {k: float(v) for k, v in r["rel_rms_vs_unsplit"].items()},
+        "notes": "benchmarks/linear_attention.py's measure (do_bench medians, warm, L2 flushed), both in the same process",
+    }
 
 
 def breakdown(op, key, segment_chunks=16):

@@ -56,7 +56,7 @@ MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, enough of them for
 # about SPLIT_PROGRAMS_PER_SM recurrence programs per SM (each then takes a whole [K, V] state,
 # BV 128, so q, k and P are read once per chunk, not once per V block). Chosen from
-# benchmarks/device/probe_split.py on the H200: simple GLA fwd+bwd 3.43 -> 1.61 ms at
+# benchmarks/results/h200/linear_attention_split.json (device/probe_split.py): simple GLA fwd+bwd 3.43 -> 1.61 ms at
 # B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66
 # and 1.63, 3 per SM: 1.71 and 1.69). The delta rule's split (two first passes, one of them
 # over the [K, K] transition) was 0.8-0.9x at every shape tried, so only simple GLA splits
