@@ -123,6 +123,25 @@ def test_sequence_split_matches_reference_cpu(op, case, segment_chunks, monkeypa
     assert_rel_rms(got, ref, 2e-5, 2e-5)
 
 
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+def test_sequence_split_without_initial_or_final_state_cpu(op, monkeypatch):
+    """The split's scans with no state to start from and no final state to return."""
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1)
+    x = make_inputs(1, 150, 1, 16, 16, seed=12)
+    args = {n: t.detach().clone().requires_grad_() for n, t in x.items() if n != "initial_state"}
+    args_ref = {n: t.detach().clone().requires_grad_() for n, t in args.items()}
+    if op == "simple_gla":
+        args.pop("beta"), args_ref.pop("beta")
+    o, h = getattr(la, op)(**args, backend="triton")
+    o_ref, _ = getattr(la, op)(**args_ref, backend="torch")
+    assert h is None
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad((o * do).sum(), list(args.values()))
+    grads_ref = torch.autograd.grad((o_ref * do).sum(), list(args_ref.values()))
+    assert_rel_rms({"o": o, **dict(zip(args, grads))}, {"o": o_ref, **dict(zip(args, grads_ref))}, 2e-5, 2e-5)
+
+
 def test_sequence_split_plan():
     """Few sequence-heads on long sequences are split (simple GLA), into segments of
     >= MIN_SEGMENT_CHUNKS chunks; enough of them already fill the GPU and are not; the delta
