@@ -13,6 +13,7 @@ results/h200/linear_attention_split.json).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,6 +25,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import linear_attention as bench  # noqa: E402
 from common import write_results  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
+
+
+@contextlib.contextmanager
+def settings(config=None, **values):
+    """triton_chunk's split constants (and CONFIGS[key] = value for config=(key, value)) set for
+    the block, restored after it."""
+    names = ("MIN_SEGMENT_CHUNKS", "SPLIT_MAX_PROGRAMS", "SPLIT_PROGRAMS_PER_SM", "SEGMENT_CHUNKS")
+    saved, saved_configs = {n: getattr(tc, n) for n in names}, dict(tc.CONFIGS)
+    try:
+        for n, v in values.items():
+            setattr(tc, n, v)
+        if config is not None:
+            tc.CONFIGS[config[0]] = config[1]
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(tc, n, v)
+        tc.CONFIGS.clear()
+        tc.CONFIGS.update(saved_configs)
 
 
 def main():
@@ -50,24 +70,22 @@ def main():
             x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
             do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
             fn = bench.ours_fn(op, cu)
-            tc.MIN_SEGMENT_CHUNKS = 10**9
-            base_ms, base_peak, (base_o, base_g) = bench.measure(fn, x, do)
+            with settings(MIN_SEGMENT_CHUNKS=10**9):
+                base_ms, base_peak, (base_o, base_g) = bench.measure(fn, x, do)
             base = dict(ms=base_ms, peak=base_peak)
             print(json.dumps(dict(op=op, shape=name, split="off", ms=base_ms, peak=base_peak)), flush=True)
             if a.fla:
                 ms, _, _ = bench.measure(bench.fla_fn(op, cu), x, do)
                 print(json.dumps(dict(op=op, shape=name, split="fla", ms=ms)), flush=True)
-            tc.MIN_SEGMENT_CHUNKS = a.min_chunks
-            tc.SPLIT_MAX_PROGRAMS = {"gla": 10**9, "gdn": 10**9}
             for ppsm, cfg in [(int(v), c) for v in a.ppsm.split(",") for c in a.split_configs.split(",")]:
-                tc.SPLIT_PROGRAMS_PER_SM = ppsm
-                tc.CONFIGS["split_gdn" if op == "gdn" else "split"] = tuple(int(n) for n in cfg.split("x"))
-                chunks = tc._Chunks(B, T, cu)
-                seg = tc._plan_segments(chunks, D, HV, D, "cuda", op == "gdn")
-                if seg is None:
-                    print(json.dumps(dict(op=op, shape=name, split=ppsm, segments=None)), flush=True)
-                    continue
-                ms, peak, (o, g) = bench.measure(fn, x, do)
+                key_cfg = ("split_gdn" if op == "gdn" else "split", tuple(int(n) for n in cfg.split("x")))
+                with settings(key_cfg, MIN_SEGMENT_CHUNKS=a.min_chunks, SPLIT_PROGRAMS_PER_SM=ppsm,
+                              SPLIT_MAX_PROGRAMS={"gla": 10**9, "gdn": 10**9}):
+                    seg = tc._plan_segments(tc._Chunks(B, T, cu), D, HV, D, "cuda", op == "gdn")
+                    if seg is None:
+                        print(json.dumps(dict(op=op, shape=name, split=ppsm, segments=None)), flush=True)
+                        continue
+                    ms, peak, (o, g) = bench.measure(fn, x, do)
                 err = {"o": bench.rel_rms(o, base_o), **{f"d{n}": bench.rel_rms(gs, gb) for n, gs, gb in zip(x, g, base_g)}}
                 record = dict(op=op, shape=name, split=ppsm, config=cfg, segments=seg.layout.N, ms=ms, peak=peak,
                               speedup={m: round(base_ms[m] / ms[m], 3) for m in ms},
@@ -76,9 +94,6 @@ def main():
                 rows.append(result_row(record, base))
                 if a.out:
                     write_results(a.out, rows)
-            tc.SPLIT_PROGRAMS_PER_SM = 2
-
-
 
 
 def result_row(r, base):
@@ -106,9 +121,8 @@ def breakdown(op, key, segment_chunks=16):
     q, k, v, g = (x[n].detach() for n in "qkvg")
     beta = x["beta"].detach() if op == "gdn" else None
     chunks = tc._Chunks(B, T, cu)
-    tc.SEGMENT_CHUNKS = segment_chunks
-    seg = tc._plan_segments(chunks, D, HV, D, "cuda", op == "gdn")
-    tc.SEGMENT_CHUNKS = None
+    with settings(SEGMENT_CHUNKS=segment_chunks):
+        seg = tc._plan_segments(chunks, D, HV, D, "cuda", op == "gdn")
     scale = D**-0.5
     gam, P, _, w, u = tc._prep(q, k, v, g, beta, scale, chunks, store_A=False)
     u = u if op == "gdn" else v
@@ -138,11 +152,10 @@ def breakdown(op, key, segment_chunks=16):
     # split against unsplit, same inputs, directly
     fn = bench.ours_fn(op, cu)
     with torch.no_grad():
-        tc.MIN_SEGMENT_CHUNKS = 10**9
-        o1 = fn(x)
-        tc.SEGMENT_CHUNKS = segment_chunks
-        o2 = fn(x)
-        tc.SEGMENT_CHUNKS, tc.MIN_SEGMENT_CHUNKS = None, 16
+        with settings(MIN_SEGMENT_CHUNKS=10**9):
+            o1 = fn(x)
+        with settings(SEGMENT_CHUNKS=segment_chunks):
+            o2 = fn(x)
     print(json.dumps(dict(op=op, shape=name, max_abs_diff=(o1.float() - o2.float()).abs().max().item(),
                           differing=int((o1 != o2).sum()))), flush=True)
 

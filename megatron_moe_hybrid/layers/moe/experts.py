@@ -9,12 +9,7 @@ from typing import Callable, Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_hybrid.ops.moe.grouped import (
-    grouped_matmul,
-    swiglu_experts,
-    uses_grouped_mm,
-    uses_triton_grouped_gemm,
-)
+from megatron_moe_hybrid.ops.moe.grouped import grouped_matmul, reads_counts_on_host, swiglu_experts
 from megatron_moe_hybrid.ops.moe.swiglu import swiglu
 
 # (rows [N, in], counts) -> [N, out]: added to a matmul's output (a LoRA adapter)
@@ -73,8 +68,8 @@ class GroupedExperts(MegatronModule):
         if fc1_extra is None and fc2_extra is None:
             return swiglu_experts(x_sorted, tokens_per_local_expert, w1, w2, self.gemm_backend)
         counts = tokens_per_local_expert
-        if not (uses_grouped_mm(x_sorted, w1) or uses_triton_grouped_gemm(x_sorted, w1, self.gemm_backend)):
-            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)  # the loop reads host ints once
+        if reads_counts_on_host(x_sorted, w1, self.gemm_backend):  # read them once, not per product
+            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
         h1 = grouped_matmul(x_sorted.to(w1.dtype), w1, counts, self.gemm_backend).to(x_sorted.dtype)  # [N, 2F]
         if fc1_extra is not None:
             h1 = h1 + fc1_extra(x_sorted, counts).to(h1.dtype)

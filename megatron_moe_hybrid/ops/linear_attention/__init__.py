@@ -137,9 +137,13 @@ def _grouped_heads(fn):
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
+# The key head dims the Triton kernels take, per op (triton_chunk checks them too).
+_TRITON_MAX_HEAD_DIM_K = {"gdn": 128, "gla": 256}
+
+
 def _triton_supports(max_head_dim_k: int):
     """What "auto" sends to Triton: CUDA bf16/fp16 tensors with a key head dim the kernels take
-    (triton_chunk.MAX_HEAD_DIM_K: 128 for the delta rule, 256 for simple GLA). fp32 inputs stay
+    (_TRITON_MAX_HEAD_DIM_K: 128 for the delta rule, 256 for simple GLA). fp32 inputs stay
     on the reference, whose products are fp32: the kernels multiply in tf32 (about 1e-3
     relative), which the fp32 callers (context parallelism's state fold) do not expect;
     backend="triton" takes them on request, and CPU tensors too (Triton's interpreter)."""
@@ -176,11 +180,11 @@ register_backend(
 if _HAVE_TRITON:
     register_backend(
         "gated_delta_rule", "triton", _triton("chunk_gated_delta_rule_triton"), priority=1,
-        supports=_triton_supports(128),
+        supports=_triton_supports(_TRITON_MAX_HEAD_DIM_K["gdn"]),
     )
     register_backend(
         "simple_gla", "triton", _triton("chunk_simple_gla_triton"), priority=1,
-        supports=_triton_supports(256),
+        supports=_triton_supports(_TRITON_MAX_HEAD_DIM_K["gla"]),
     )
 
 

@@ -38,10 +38,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import _TRITON_MAX_HEAD_DIM_K
+
 logger = logging.getLogger(__name__)
 
 CHUNK = 64
-MAX_HEAD_DIM_K = {"gdn": 128, "gla": 256}  # key head dims the kernels take, per op
+MAX_HEAD_DIM_K = _TRITON_MAX_HEAD_DIM_K  # key head dims the kernels take, per op (one table with auto's)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -472,9 +474,10 @@ def _bwd_chunk_kernel(
 class _Chunks:
     """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
     (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1].
-    starts / lengths: each sequence's first token and token count (host ints)."""
+    starts / lengths: each sequence's first token and token count (host ints). bounds: the
+    host copy of cu_seqlens when the caller has read it already (_check), else read here."""
 
-    def __init__(self, B: int, T: int, cu_seqlens):
+    def __init__(self, B: int, T: int, cu_seqlens, bounds: list[int] | None = None):
         self.cu_seqlens = cu_seqlens
         if cu_seqlens is None:
             self.N, self.NT = B, B * triton.cdiv(T, CHUNK)
@@ -482,13 +485,13 @@ class _Chunks:
             self.starts, self.lengths = [b * T for b in range(B)], [T] * B
             return
         cu = cu_seqlens.to(torch.int64)
-        bounds = cu.tolist()
+        bounds = cu.tolist() if bounds is None else bounds
         self.starts, self.lengths = bounds[:-1], [b - a for a, b in itertools.pairwise(bounds)]
         counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self.N = counts.numel()
         self.NT = sum(triton.cdiv(n, CHUNK) for n in self.lengths)
-        seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts)
+        seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts, output_size=self.NT)
         within = torch.arange(self.NT, device=cu.device) - offsets[seq]
         self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous()
         self.offsets = offsets.to(torch.int32)
@@ -527,8 +530,8 @@ class _Segments(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _segments(starts: tuple, lengths: tuple, length: int, device: torch.device) -> _Segments:
-    """Cached per shape: the split's index tensors are built once (one host-to-device copy), so
-    repeated steps, and CUDA-graph capture after a warm-up step, copy nothing."""
+    """Cached per shape: the split's index tensors are built once (one host-to-device copy)
+    and reused by later steps."""
     cu, offsets, first, chunk = [], [], [0], 0
     for start, n in zip(starts, lengths):
         m = max(1, triton.cdiv(n, length * CHUNK))
@@ -756,8 +759,8 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     """Autograd of the chunked gated delta rule (beta given) or simple GLA (beta None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-        chunks = _Chunks(q.shape[0], q.shape[1], cu_seqlens)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_bounds):
+        chunks = _Chunks(q.shape[0], q.shape[1], cu_seqlens, cu_bounds)
         o, ht, split = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
@@ -774,12 +777,13 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
-            None, None if dh0 is None else dh0.to(h0.dtype), None, None,
+            None, None if dh0 is None else dh0.to(h0.dtype), None, None, None,
         )
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
-    """Raises ValueError naming the argument; returns N, the number of sequences."""
+def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> list[int] | None:
+    """Raises ValueError naming the argument; returns cu_seqlens read to the host (its one
+    read), or None."""
     if q.dim() != 4 or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"q: the triton backend needs a [B, T, H, K] tensor in bf16, fp16 or fp32, got "
@@ -805,7 +809,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
             raise ValueError(
                 f"{name}: expected a floating [B, T, HV] = {[B, T, HV]} tensor, got {x.dtype} {list(x.shape)}"
             )
-    N = B
+    N, offsets = B, None
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError(
@@ -841,7 +845,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
             "q: the triton backend on CPU tensors runs in Triton's interpreter; set "
             "TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
         )
-    return N
+    return offsets
 
 
 @functools.cache
@@ -853,7 +857,7 @@ def _log_chunk_size_once(chunk_size: int) -> None:
 
 
 def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    cu_bounds = _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size != CHUNK:
         _log_chunk_size_once(chunk_size)
     K = q.shape[-1]
@@ -862,7 +866,7 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         None if beta is None else beta.contiguous(), scale,
         None if initial_state is None else initial_state.contiguous(), output_final_state,
-        cu_seqlens,
+        cu_seqlens, cu_bounds,
     )
     if output_final_state:
         return out

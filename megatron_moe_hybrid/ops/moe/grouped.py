@@ -36,10 +36,16 @@ def uses_triton_grouped_gemm(x: torch.Tensor, w: torch.Tensor, backend: str = "a
     )
 
 
+def reads_counts_on_host(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether grouped_matmul runs its loop over experts, which reads the counts on the host
+    (callers with several products read them once and pass host ints)."""
+    return not (uses_triton_grouped_gemm(x, w, backend) or uses_grouped_mm(x, w))
+
+
 def grouped_gemm_kind(x: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> str:
     """What grouped_matmul runs for x [N, K] @ w [E, K, M], in words (for benchmarks and logs)."""
     if uses_triton_grouped_gemm(x, w, backend):
-        return "triton grouped GEMM (weight gradient: " + ("torch._grouped_mm)" if uses_grouped_mm(x, x) else "triton)")
+        return "triton grouped GEMM (weight gradient: " + ("torch._grouped_mm)" if uses_grouped_mm(x, w) else "triton)")
     return "torch._grouped_mm" if uses_grouped_mm(x, w) else "loop over experts"
 
 

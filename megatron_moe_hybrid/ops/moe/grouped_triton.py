@@ -14,11 +14,9 @@ back, its column tiles outer and its row tiles inner, so the expert's rows (a fe
 weight column tile stay in L2 while they are reused.
 
 Offsets are int64 (tokens x hidden past 2^31). Accumulation is fp32, outputs in x's dtype.
-Tried on the H200 in probe runs (not kept in a results file) and dropped: TMA descriptors for
-the operands (forward and input gradient 0.98x at 128 rows per expert, 1.07x at 2048 where
-torch._grouped_mm runs anyway), a persistent weight gradient storing by TMA (1.03x, still 0.82x
-torch._grouped_mm's), a weight-gradient path holding an expert's rows in one tile (no gain).
-Measured: benchmarks/results/h200/grouped_gemm.json.
+Tried in H200 probe runs and dropped for want of a gain (no results file keeps them): TMA
+descriptors for the operands, a persistent weight gradient storing by TMA, a weight-gradient
+path holding an expert's rows in one tile. Measured: benchmarks/results/h200/grouped_gemm.json.
 The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
 
