@@ -282,7 +282,7 @@ def _cu_seqlens(packed_seq_params, hidden_states: Tensor) -> Optional[Tensor]:
             f"packed_seq_params: packed sequences need micro-batch size b == 1, "
             f"got hidden_states of shape {list(hidden_states.shape)}"
         )
-    return cu.long()
+    return cu  # as given (any integer dtype): a converted copy per layer would defeat the ops' per-tensor host read
 
 
 def load_hf_qwen3_next_gdn(module: LinearAttention, hf_state_dict, prefix: str = "") -> None:

@@ -97,6 +97,32 @@ def test_varlen_with_empty_and_length_one_segments_cpu(op):
         torch.testing.assert_close(got["state"][n], x["initial_state"][n])
 
 
+@interpreter
+def test_packed_batch_is_read_to_the_host_once_per_tensor_cpu(monkeypatch):
+    """The layers of one step share their batch's cu_seqlens: only the first call reads it to
+    the host (a sync) and builds the chunk index. A write to it in place is seen."""
+    op, T, H, HV, K, V = "gated_delta_rule", 150, 1, 2, 16, 16
+    cu = torch.tensor([0, 20, 100, 150])
+    reads, tolist = [], torch.Tensor.tolist
+
+    def spy(self):
+        reads.append(self is cu)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    x = make_inputs(1, T, H, K, V, HV=HV, N=3, seed=11)
+    first = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    second = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    assert sum(reads) == 1
+    assert all(torch.equal(second[n], first[n]) for n in first)
+    assert_rel_rms(first, outputs_and_grads(op, x, "torch", cu_seqlens=cu.clone()), 2e-5, 2e-5)
+    cu[1:3] = torch.tensor([70, 80])  # the host copy and the chunk index of the old values are stale now
+    moved = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    assert sum(reads) == 2
+    assert_rel_rms(moved, outputs_and_grads(op, x, "torch", cu_seqlens=cu.clone()), 2e-5, 2e-5)
+    assert rel_rms(moved["o"], first["o"]) > 1e-2  # the check above can tell the two apart
+
+
 SPLIT_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
     "B2-T200-H1-HV2-K16-V32": (2, 200, 1, 2, 16, 32, None),
     "varlen-130-0-1-200-H1-HV2-K32-V16": (1, 331, 1, 2, 32, 16, [130, 0, 1, 200]),

@@ -27,6 +27,7 @@ Dots take the input dtype (bf16/fp16; fp32 inputs use Triton's default tf32 on t
 accumulate in fp32; the state, gam and every exponent are fp32.
 """
 
+import collections
 import functools
 import itertools
 import logging
@@ -471,14 +472,53 @@ def _bwd_chunk_kernel(
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
+# Packed batches already read: [cu_seqlens, its version counter, its host copy, its _Chunks or
+# None]. The linear-attention layers of one step share their batch's cu_seqlens tensor, so
+# only the first of them reads it to the host (a sync) and builds the chunk index; the rest,
+# and the steps that reuse the tensor, find it here. An entry holds the tensor itself, so its
+# id and memory cannot be taken by another tensor while it is cached; the version counter
+# sends a tensor written in place since back to the host.
+_PACKED: collections.deque = collections.deque(maxlen=8)
+
+
+def _packed_entry(cu_seqlens: Tensor) -> list | None:
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # inference-mode tensors keep no version counter: never cached
+        return None
+    for entry in _PACKED:
+        if entry[0] is cu_seqlens and entry[1] == version:
+            return entry
+    entry = [cu_seqlens, version, cu_seqlens.tolist(), None]
+    _PACKED.append(entry)
+    return entry
+
+
+def _host_bounds(cu_seqlens: Tensor) -> list[int]:
+    """cu_seqlens on the host: read once per tensor (and version), see _PACKED."""
+    entry = _packed_entry(cu_seqlens)
+    return cu_seqlens.tolist() if entry is None else entry[2]
+
+
+def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
+    """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (see _PACKED)."""
+    entry = None if cu_seqlens is None else _packed_entry(cu_seqlens)
+    if entry is None:
+        return _Chunks(B, T, cu_seqlens)
+    if entry[3] is None or entry[3].T != T:
+        entry[3] = _Chunks(B, T, cu_seqlens, entry[2])
+    return entry[3]
+
+
 class _Chunks:
     """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
     (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1].
     starts / lengths: each sequence's first token and token count (host ints). bounds: the
-    host copy of cu_seqlens when the caller has read it already (_check), else read here."""
+    host copy of cu_seqlens when the caller has read it already, else read here. The forward
+    takes it from _chunks_of, which builds one per packed cu_seqlens tensor."""
 
     def __init__(self, B: int, T: int, cu_seqlens, bounds: list[int] | None = None):
-        self.cu_seqlens = cu_seqlens
+        self.cu_seqlens, self.T = cu_seqlens, T
         if cu_seqlens is None:
             self.N, self.NT = B, B * triton.cdiv(T, CHUNK)
             self.indices = self.offsets = None
@@ -486,7 +526,7 @@ class _Chunks:
             return
         cu = cu_seqlens.to(torch.int64)
         bounds = cu.tolist() if bounds is None else bounds
-        self.starts, self.lengths = bounds[:-1], [b - a for a, b in itertools.pairwise(bounds)]
+        self.starts, self.lengths = list(bounds[:-1]), [b - a for a, b in itertools.pairwise(bounds)]
         counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self.N = counts.numel()
@@ -736,7 +776,8 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht_in)
     del w, P
     grouped = HV != H
-    # per value head, in the input dtype; a group of heads is summed in fp32 afterwards
+    # per value head, in the input dtype; a group of heads is summed afterwards (torch's sum
+    # accumulates 16-bit inputs in fp32 and rounds once: one pass, no fp32 copy)
     dq = _alloc((B, T, HV, K), q.dtype, q.device)
     dk = _alloc((B, T, HV, K), q.dtype, q.device)
     dv = _alloc(v.shape, v.dtype, v.device) if gdn else dU
@@ -750,8 +791,8 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
         IS_GDN=gdn, IS_VARLEN=varlen, num_warps=_chunk_bwd_config(K, V)[1],
     )
     if grouped:
-        dq = dq.view(B, T, H, HV // H, K).sum(3, dtype=torch.float32).to(q.dtype)
-        dk = dk.view(B, T, H, HV // H, K).sum(3, dtype=torch.float32).to(k.dtype)
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -759,8 +800,8 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     """Autograd of the chunked gated delta rule (beta given) or simple GLA (beta None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_bounds):
-        chunks = _Chunks(q.shape[0], q.shape[1], cu_seqlens, cu_bounds)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        chunks = _chunks_of(q.shape[0], q.shape[1], cu_seqlens)
         o, ht, split = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
@@ -777,13 +818,13 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
-            None, None if dh0 is None else dh0.to(h0.dtype), None, None, None,
+            None, None if dh0 is None else dh0.to(h0.dtype), None, None,
         )
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> list[int] | None:
-    """Raises ValueError naming the argument; returns cu_seqlens read to the host (its one
-    read), or None."""
+def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    """Raises ValueError naming the argument (cu_seqlens's values through _host_bounds: one
+    host read per packed batch, shared with the forward's _chunks_of)."""
     if q.dim() != 4 or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"q: the triton backend needs a [B, T, H, K] tensor in bf16, fp16 or fp32, got "
@@ -818,7 +859,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> list[int] | None:
             )
         if B != 1:
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}; flatten the batch")
-        offsets = cu_seqlens.tolist()
+        offsets = _host_bounds(cu_seqlens)
         if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in itertools.pairwise(offsets)):
             raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {offsets}")
         N = len(offsets) - 1
@@ -845,7 +886,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> list[int] | None:
             "q: the triton backend on CPU tensors runs in Triton's interpreter; set "
             "TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
         )
-    return offsets
 
 
 @functools.cache
@@ -857,7 +897,7 @@ def _log_chunk_size_once(chunk_size: int) -> None:
 
 
 def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    cu_bounds = _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size != CHUNK:
         _log_chunk_size_once(chunk_size)
     K = q.shape[-1]
@@ -866,7 +906,7 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         None if beta is None else beta.contiguous(), scale,
         None if initial_state is None else initial_state.contiguous(), output_final_state,
-        cu_seqlens, cu_bounds,
+        cu_seqlens,
     )
     if output_final_state:
         return out
