@@ -53,6 +53,7 @@ from .reference import (
     reduce_loss,
     token_loss,
 )
+from .._intmath import cdiv, next_power_of_2
 
 __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
 
@@ -141,10 +142,10 @@ def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_r
 
 def _splits(num_rows: int, num_cols: int) -> tuple[int, int]:
     """(S column ranges per row, columns per range, a multiple of BLOCK_V)."""
-    block = min(BLOCK_V, triton.next_power_of_2(num_cols))
-    num_splits = max(1, min(triton.cdiv(num_cols, block), triton.cdiv(PROGRAMS_PER_CHUNK, num_rows)))
-    cols_per_split = triton.cdiv(triton.cdiv(num_cols, num_splits), block) * block
-    return triton.cdiv(num_cols, cols_per_split), cols_per_split
+    block = min(BLOCK_V, next_power_of_2(num_cols))
+    num_splits = max(1, min(cdiv(num_cols, block), cdiv(PROGRAMS_PER_CHUNK, num_rows)))
+    cols_per_split = cdiv(cdiv(num_cols, num_splits), block) * block
+    return cdiv(num_cols, cols_per_split), cols_per_split
 
 
 def _partial_stats(logits, local):
@@ -154,7 +155,7 @@ def _partial_stats(logits, local):
     part = torch.empty(4, num_splits, num_rows, dtype=torch.float32, device=logits.device)  # [4, S, C]
     _partial_stats_kernel[(num_rows, num_splits)](
         logits, local, part, logits.stride(0), num_rows, num_cols, cols_per_split,
-        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(num_cols)), num_warps=4,
+        BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), num_warps=4,
     )
     return part
 
@@ -198,7 +199,7 @@ class _Chunks:
         if self.tp_group is None:
             _finish_kernel[(logits.shape[0],)](
                 part, local, lse[rows], loss[rows], logits.shape[0], part.shape[1], self.z_loss_weight,
-                self.label_smoothing, 1.0 / self.num_classes, BLOCK_S=triton.next_power_of_2(part.shape[1]),
+                self.label_smoothing, 1.0 / self.num_classes, BLOCK_S=next_power_of_2(part.shape[1]),
             )
             return
         lse[rows], target, logit_sum = combine_stats(*_merge_splits(part), self.tp_group)
@@ -213,7 +214,7 @@ class _Chunks:
         _grad_logits_kernel[(num_rows, num_splits)](
             logits, self.local[rows], lse[rows], grad_token[rows], logits.stride(0), num_cols, cols_per_split,
             self.z_loss_weight, self.label_smoothing, 1.0 / self.num_classes,
-            BLOCK_V=min(BLOCK_V, triton.next_power_of_2(num_cols)), num_warps=4,
+            BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), num_warps=4,
         )
         if grad_weight is not None:
             if self.side is not None:

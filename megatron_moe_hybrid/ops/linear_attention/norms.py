@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._intmath import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -148,10 +150,10 @@ class _GatedRMSNorm(torch.autograd.Function):
         N = B * T * H
         y = torch.empty((T, B, H, V) if seq_first else (B, T, H, V), device=x.device, dtype=x.dtype)
         y_view = y.transpose(0, 1) if seq_first else y  # [B, T, H, V] over y's storage
-        grid = (triton.cdiv(N, ROWS_PER_PROGRAM),)
+        grid = (cdiv(N, ROWS_PER_PROGRAM),)
         _gated_norm_fwd_kernel[grid](x, z, weight, y_view, N, T, H, V, eps,
                                      *_strides(x), *_strides(z), *_strides(y_view),
-                                     ROWS=ROWS_PER_PROGRAM, BLOCK_V=triton.next_power_of_2(V))
+                                     ROWS=ROWS_PER_PROGRAM, BLOCK_V=next_power_of_2(V))
         ctx.save_for_backward(x, z, weight)
         ctx.eps, ctx.seq_first = eps, seq_first
         return y
@@ -166,11 +168,11 @@ class _GatedRMSNorm(torch.autograd.Function):
             dy_view = dy_view.contiguous()
         dx = torch.empty((B, T, H, V), device=x.device, dtype=x.dtype)
         dz = torch.empty((B, T, H, V), device=z.device, dtype=z.dtype)
-        programs = triton.cdiv(N, ROWS_PER_PROGRAM)
+        programs = cdiv(N, ROWS_PER_PROGRAM)
         dw = torch.empty((programs, V), device=x.device, dtype=torch.float32)
         _gated_norm_bwd_kernel[(programs,)](x, z, weight, dy_view, dx, dz, dw, N, T, H, V, ctx.eps,
                                             *_strides(x), *_strides(z), *_strides(dy_view),
-                                            ROWS=ROWS_PER_PROGRAM, BLOCK_V=triton.next_power_of_2(V))
+                                            ROWS=ROWS_PER_PROGRAM, BLOCK_V=next_power_of_2(V))
         dw = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
         return dx, dz, dw, None, None
 
@@ -216,8 +218,8 @@ class _L2Normalize(torch.autograd.Function):
         B, T, H, D = x.shape
         N = B * T * H
         y = torch.empty((B, T, H, D), device=x.device, dtype=x.dtype)
-        _l2norm_fwd_kernel[(triton.cdiv(N, ROWS_PER_PROGRAM),)](
-            x, y, N, T, H, D, eps, *_strides(x), ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D))
+        _l2norm_fwd_kernel[(cdiv(N, ROWS_PER_PROGRAM),)](
+            x, y, N, T, H, D, eps, *_strides(x), ROWS=ROWS_PER_PROGRAM, BLOCK_D=next_power_of_2(D))
         ctx.save_for_backward(x)
         ctx.eps = eps
         return y
@@ -229,8 +231,8 @@ class _L2Normalize(torch.autograd.Function):
         N = B * T * H
         dy = dy.contiguous()
         dx = torch.empty((B, T, H, D), device=x.device, dtype=x.dtype)
-        _l2norm_bwd_kernel[(triton.cdiv(N, ROWS_PER_PROGRAM),)](
-            x, dy, dx, N, T, H, D, ctx.eps, *_strides(x), ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D))
+        _l2norm_bwd_kernel[(cdiv(N, ROWS_PER_PROGRAM),)](
+            x, dy, dx, N, T, H, D, ctx.eps, *_strides(x), ROWS=ROWS_PER_PROGRAM, BLOCK_D=next_power_of_2(D))
         return dx, None
 
 

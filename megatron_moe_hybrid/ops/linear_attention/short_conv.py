@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._intmath import cdiv
+
 try:
     import triton
     import triton.language as tl
@@ -184,7 +186,7 @@ def _positions(cu_seqlens: Tensor | None, T: int, device) -> Tensor | None:
 
 
 def _grid(B: int, T: int, C: int, block_t: int, block_c: int) -> tuple[int, int]:
-    return B * triton.cdiv(T, block_t), triton.cdiv(C, block_c)
+    return B * cdiv(T, block_t), cdiv(C, block_c)
 
 
 def causal_conv1d_fwd(x: Tensor, w_CW: Tensor, pos: Tensor | None, activation: bool) -> Tensor:

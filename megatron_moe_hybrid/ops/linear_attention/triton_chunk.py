@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _TRITON_MAX_HEAD_DIM_K
+from .._intmath import cdiv, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -532,7 +533,7 @@ class _Chunks:
     def __init__(self, B: int, T: int, cu_seqlens, bounds: list[int] | None = None):
         self.cu_seqlens, self.T = cu_seqlens, T
         if cu_seqlens is None:
-            self.N, self.NT = B, B * triton.cdiv(T, CHUNK)
+            self.N, self.NT = B, B * cdiv(T, CHUNK)
             self.indices = self.offsets = None
             self.starts, self.lengths = [b * T for b in range(B)], [T] * B
             return
@@ -542,7 +543,7 @@ class _Chunks:
         counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self.N = counts.numel()
-        self.NT = sum(triton.cdiv(n, CHUNK) for n in self.lengths)
+        self.NT = sum(cdiv(n, CHUNK) for n in self.lengths)
         seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts, output_size=self.NT)
         within = torch.arange(self.NT, device=cu.device) - offsets[seq]
         self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous()
@@ -586,11 +587,11 @@ def _segments(starts: tuple, lengths: tuple, length: int, device: torch.device) 
     and reused by later steps."""
     cu, offsets, first, chunk = [], [], [0], 0
     for start, n in zip(starts, lengths):
-        m = max(1, triton.cdiv(n, length * CHUNK))
+        m = max(1, cdiv(n, length * CHUNK))
         cu += [start + j * length * CHUNK for j in range(m)]
         offsets += [chunk + j * length for j in range(m)]
         first.append(first[-1] + m)
-        chunk += triton.cdiv(n, CHUNK)
+        chunk += cdiv(n, CHUNK)
     cu.append(starts[-1] + lengths[-1])
     flat = torch.tensor(cu + offsets + first, dtype=torch.int32).to(device)
     NS = len(offsets)
@@ -613,15 +614,15 @@ def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) 
     first pass and scan cost more than they save on short segments). SEGMENT_CHUNKS, when
     set, forces the segment length (tests).
     """
-    longest = max(triton.cdiv(n, CHUNK) for n in chunks.lengths)
+    longest = max(cdiv(n, CHUNK) for n in chunks.lengths)
     if SEGMENT_CHUNKS is not None:
         length = SEGMENT_CHUNKS
     else:
-        if chunks.N * HV * triton.cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
+        if chunks.N * HV * cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
             return None
         BV = _split_config(K, V, gdn)[0]
         target = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
-        length = max(MIN_SEGMENT_CHUNKS, triton.cdiv(chunks.NT * HV * triton.cdiv(V, BV), target))
+        length = max(MIN_SEGMENT_CHUNKS, cdiv(chunks.NT * HV * cdiv(V, BV), target))
     if length >= longest:
         return None
     return _segments(tuple(chunks.starts), tuple(chunks.lengths), length, torch.device(device))
@@ -633,7 +634,7 @@ def _alloc(shape, dtype, device) -> Tensor:
 
 
 def _blocks(K: int, V: int) -> tuple[int, int]:
-    return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
+    return max(16, next_power_of_2(K)), min(64, max(16, next_power_of_2(V)))
 
 
 def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
@@ -642,7 +643,7 @@ def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
     hardly depends on BV, so that is nearly free."""
     BV, num_warps = CONFIGS["seq"]
     BV = min(BV, _blocks(1, V)[1])
-    while BV > 16 and sequence_heads * triton.cdiv(V, BV) < MIN_SEQ_PROGRAMS:
+    while BV > 16 and sequence_heads * cdiv(V, BV) < MIN_SEQ_PROGRAMS:
         BV //= 2
     return BV, num_warps
 
@@ -651,7 +652,7 @@ def _split_config(K: int, V: int, gdn: bool) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences under the sequence split (which supplies the programs)."""
     BV, num_warps = CONFIGS["split_gdn" if gdn else "split"]
     # K 256 (simple GLA): BV 32, as BV 64 needs 241 KB of shared memory on the H200 (227 KB)
-    BV = min(BV, max(16, triton.next_power_of_2(V)), 128 if _blocks(K, V)[0] <= 128 else 32)
+    BV = min(BV, max(16, next_power_of_2(V)), 128 if _blocks(K, V)[0] <= 128 else 32)
     return BV, num_warps
 
 
@@ -696,7 +697,7 @@ def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=
     HV = gam.shape[2]
     V = u.shape[3] if V is None else V
     BV, num_warps = config
-    _recurrence_fwd_kernel[(triton.cdiv(V, BV), layout.N * HV)](
+    _recurrence_fwd_kernel[(cdiv(V, BV), layout.N * HV)](
         q, k, w, u, gam, P, o, h0, ht, h, U, gt, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
@@ -710,7 +711,7 @@ def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, 
     T, H, K = q.shape[1:]
     HV, V = do.shape[2], do.shape[3]
     BV, num_warps = config
-    _recurrence_bwd_kernel[(triton.cdiv(V, BV), layout.N * HV)](
+    _recurrence_bwd_kernel[(cdiv(V, BV), layout.N * HV)](
         q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
@@ -726,7 +727,7 @@ def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
     S_in = _alloc(L.shape, torch.float32, L.device)
     st = _alloc((seg.N, HV, K, V), torch.float32, L.device) if want_end else None
     BV = min(32, _blocks(1, V)[1])
-    _segment_scan_kernel[(triton.cdiv(V, BV), seg.N * HV)](
+    _segment_scan_kernel[(cdiv(V, BV), seg.N * HV)](
         L, None if gdn else trans, trans if gdn else None, s0, S_in, st, seg.first, HV, K=K, V=V,
         BK=_blocks(K, V)[0], BV=BV, IS_GDN=gdn, REVERSE=reverse, USE_S0=s0 is not None, STORE_ST=want_end,
         num_warps=8 if gdn else 4,
@@ -816,8 +817,8 @@ def _group_sum(x: Tensor, H: int) -> Tensor:
     out = _alloc((B, T, H, K), x.dtype, x.device)
     rows = B * T * H
     BR = 32
-    _group_sum_kernel[(triton.cdiv(rows, BR),)](
-        x, out, rows, R=HV // H, K=K, BR=BR, BK=triton.next_power_of_2(K), num_warps=4
+    _group_sum_kernel[(cdiv(rows, BR),)](
+        x, out, rows, R=HV // H, K=K, BR=BR, BK=next_power_of_2(K), num_warps=4
     )
     return out
 

@@ -14,6 +14,8 @@ Shape legend: R source rows, M output rows, K gathered rows per output row, h ro
 
 import torch
 
+from .._intmath import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -188,9 +190,9 @@ def gather_sum(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | Non
     weights = None if weights is None else weights.contiguous()
     out = src.new_empty(idx.shape[0], src.shape[1])
     if out.numel():
-        block = min(GATHER_BLOCK_MAX, triton.next_power_of_2(max(src.shape[1], 16)))
+        block = min(GATHER_BLOCK_MAX, next_power_of_2(max(src.shape[1], 16)))
         rows = max(1, GATHER_ELEMS // block)
-        grid = (triton.cdiv(idx.shape[0], rows), triton.cdiv(src.shape[1], block))
+        grid = (cdiv(idx.shape[0], rows), cdiv(src.shape[1], block))
         _gather_sum_kernel[grid](src, idx, idx if weights is None else weights, out, idx.shape[0], src.shape[1],
                                  K=idx.shape[1], HAS_W=weights is not None, ROWS=rows, BLOCK=block,
                                  num_warps=GATHER_WARPS)
@@ -210,10 +212,10 @@ def scatter_rows(src: torch.Tensor, dest: torch.Tensor, unread: torch.Tensor, we
     weights = None if weights is None else weights.contiguous()
     out = src.new_empty(unread.shape[0], src.shape[1])
     if out.numel():
-        block = min(GATHER_BLOCK_MAX, triton.next_power_of_2(max(src.shape[1], 16)))
+        block = min(GATHER_BLOCK_MAX, next_power_of_2(max(src.shape[1], 16)))
         rows = max(1, SCATTER_ELEMS // block)
-        src_progs = triton.cdiv(src.shape[0], rows)
-        grid = (src_progs + triton.cdiv(out.shape[0], rows), triton.cdiv(src.shape[1], block))
+        src_progs = cdiv(src.shape[0], rows)
+        grid = (src_progs + cdiv(out.shape[0], rows), cdiv(src.shape[1], block))
         _scatter_rows_kernel[grid](src, dest, dest if weights is None else weights, unread, out, src.shape[0],
                                    out.shape[0], src.shape[1], K=dest.shape[1], HAS_W=weights is not None,
                                    ROWS=rows, BLOCK=block, SRC_PROGS=src_progs, num_warps=GATHER_WARPS)
@@ -228,8 +230,8 @@ def row_dot(a: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, backend: str 
     _check_a(a, src, idx)
     out = torch.empty(idx.shape, dtype=torch.float32, device=src.device)
     if out.numel():
-        kp = triton.next_power_of_2(idx.shape[1])
-        block = max(16, min(triton.next_power_of_2(max(src.shape[1], 16)), GATHER_ELEMS // kp))
+        kp = next_power_of_2(idx.shape[1])
+        block = max(16, min(next_power_of_2(max(src.shape[1], 16)), GATHER_ELEMS // kp))
         _row_dot_kernel[(idx.shape[0],)](a.contiguous(), src.contiguous(), idx.contiguous(), out, src.shape[1],
                                          K=idx.shape[1], KP=kp, BLOCK=block)
     return out

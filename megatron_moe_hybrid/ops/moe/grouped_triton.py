@@ -29,6 +29,7 @@ except ImportError:  # Triton is optional on CPU
     triton = None
 
 from .grouped import uses_grouped_mm
+from .._intmath import cdiv
 
 
 def row_bounds(tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -171,8 +172,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, config=No
         return out
     if tiles is None:
         tiles = row_tile_bounds(bounds, BM)
-    max_tiles = triton.cdiv(N, BM) + E  # a bound on tiles[E] that needs no host read
-    grid = (max_tiles * triton.cdiv(M, BN),)
+    max_tiles = cdiv(N, BM) + E  # a bound on tiles[E] that needs no host read
+    grid = (max_tiles * cdiv(M, BN),)
     _grouped_mm_kernel[grid](
         x, w, out, bounds, tiles, E, M, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
@@ -194,7 +195,7 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, co
     dw = torch.empty(E, K, M, dtype=x.dtype, device=x.device)
     if dw.numel() == 0:
         return dw
-    grid = (E * triton.cdiv(K, BK) * triton.cdiv(triton.cdiv(M, BN), nt),)
+    grid = (E * cdiv(K, BK) * cdiv(cdiv(M, BN), nt),)
     _grouped_wgrad_kernel[grid](
         x, dy, dw, bounds, K, M,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),

@@ -23,6 +23,7 @@ from fractions import Fraction
 import torch
 
 from megatron_moe_hybrid.ops.moe.gather import _triton_ok
+from .._intmath import cdiv, next_power_of_2
 
 try:
     import triton
@@ -237,7 +238,7 @@ def _expand_layout_triton(recv_expert: torch.Tensor, num_local: int, num_rows: i
     num_recv, topk = recv_expert.shape
     keys = recv_expert.contiguous().view(-1)  # [n] int64
     n = keys.numel()
-    nblk = max(1, triton.cdiv(n, COUNT_BLOCK))
+    nblk = max(1, cdiv(n, COUNT_BLOCK))
     zeroed = torch.zeros((nblk + 1) * num_local, dtype=torch.int32, device=dev)  # one memset
     counts, totals = zeroed[: nblk * num_local], zeroed[nblk * num_local :]  # [E_local * blocks], [E_local]
     base = torch.empty(num_local, nblk, dtype=torch.int64, device=dev)
@@ -245,10 +246,10 @@ def _expand_layout_triton(recv_expert: torch.Tensor, num_local: int, num_rows: i
     overflow = torch.empty((), dtype=torch.int64, device=dev)
     rows = torch.full((2, num_rows), -1, dtype=torch.int64, device=dev)  # sorted_copy, sorted_row
     copy_pos = torch.empty(num_recv, topk, dtype=torch.int64, device=dev)
-    lb = triton.next_power_of_2(num_local)
+    lb = next_power_of_2(num_local)
     _expert_count_kernel[(nblk,)](keys, counts, totals, n, nblk, num_local, BLOCK=COUNT_BLOCK, LB=lb)
     _expert_base_kernel[(num_local,)](counts, totals, base, kept, overflow, nblk, num_local, num_rows,
-                                      LB=lb, BB=min(triton.next_power_of_2(nblk), BASE_SCAN))
+                                      LB=lb, BB=min(next_power_of_2(nblk), BASE_SCAN))
     if n:
         _expert_place_kernel[(nblk,)](keys, base, rows[0], rows[1], copy_pos, n, nblk, num_local, num_rows, topk,
                                       BLOCK=COUNT_BLOCK)

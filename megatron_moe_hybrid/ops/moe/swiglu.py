@@ -8,6 +8,8 @@ Shape legend: N rows, F expert FFN size; h1 [N, 2F], act [N, F].
 import torch
 import torch.nn.functional as F
 
+from .._intmath import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -49,9 +51,9 @@ if triton is not None:
 
 def _launch(kernel, h1, *tensors):
     ffn = h1.shape[1] // 2
-    block = min(1024, triton.next_power_of_2(max(ffn, 16)))
+    block = min(1024, next_power_of_2(max(ffn, 16)))
     if h1.shape[0]:
-        kernel[(h1.shape[0], triton.cdiv(ffn, block))](h1, *tensors, ffn, BLOCK=block)
+        kernel[(h1.shape[0], cdiv(ffn, block))](h1, *tensors, ffn, BLOCK=block)
 
 
 class _SwiGLU(torch.autograd.Function):

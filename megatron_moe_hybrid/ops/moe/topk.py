@@ -19,6 +19,7 @@ Shape legend: T tokens, E experts, K experts per token.
 import torch
 
 from .reference import router_topk as router_topk_reference
+from .._intmath import cdiv, next_power_of_2
 
 try:
     import triton
@@ -198,12 +199,12 @@ def split_hi_lo(a: torch.Tensor, dtype: torch.dtype, along_rows: bool) -> torch.
         out = torch.empty(rows, 3 * cols, dtype=dtype, device=a.device)
         layout = (3 * cols, 0, cols, 2 * cols)
     if a.numel():
-        _split_hi_lo_kernel[(triton.cdiv(a.numel(), SPLIT_BLOCK),)](a, out, a.numel(), cols, *layout, BLOCK=SPLIT_BLOCK)
+        _split_hi_lo_kernel[(cdiv(a.numel(), SPLIT_BLOCK),)](a, out, a.numel(), cols, *layout, BLOCK=SPLIT_BLOCK)
     return out
 
 
 def _blocks(num_experts: int) -> dict:
-    be = triton.next_power_of_2(max(num_experts, 16))
+    be = next_power_of_2(max(num_experts, 16))
     return dict(BT=max(1, ROUTER_ELEMS // be), BE=be, num_warps=4 if be <= 256 else 8)
 
 
@@ -219,8 +220,8 @@ class _FusedRouterTopK(torch.autograd.Function):
         num_tokens, num_experts = logits.shape
         f32, dev = torch.float32, logits.device
         blocks = _blocks(num_experts)
-        per_program = max(1, triton.cdiv(triton.cdiv(num_tokens, blocks["BT"]), MAX_PROGRAMS))  # token blocks
-        programs = triton.cdiv(num_tokens, blocks["BT"] * per_program)
+        per_program = max(1, cdiv(cdiv(num_tokens, blocks["BT"]), MAX_PROGRAMS))  # token blocks
+        programs = cdiv(num_tokens, blocks["BT"] * per_program)
         scores = torch.empty(num_tokens, num_experts, dtype=f32, device=dev)  # [T, E]
         probs = torch.empty(num_tokens, topk, dtype=f32, device=dev)  # [T, K]
         idx = torch.empty(num_tokens, topk, dtype=torch.int64, device=dev)  # [T, K]
@@ -234,7 +235,7 @@ class _FusedRouterTopK(torch.autograd.Function):
             _router_fwd_kernel[(programs,)](
                 logits, scores if bias is None else bias, scores, probs, idx, scores if valid is None else valid,
                 lse, score_sums, counts, num_tokens, num_experts, float(scale), per_program,
-                K=topk, BK=triton.next_power_of_2(topk), SOFTMAX=softmax, HAS_BIAS=bias is not None,
+                K=topk, BK=next_power_of_2(topk), SOFTMAX=softmax, HAS_BIAS=bias is not None,
                 NORM=norm, HAS_VALID=valid is not None, STATS=stats, **blocks)
         ctx.save_for_backward(scores, idx, valid)
         ctx.mark_non_differentiable(idx)
@@ -256,7 +257,7 @@ class _FusedRouterTopK(torch.autograd.Function):
         if num_tokens:
             grads = [None if g is None else g.contiguous() for g in (grad_probs, grad_scores, grad_lse, grad_sums)]
             gp, gs, glse, gsums = (scores if g is None else g for g in grads)
-            _router_bwd_kernel[(triton.cdiv(num_tokens, blocks["BT"]),)](
+            _router_bwd_kernel[(cdiv(num_tokens, blocks["BT"]),)](
                 scores, idx, gp, gs, scores if valid is None else valid, glse, gsums, grad_logits,
                 num_tokens, num_experts, scale, per_program, K=topk if grads[0] is not None else 0, SOFTMAX=softmax, NORM=norm,
                 HAS_GS=grads[1] is not None, HAS_VALID=valid is not None, HAS_GLSE=grads[2] is not None,

@@ -47,6 +47,7 @@ from .reference import (
     _segment_ids,
 )
 from .triton_sparse import per_key_lists, sum_rows_per_key
+from .._intmath import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Bytes of one chunk's [B, Tc, Sc] int32 order keys (torch.topk's working set comes on top).
@@ -167,7 +168,7 @@ def _select_rows(ords: Tensor, topk: int) -> Tensor:
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # the selection, in key order
     if N:
         _compact_kernel[(N,)](ords, kth, num_above, cols, Sc, topk,
-                              BLOCK=min(COMPACT_BLOCK, triton.next_power_of_2(Sc)), num_warps=COMPACT_WARPS)
+                              BLOCK=min(COMPACT_BLOCK, next_power_of_2(Sc)), num_warps=COMPACT_WARPS)
     # stable: equal keys keep their increasing column order
     picked, order = torch.sort(ords.gather(1, cols.long()), dim=-1, descending=True, stable=True)
     return cols.gather(1, order).masked_fill(picked <= ORD_NEG_INF, -1)
@@ -226,7 +227,7 @@ def lightning_indexer_topk_triton(
     lo, hi = read_ranges(B, T, S, causal, cu_seqlens, q_positions, q_idx.device)
     cfg = dict(CONFIG, BQ=16, BS=16) if _INTERPRET else dict(CONFIG)
     BQ, BS = cfg["BQ"], cfg["BS"]
-    DIP = max(16, triton.next_power_of_2(DI))
+    DIP = max(16, next_power_of_2(DI))
     budget = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     # The last key each query can read decides how many keys its chunk scores: one sync.
     hi_host = hi.cpu()
@@ -239,7 +240,7 @@ def lightning_indexer_topk_triton(
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
         keys = torch.empty((B, t1 - t0, Sc), dtype=torch.int32, device=q_idx.device)
-        grid = (triton.cdiv(Sc, BS), triton.cdiv(t1 - t0, BQ), B)
+        grid = (cdiv(Sc, BS), cdiv(t1 - t0, BQ), B)
         _score_keys_kernel[grid](
             q_idx, k_idx, weights, lo, hi, keys,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
@@ -336,8 +337,8 @@ def _sparse_scores_bwd_kernel(
 
 def _scores_meta(q_idx: Tensor) -> dict:
     HI, DI = q_idx.shape[2:]
-    return dict(HI=HI, HIP=max(16, triton.next_power_of_2(HI)), DI=DI,
-                DIP=max(16, triton.next_power_of_2(DI)), BK=16 if _INTERPRET else SCORES_BK)
+    return dict(HI=HI, HIP=max(16, next_power_of_2(HI)), DI=DI,
+                DIP=max(16, next_power_of_2(DI)), BK=16 if _INTERPRET else SCORES_BK)
 
 
 class SparseIndexScores(torch.autograd.Function):

@@ -56,6 +56,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .reference import _bmm_f32, _check_attention_args
+from .._intmath import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -440,7 +441,7 @@ def _fwd(q, k, v, indices, scale: float, with_target: bool = False):
     lse = _alloc((sh.B, sh.T, sh.H), torch.float32, q.device)
     _launch(
         _fwd_kernel, "forward", ("fwd", *sh.key(q)),
-        lambda c: (sh.T * triton.cdiv(sh.R, c["BH"]), sh.B * sh.G),
+        lambda c: (sh.T * cdiv(sh.R, c["BH"]), sh.B * sh.G),
         (q, k, v, indices, o, lse, *_strides(q, k, v, indices), scale * LOG2E, sh.T, sh.K, sh.G),
         sh.consts(), _candidates("fwd", sh.R, sh.width, _INTERPRET),
     )
@@ -622,7 +623,7 @@ def _row_dots(a: Tensor, b: Tensor) -> Tensor:
     out = _alloc(a.shape[:-1], torch.float32, a.device)
     if N and W:
         br, bw = (16, 16) if _INTERPRET else (16, min(512, _next_pow2(W)))
-        _row_dot_kernel[(triton.cdiv(N, br),)](a, b, out, N, W, BR=br, BW=bw, num_warps=4)
+        _row_dot_kernel[(cdiv(N, br),)](a, b, out, N, W, BR=br, BW=bw, num_warps=4)
     elif N:
         out.zero_()
     return out
@@ -663,7 +664,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
     dq = _alloc(q.shape, q.dtype, dev)
     _launch(
         _bwd_dq_kernel, "backward dq", ("dq", *sh.key(q)),
-        lambda c: (T * triton.cdiv(sh.R, c["BH"]), B * G),
+        lambda c: (T * cdiv(sh.R, c["BH"]), B * G),
         (q, k, v, indices, do, lse2, delta, dq, *strides, scale, scale * LOG2E, T, K, G),
         consts, _candidates("dq", sh.R, sh.width, _INTERPRET),
     )
@@ -679,7 +680,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
         tc = min(Tc, T - t0)
         _launch(
             _bwd_dkv_kernel, "backward dk/dv", ("dkv", *sh.key(q)),
-            lambda c, tc=tc: (tc * triton.cdiv(K, c["BK"]), B * G),
+            lambda c, tc=tc: (tc * cdiv(K, c["BK"]), B * G),
             (q, k, v, indices, do, lse2, delta, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
             consts, _candidates("dkv", sh.R, sh.width, _INTERPRET),
         )
@@ -755,7 +756,7 @@ def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, c
         dp = _bmm_f32(dog, vg.transpose(1, 2))
         ps = _alloc((N, 2 * R, K), dt, dev)
         bk = min(1024, _next_pow2(K)) if not _INTERPRET else 16
-        _probs_grads_kernel[(N * R, triton.cdiv(K, bk))](
+        _probs_grads_kernel[(N * R, cdiv(K, bk))](
             s, dp, lse2[:, t0:t0 + n].reshape(-1).contiguous(), delta[:, t0:t0 + n].reshape(-1).contiguous(),
             idx_c.reshape(B * n, K).contiguous(), ps, K, R, G, scale, scale * LOG2E, BK=bk, num_warps=4,
         )
@@ -814,7 +815,7 @@ def sum_rows_per_key(rows: Tensor, order: Tensor, offsets: Tensor, acc: Tensor, 
                          f"column strides and acc [{offsets.shape[0] - 1}, {W}]")
     _launch(
         _bwd_reduce_kernel, "per-key reduce", ("reduce", rows.device, W),
-        lambda c: (acc.shape[0], triton.cdiv(W, c["BW"])),
+        lambda c: (acc.shape[0], cdiv(W, c["BW"])),
         (rows, order.to(torch.int32), offsets, acc, W, rows.shape[1], rows.stride(0), rows.stride(1),
          acc.stride(0), int(first)),
         {}, _candidates("reduce", 1, W, _INTERPRET),
