@@ -244,6 +244,35 @@ def test_indexer_topk_blocks_equal_full(B, T, topk, block_size, causal, cu, inte
     assert torch.equal(full, _oracle_topk(_oracle_index_scores(q_idx, k_idx, w, causal, cu), topk))
 
 
+def test_packed_cu_seqlens_is_read_to_the_host_once_per_tensor(monkeypatch):
+    """The sparse and attention layers of one step share cu_seqlens: its check reads it to the
+    host (a sync on the GPU) once, not in every call; a write in place is seen."""
+    cu = torch.tensor([0, 5, 12])
+    reads = []
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, real=real):
+            reads.append(self is cu or self._base is cu)
+            return real(self)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    torch.manual_seed(3)
+    q_idx, k_idx, w = torch.randn(1, 12, 2, 8, **F64), torch.randn(1, 12, 8, **F64), torch.randn(1, 12, 2, **F64)
+    first = sa.lightning_indexer_topk(q_idx, k_idx, w, 4, cu_seqlens=cu, backend="torch")
+    pos = sa.positions_from_cu_seqlens(cu, 12)
+    again = sa.lightning_indexer_topk(q_idx, k_idx, w, 4, cu_seqlens=cu, backend="torch")
+    assert sum(reads) == 1
+    assert torch.equal(first, again)
+    assert pos.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+    cu[1] = 7  # in place: the host copy is stale
+    assert sa.positions_from_cu_seqlens(cu, 12).tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]
+    assert sum(reads) == 2
+    cu[2] = 11
+    with pytest.raises(ValueError, match="end at the token count 12"):
+        sa.positions_from_cu_seqlens(cu, 12)
+
+
 # Sparse attention
 
 

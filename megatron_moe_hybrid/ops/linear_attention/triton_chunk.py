@@ -27,7 +27,6 @@ Dots take the input dtype (bf16/fp16; fp32 inputs use Triton's default tf32 on t
 accumulate in fp32; the state, gam and every exponent are fp32.
 """
 
-import collections
 import functools
 import itertools
 import logging
@@ -41,6 +40,7 @@ from torch import Tensor
 
 from . import _TRITON_MAX_HEAD_DIM_K
 from .._intmath import cdiv, next_power_of_2
+from .._packed import derived, host_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -485,42 +485,18 @@ def _bwd_chunk_kernel(
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
-# Packed batches already read: [cu_seqlens, its version counter, its host copy, its _Chunks or
-# None]. The linear-attention layers of one step share their batch's cu_seqlens tensor, so
-# only the first of them reads it to the host (a sync) and builds the chunk index; the rest,
-# and the steps that reuse the tensor, find it here. An entry holds the tensor itself, so its
-# id and memory cannot be taken by another tensor while it is cached; the version counter
-# sends a tensor written in place since back to the host.
-_PACKED: collections.deque = collections.deque(maxlen=8)
-
-
-def _packed_entry(cu_seqlens: Tensor) -> list | None:
-    try:
-        version = cu_seqlens._version
-    except RuntimeError:  # inference-mode tensors keep no version counter: never cached
-        return None
-    for entry in _PACKED:
-        if entry[0] is cu_seqlens and entry[1] == version:
-            return entry
-    entry = [cu_seqlens, version, cu_seqlens.tolist(), None]
-    _PACKED.append(entry)
-    return entry
-
-
 def _host_bounds(cu_seqlens: Tensor) -> list[int]:
-    """cu_seqlens on the host: read once per tensor (and version), see _PACKED."""
-    entry = _packed_entry(cu_seqlens)
-    return cu_seqlens.tolist() if entry is None else entry[2]
+    """cu_seqlens on the host, read once per tensor (ops/_packed.py): the linear-attention
+    layers of one step share their batch's cu_seqlens, so only the first of them syncs."""
+    return host_offsets(cu_seqlens)
 
 
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
-    """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (see _PACKED)."""
-    entry = None if cu_seqlens is None else _packed_entry(cu_seqlens)
-    if entry is None:
-        return _Chunks(B, T, cu_seqlens)
-    if entry[3] is None or entry[3].T != T:
-        entry[3] = _Chunks(B, T, cu_seqlens, entry[2])
-    return entry[3]
+    """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py)."""
+    if cu_seqlens is None:
+        return _Chunks(B, T, None)
+    return derived(cu_seqlens, ("linear_attention_chunks", B, T),
+                   lambda: _Chunks(B, T, cu_seqlens, host_offsets(cu_seqlens)))
 
 
 class _Chunks:

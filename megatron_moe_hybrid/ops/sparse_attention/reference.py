@@ -13,8 +13,12 @@ Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that test
 be exact. The math (indexer, selection, attention, KL loss) is in README.md.
 """
 
+from itertools import pairwise
+
 import torch
 from torch import Tensor
+
+from .._packed import host_offsets
 
 NEG_INF = float("-inf")
 
@@ -67,12 +71,12 @@ def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
         f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
         f"{tuple(cu_seqlens.shape)}",
     )
-    cu = cu_seqlens.to(torch.int64)
+    offsets = host_offsets(cu_seqlens)  # one host read per tensor, shared by the step's layers
     _check(
-        cu[0].item() == 0 and cu[-1].item() == T and bool((cu.diff() >= 0).all()),
-        f"cu_seqlens must start at 0, end at the token count {T} and never decrease, got "
-        f"{cu.tolist()}",
+        offsets[0] == 0 and offsets[-1] == T and all(a <= b for a, b in pairwise(offsets)),
+        f"cu_seqlens must start at 0, end at the token count {T} and never decrease, got {offsets}",
     )
+    cu = cu_seqlens.to(torch.int64)
     # right=True puts a token that starts a sequence after empty ones into the non-empty one.
     return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
 
