@@ -485,36 +485,29 @@ def _bwd_chunk_kernel(
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
-def _host_bounds(cu_seqlens: Tensor) -> list[int]:
-    """cu_seqlens on the host, read once per tensor (ops/_packed.py): the linear-attention
-    layers of one step share their batch's cu_seqlens, so only the first of them syncs."""
-    return host_offsets(cu_seqlens)
-
-
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
-    """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py)."""
+    """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py):
+    the linear-attention layers of one step share their batch's cu_seqlens."""
     if cu_seqlens is None:
         return _Chunks(B, T, None)
-    return derived(cu_seqlens, ("linear_attention_chunks", B, T),
-                   lambda: _Chunks(B, T, cu_seqlens, host_offsets(cu_seqlens)))
+    return derived(cu_seqlens, ("linear_attention_chunks", B, T), lambda: _Chunks(B, T, cu_seqlens))
 
 
 class _Chunks:
     """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
     (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1].
-    starts / lengths: each sequence's first token and token count (host ints). bounds: the
-    host copy of cu_seqlens when the caller has read it already, else read here. The forward
-    takes it from _chunks_of, which builds one per packed cu_seqlens tensor."""
+    starts / lengths: each sequence's first token and token count (host ints, from
+    host_offsets: cu_seqlens is read to the host once per tensor)."""
 
-    def __init__(self, B: int, T: int, cu_seqlens, bounds: list[int] | None = None):
-        self.cu_seqlens, self.T = cu_seqlens, T
+    def __init__(self, B: int, T: int, cu_seqlens):
+        self.cu_seqlens = cu_seqlens
         if cu_seqlens is None:
             self.N, self.NT = B, B * cdiv(T, CHUNK)
             self.indices = self.offsets = None
             self.starts, self.lengths = [b * T for b in range(B)], [T] * B
             return
         cu = cu_seqlens.to(torch.int64)
-        bounds = cu.tolist() if bounds is None else bounds
+        bounds = host_offsets(cu_seqlens)
         self.starts, self.lengths = list(bounds[:-1]), [b - a for a, b in itertools.pairwise(bounds)]
         counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # [N]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
@@ -776,11 +769,12 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
     grid = (chunks.NT // (1 if varlen else B), B * HV)
+    BV, num_warps = _chunk_bwd_config(K, V)
     _bwd_chunk_kernel[grid](
         q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=_chunk_bwd_config(K, V)[0],
-        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=_chunk_bwd_config(K, V)[1],
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=num_warps,
     )
     if grouped:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
@@ -826,7 +820,7 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    """Raises ValueError naming the argument (cu_seqlens's values through _host_bounds: one
+    """Raises ValueError naming the argument (cu_seqlens's values through host_offsets: one
     host read per packed batch, shared with the forward's _chunks_of)."""
     if q.dim() != 4 or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
@@ -853,7 +847,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             raise ValueError(
                 f"{name}: expected a floating [B, T, HV] = {[B, T, HV]} tensor, got {x.dtype} {list(x.shape)}"
             )
-    N, offsets = B, None
+    N = B
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError(
@@ -862,7 +856,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             )
         if B != 1:
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}; flatten the batch")
-        offsets = _host_bounds(cu_seqlens)
+        offsets = host_offsets(cu_seqlens)
         if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in itertools.pairwise(offsets)):
             raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {offsets}")
         N = len(offsets) - 1
