@@ -5,9 +5,8 @@ are `ConstexprFunction` wrappers, so that kernels may call them: called from hos
 does an import and unwraps its arguments, about 1.6 us against 0.03 us for the arithmetic
 itself (measured on the CPU machine, Triton 3.9). The ops size their grids and blocks with
 them dozens of times per layer and step (36 calls in one Gated DeltaNet forward+backward when
-measured), so
-host code uses these; kernels keep `tl.cdiv`. Same results as Triton's for every int
-(tests/ops/test_intmath.py).
+measured), so host code uses these; kernels keep `tl.cdiv`. The arithmetic is Triton's own
+(tests/ops/test_intmath.py compares the two on small, power-of-two and random ints).
 """
 
 
