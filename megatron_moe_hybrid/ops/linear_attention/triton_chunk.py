@@ -403,8 +403,6 @@ def _bwd_chunk_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     last = tl.minimum(i_t * BT + BT, T) - 1
 
-    b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
     b_glast = tl.load(gam + (bos + last) * HV + i_h)
     if IS_GDN:
@@ -449,6 +447,10 @@ def _bwd_chunk_kernel(
             b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
             b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
 
+    # q and k are loaded only now: loaded before the V loop (whose dv stores keep the compiler from
+    # sinking the loads) they held two [BT, BK] tiles live through it, where the kernel spills
+    b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
     b_eg = tl.exp(b_gam)
