@@ -10,8 +10,14 @@ Two more cuBLAS products give grad_hidden[chunk] and add into grad_weight. That 
 must recompute them for the gradient (8 N V D). README.md says why this design was chosen.
 
 On CUDA the grad_weight product (its [V, D] read-modify-write makes it partly
-memory-bound) runs on a side stream, concurrently with grad_hidden's product, which is
-compute-bound; the next chunk's logits wait for it (they overwrite the buffer it reads).
+memory-bound) goes through ops/_cublaslt.py: cuBLASLt's candidates for the shape are timed
+on the first chunk (which overwrites grad_weight, so the timing runs leave nothing behind)
+and the fastest is kept; at V 151936, D 4096 and 768 tokens it ran at 696 TFLOP/s against
+the 553 of torch's addmm_, the same bits (loss_grad_weight.json, tests/ops/test_cublaslt.py).
+The logits and grad_hidden products stay torch's (cuBLAS runs them near the ceiling; for
+grad_hidden's long K cuBLASLt offers only split-K algorithms, which ops/_cublaslt.py refuses).
+The grad_weight product runs on a side stream, concurrently with grad_hidden's product, which
+is compute-bound; the next chunk's logits wait for it (they overwrite the buffer it reads).
 The side stream adds into grad_weight in chunk order, so results are bitwise reproducible.
 (Two half-size buffers, letting the next logits overlap it too, were slower in an H200
 probe: halving the chunk costs more in the grad_weight product, 315 TFLOP/s at 256 tokens
@@ -36,6 +42,7 @@ Shape legend:
 
 import contextlib
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,6 +60,7 @@ from .reference import (
     reduce_loss,
     token_loss,
 )
+from .. import _cublaslt
 from .._intmath import cdiv, next_power_of_2
 
 __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
@@ -60,7 +68,17 @@ __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
 BLOCK_V = 2048
 PROGRAMS_PER_CHUNK = 2048  # enough (row, column range) programs to keep every SM streaming
 CHUNK_BUDGET = 0.09  # auto chunk: the logits buffer may take this fraction of inputs + gradients
-MIN_CHUNK = 512  # auto chunk: never fewer tokens
+MIN_CHUNK = 512  # auto chunk: never fewer tokens while the weight trains (grad_weight's product slows below)
+MIN_CHUNK_FROZEN = 256  # with a frozen weight only the logits and grad_hidden products run, long enough at 256
+# The three products per chunk: "cublaslt" (ops/_cublaslt.py: cuBLASLt, each shape's algorithm
+# chosen by timing on its first call), "torch" (torch.mm / addmm_: cuBLAS's heuristic), or "auto":
+# cublaslt for bf16/fp16 CUDA tensors, torch otherwise (CPU, the interpreter, fp32), and torch with
+# a warning where cuBLASLt cannot run a shape.
+GEMM_BACKEND = "auto"
+# grad_weight's product on a side stream, beside grad_hidden's: 0.2-1% faster than one stream on the
+# H200 with the tuned product (98.2 vs 99.2 ms at N 16384, D 4096, V 151936, chunk 768:
+# benchmarks/results/h200/loss_variants.json), at the same peak (the tuned product's workspace is its own, a few bytes).
+SIDE_STREAM = True
 
 
 @triton.jit
@@ -179,8 +197,9 @@ class _Chunks:
         self.num_classes = global_vocab_size(weight.shape[0], hidden.device, self.tp_group)
         rows = max(1, min(self.chunk_size, hidden.shape[0]))  # an empty batch still gets a (tiny) buffer
         self.buffer = torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)  # [C, V]
-        self.side = _side_stream(hidden.device) if hidden.is_cuda else None
+        self.side = _side_stream(hidden.device) if hidden.is_cuda and SIDE_STREAM else None
         self.free = None  # the event after which the side stream no longer reads the buffer
+        self.lt = _use_cublaslt(hidden)
 
     def ranges(self):
         for start in range(0, self.hidden.shape[0], self.chunk_size):
@@ -191,6 +210,25 @@ class _Chunks:
             torch.cuda.current_stream().wait_event(self.free)
         out = self.buffer[: rows.stop - rows.start]  # [C, V]
         return torch.mm(self.hidden[rows], self.weight.T, out=out)
+
+    def _gemm(self, out, a, b, transpose_a=False, transpose_b=False, accumulate=False, first=False):
+        """out = a' b' (+ out) through cuBLASLt; False where this run takes torch's product instead."""
+        if not self.lt:
+            return False
+        try:
+            if first:  # the first of a series that accumulates: time the accumulating form here
+                _cublaslt.tune_with_overwrite(out, a, b, transpose_a, transpose_b)
+            else:
+                _cublaslt.gemm(out, a, b, transpose_a, transpose_b, accumulate)
+            return True
+        except (RuntimeError, ValueError, OSError) as error:
+            if GEMM_BACKEND == "cublaslt":
+                raise
+            _warn_once(f"linear_cross_entropy: cuBLASLt cannot run out{tuple(out.shape)} ({error}); "
+                       "this run takes torch's product there (set cross_entropy.triton.GEMM_BACKEND = 'torch' "
+                       "to silence this)")
+            self.lt = False
+            return False
 
     def stats_(self, logits, rows, lse, loss):
         """Fills lse[rows] and loss[rows] from this chunk's logits."""
@@ -220,13 +258,17 @@ class _Chunks:
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                if rows.start == 0:  # the first chunk writes grad_weight: no [V, D] zero fill
+                first = rows.start == 0  # the first chunk writes grad_weight: no [V, D] zero fill
+                if self._gemm(grad_weight, logits, self.hidden[rows], transpose_a=True, accumulate=not first,
+                              first=first):
+                    pass  # one rounding per chunk, fp32 inside the product (either way)
+                elif first:
                     torch.mm(logits.T, self.hidden[rows], out=grad_weight)
-                else:  # one rounding per chunk, fp32 inside the product
+                else:
                     grad_weight.addmm_(logits.T, self.hidden[rows])
             if self.side is not None:
                 self.free = self.side.record_event()
-        if grad_hidden is not None:
+        if grad_hidden is not None:  # long K (V): cuBLAS's split-K choice runs near the ceiling
             torch.mm(logits, self.weight, out=grad_hidden[rows])
 
     def join(self):
@@ -238,6 +280,26 @@ class _Chunks:
 def _grad_weight_buffer(weight, num_tokens):
     """[V, D] for grad_weight: the first chunk's product overwrites it, so only an empty batch needs zeros."""
     return torch.empty_like(weight) if num_tokens else torch.zeros_like(weight)
+
+
+def _use_cublaslt(hidden) -> bool:
+    if GEMM_BACKEND not in ("auto", "torch", "cublaslt"):
+        raise ValueError(f"cross_entropy.triton.GEMM_BACKEND must be 'auto', 'torch' or 'cublaslt', got {GEMM_BACKEND!r}")
+    if GEMM_BACKEND == "torch":
+        return False
+    usable = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+    if GEMM_BACKEND == "cublaslt" and not usable:
+        raise ValueError(f"GEMM_BACKEND 'cublaslt' needs bf16/fp16 CUDA tensors, got {hidden.dtype} on {hidden.device}")
+    return usable
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -310,15 +372,19 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
 def auto_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int, weight_trainable: bool) -> int:
     """Tokens per chunk so the logits buffer takes about CHUNK_BUDGET of inputs + gradients.
 
-    A multiple of 128 (whole cuBLAS tiles), at least MIN_CHUNK and at most num_tokens.
-    Larger chunks make the grad_weight product less memory-bound (it reads and writes
-    [V, D] once per chunk); smaller ones bound the peak. Below MIN_CHUNK tokens the
-    products lose more time than the memory saved is worth (H200: grad_weight's product
-    ran at 315 TFLOP/s with 256 tokens, 465 with 512, 596 with 1024: loss_parts.json).
+    A multiple of 128 (whole cuBLAS tiles), at least MIN_CHUNK (MIN_CHUNK_FROZEN for a frozen
+    weight) and at most num_tokens. Larger chunks make the grad_weight product less
+    memory-bound (it reads and writes [V, D] once per chunk); smaller ones bound the peak.
+    Below MIN_CHUNK tokens that product loses more time than the memory saved is worth (H200,
+    cuBLAS's heuristic: 315 TFLOP/s with 256 tokens, 465 with 512, 596 with 1024:
+    loss_parts.json). A frozen weight has no such product: at N 16384, D 4096, V 151936 the
+    budget's 384 tokens ran in 68.1 ms against 66.9 with 512, and keep the peak at 1.08x
+    inputs + gradients instead of 1.10x (loss_variants.json).
     """
     inputs_and_grads = (2 * num_tokens * hidden_size + (2 if weight_trainable else 1) * vocab_size * hidden_size)
     rows = CHUNK_BUDGET * inputs_and_grads / vocab_size
-    return max(1, min(num_tokens, max(MIN_CHUNK, math.floor(rows / 128) * 128)))
+    least = MIN_CHUNK if weight_trainable else MIN_CHUNK_FROZEN
+    return max(1, min(num_tokens, max(least, math.floor(rows / 128) * 128)))
 
 
 def triton_linear_cross_entropy(
