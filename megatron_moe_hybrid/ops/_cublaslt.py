@@ -19,11 +19,12 @@ whose calls accumulate is tuned through `tune_with_overwrite` on a call that ove
 loss's first chunk writes grad_weight, the later ones add into it): its timings of the
 accumulating form scribble on memory the final overwrite replaces. No [M, N] scratch is ever
 allocated. An accumulating call on a shape never tuned (a short last chunk) takes the
-heuristic's first candidate.
+heuristic's first candidate. Tuning waits on CUDA events (a host sync, once per shape), so the
+first call at a shape must not be inside a CUDA-graph capture.
 
 Only candidates without split-K are kept: each output is then one fp32 reduction over K rounded
 once, as torch's own product does; on the H200 every candidate's result equalled torch's bit for
-bit (tests/ops/test_cross_entropy_gpu.py checks it). The library is the libcublasLt torch itself
+bit (tests/ops/test_cublaslt.py checks each against torch). The library is the libcublasLt torch itself
 loaded (found through /proc/self/maps). CUDA only: on a CPU tensor, or where cuBLASLt cannot run
 the shape, `gemm` raises, and callers keep torch's product (ops/cross_entropy/triton.py says when).
 """
