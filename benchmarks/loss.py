@@ -109,7 +109,7 @@ def main():
                 theirs = measure(anchor, hidden, weight, labels, 1, reps)
                 speedup = mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3)
                 notes = [f"median of {reps}, CUDA events; ours = backend triton, automatic chunk_size {chunk}, "
-                         f"products {ce_triton.GEMM_BACKEND} (cuBLASLt tuned on bf16 CUDA), side stream {ce_triton.SIDE_STREAM}"]
+                         f"grad_weight product {ce_triton.GEMM_BACKEND} (cuBLASLt, timed per shape, on bf16 CUDA), side stream {ce_triton.SIDE_STREAM}"]
                 notes += [f"ours {e}" for e in [mine["error"]] if e] + [f"anchor {e}" for e in [theirs["error"]] if e]
                 if extra is not None:
                     notes.append(f"ours with chunk_size {2 * chunk}: {extra['ms']} ms, peak {extra['peak']} B")

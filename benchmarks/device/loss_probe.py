@@ -29,8 +29,9 @@ N, D, V = 16384, 4096, 151936
 
 @triton.jit
 def _grad_weight_kernel(g_ptr, h_ptr, w_ptr, C, V, D, stride_g, stride_h, stride_w,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    """w[V, D] += g[C, V]^T h[C, D], the old w tile loaded before the K loop."""
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                        OLD_FIRST: tl.constexpr):
+    """w[V, D] += g[C, V]^T h[C, D], the old w tile loaded before the K loop (OLD_FIRST) or after it."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(V, BM), tl.cdiv(D, BN)
     width = GROUP * num_n
@@ -42,7 +43,8 @@ def _grad_weight_kernel(g_ptr, h_ptr, w_ptr, C, V, D, stride_g, stride_h, stride
     o_n = pid_n * BN + tl.arange(0, BN)
     mask = (o_m[:, None] < V) & (o_n[None, :] < D)
     p_w = w_ptr + o_m[:, None].to(tl.int64) * stride_w + o_n[None, :]
-    b_old = tl.load(p_w, mask=mask, other=0.0)
+    if OLD_FIRST:
+        b_old = tl.load(p_w, mask=mask, other=0.0)
     b_acc = tl.zeros([BM, BN], tl.float32)
     for k in range(0, C, BK):
         o_k = k + tl.arange(0, BK)
@@ -51,13 +53,16 @@ def _grad_weight_kernel(g_ptr, h_ptr, w_ptr, C, V, D, stride_g, stride_h, stride
         b_h = tl.load(h_ptr + o_k[:, None].to(tl.int64) * stride_h + o_n[None, :],
                       mask=(o_k[:, None] < C) & (o_n[None, :] < D), other=0.0)
         b_acc = tl.dot(tl.trans(b_g), b_h, b_acc)
+    if not OLD_FIRST:
+        b_old = tl.load(p_w, mask=mask, other=0.0)
     tl.store(p_w, (b_acc + b_old.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_grad_weight(g, h, w, BM=128, BN=256, BK=64, num_warps=8, num_stages=3):
+def triton_grad_weight(g, h, w, BM=128, BN=256, BK=64, num_warps=8, num_stages=3, old_first=True):
     grid = (triton.cdiv(w.shape[0], BM) * triton.cdiv(w.shape[1], BN),)
     _grad_weight_kernel[grid](g, h, w, g.shape[0], w.shape[0], w.shape[1], g.stride(0), h.stride(0), w.stride(0),
-                              BM=BM, BN=BN, BK=BK, GROUP=8, num_warps=num_warps, num_stages=num_stages)
+                              BM=BM, BN=BN, BK=BK, GROUP=8, OLD_FIRST=old_first, num_warps=num_warps,
+                              num_stages=num_stages)
 
 
 def median_ms(fn, reps=20, warmup=3):

@@ -24,42 +24,11 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import time_and_peak, write_results  # noqa: E402
 
+from loss_probe import triton_grad_weight  # noqa: E402  (beside this file)
+
 from megatron_moe_hybrid.ops import _cublaslt  # noqa: E402
 
 N, D, V = 16384, 4096, 151936
-
-
-@triton.jit
-def _rmw_kernel(g_ptr, h_ptr, w_ptr, C, V, D, stride_g, stride_h, stride_w,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    """w[V, D] += g[C, V]^T h[C, D]; the old tile is read after the K loop."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(V, BM), tl.cdiv(D, BN)
-    width = GROUP * num_n
-    first_m = (pid // width) * GROUP
-    size = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % width) % size
-    pid_n = (pid % width) // size
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    b_acc = tl.zeros([BM, BN], tl.float32)
-    for k in range(0, C, BK):
-        o_k = k + tl.arange(0, BK)
-        b_g = tl.load(g_ptr + o_k[:, None].to(tl.int64) * stride_g + o_m[None, :],
-                      mask=(o_k[:, None] < C) & (o_m[None, :] < V), other=0.0)
-        b_h = tl.load(h_ptr + o_k[:, None].to(tl.int64) * stride_h + o_n[None, :],
-                      mask=(o_k[:, None] < C) & (o_n[None, :] < D), other=0.0)
-        b_acc = tl.dot(tl.trans(b_g), b_h, b_acc)
-    mask = (o_m[:, None] < V) & (o_n[None, :] < D)
-    p_w = w_ptr + o_m[:, None].to(tl.int64) * stride_w + o_n[None, :]
-    b_old = tl.load(p_w, mask=mask, other=0.0)
-    tl.store(p_w, (b_acc + b_old.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=mask)
-
-
-def triton_rmw(g, h, w, BM, BN, BK, num_warps, num_stages, GROUP=8):
-    grid = (triton.cdiv(w.shape[0], BM) * triton.cdiv(w.shape[1], BN),)
-    _rmw_kernel[grid](g, h, w, g.shape[0], w.shape[0], w.shape[1], g.stride(0), h.stride(0), w.stride(0),
-                      BM=BM, BN=BN, BK=BK, GROUP=GROUP, num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
@@ -183,7 +152,7 @@ def main():
             tuned = None
         for cfg in [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                     (128, 128, 128, 8, 2), (256, 128, 64, 8, 3)]:
-            fn = lambda cfg=cfg: triton_rmw(g, h_c, grad_w, *cfg)  # noqa: E731
+            fn = lambda cfg=cfg: triton_grad_weight(g, h_c, grad_w, *cfg, old_first=False)  # noqa: E731
             try:
                 err = check(fn)
                 row(f"Triton one tile per program {cfg}", chunk, median_ms(fn), flops, rel_err=err,

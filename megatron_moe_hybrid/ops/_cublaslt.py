@@ -34,7 +34,7 @@ import statistics
 
 import torch
 
-# cublasLt.h / library_types.h values (the same in CUDA 11-13)
+# cublasLt.h / library_types.h values
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _CUBLAS_COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
@@ -211,7 +211,7 @@ class _Plan:
             del self.workspaces[key]  # what a slower candidate needed is not kept
 
 
-_PLANS: dict[tuple, _Plan] = {}
+_PLANS: dict[tuple, "_Plan | Exception"] = {}  # a shape cuBLASLt cannot run keeps its error: asked once
 
 
 def _key(out, a, b, transpose_a, transpose_b):
@@ -244,8 +244,14 @@ def plan(out, a, b, transpose_a=False, transpose_b=False):
     """The _Plan of this shape (built, not yet tuned, on first sight)."""
     key = _key(out, a, b, transpose_a, transpose_b)
     if key not in _PLANS:
-        _PLANS[key] = _Plan(key[:-1])
-    return _PLANS[key]
+        try:
+            _PLANS[key] = _Plan(key[:-1])
+        except RuntimeError as error:
+            _PLANS[key] = error
+    found = _PLANS[key]
+    if isinstance(found, Exception):
+        raise RuntimeError(str(found))
+    return found
 
 
 def gemm(out, a, b, transpose_a=False, transpose_b=False, accumulate=False):

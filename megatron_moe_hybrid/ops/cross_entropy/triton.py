@@ -69,11 +69,13 @@ BLOCK_V = 2048
 PROGRAMS_PER_CHUNK = 2048  # enough (row, column range) programs to keep every SM streaming
 CHUNK_BUDGET = 0.09  # auto chunk: the logits buffer may take this fraction of inputs + gradients
 MIN_CHUNK = 512  # auto chunk: never fewer tokens while the weight trains (grad_weight's product slows below)
-MIN_CHUNK_FROZEN = 256  # with a frozen weight only the logits and grad_hidden products run, long enough at 256
-# The three products per chunk: "cublaslt" (ops/_cublaslt.py: cuBLASLt, each shape's algorithm
-# chosen by timing on its first call), "torch" (torch.mm / addmm_: cuBLAS's heuristic), or "auto":
-# cublaslt for bf16/fp16 CUDA tensors, torch otherwise (CPU, the interpreter, fp32), and torch with
-# a warning where cuBLASLt cannot run a shape.
+# A frozen weight has no grad_weight product; its floor is set by memory, not by that product's speed
+# (first shape, torch's products: 256 / 384 / 512 tokens 72.7 / 70.5 / 67.8 ms, loss_grad_weight.json).
+MIN_CHUNK_FROZEN = 256
+# grad_weight's product (logits and grad_hidden always take torch.mm): "cublaslt" (ops/_cublaslt.py,
+# the shape's algorithm chosen by timing on the first chunk), "torch" (addmm_: cuBLAS's heuristic),
+# or "auto": cublaslt for bf16/fp16 CUDA tensors, torch otherwise (CPU, the interpreter, fp32), and
+# torch with a warning where cuBLASLt cannot run the shape.
 GEMM_BACKEND = "auto"
 # grad_weight's product on a side stream, beside grad_hidden's: 0.2-1% faster than one stream on the
 # H200 with the tuned product (98.2 vs 99.2 ms at N 16384, D 4096, V 151936, chunk 768:
@@ -211,20 +213,21 @@ class _Chunks:
         out = self.buffer[: rows.stop - rows.start]  # [C, V]
         return torch.mm(self.hidden[rows], self.weight.T, out=out)
 
-    def _gemm(self, out, a, b, transpose_a=False, transpose_b=False, accumulate=False, first=False):
-        """out = a' b' (+ out) through cuBLASLt; False where this run takes torch's product instead."""
+    def _lt_grad_weight(self, logits, rows, grad_weight) -> bool:
+        """grad_weight (+)= logits^T hidden[rows] through cuBLASLt; False where torch's product runs instead.
+        The first chunk overwrites grad_weight, so it hosts the timing of the accumulating product."""
         if not self.lt:
             return False
         try:
-            if first:  # the first of a series that accumulates: time the accumulating form here
-                _cublaslt.tune_with_overwrite(out, a, b, transpose_a, transpose_b)
+            if rows.start == 0:
+                _cublaslt.tune_with_overwrite(grad_weight, logits, self.hidden[rows], transpose_a=True)
             else:
-                _cublaslt.gemm(out, a, b, transpose_a, transpose_b, accumulate)
+                _cublaslt.gemm(grad_weight, logits, self.hidden[rows], transpose_a=True, accumulate=True)
             return True
         except (RuntimeError, ValueError, OSError) as error:
             if GEMM_BACKEND == "cublaslt":
                 raise
-            _warn_once(f"linear_cross_entropy: cuBLASLt cannot run out{tuple(out.shape)} ({error}); "
+            _warn_once(f"linear_cross_entropy: cuBLASLt cannot run grad_weight{tuple(grad_weight.shape)} ({error}); "
                        "this run takes torch's product there (set cross_entropy.triton.GEMM_BACKEND = 'torch' "
                        "to silence this)")
             self.lt = False
@@ -258,11 +261,11 @@ class _Chunks:
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                first = rows.start == 0  # the first chunk writes grad_weight: no [V, D] zero fill
-                if self._gemm(grad_weight, logits, self.hidden[rows], transpose_a=True, accumulate=not first,
-                              first=first):
-                    pass  # one rounding per chunk, fp32 inside the product (either way)
-                elif first:
+                # one rounding per chunk, fp32 inside the product; the first chunk writes grad_weight:
+                # no [V, D] zero fill
+                if self._lt_grad_weight(logits, rows, grad_weight):
+                    pass
+                elif rows.start == 0:
                     torch.mm(logits.T, self.hidden[rows], out=grad_weight)
                 else:
                     grad_weight.addmm_(logits.T, self.hidden[rows])
