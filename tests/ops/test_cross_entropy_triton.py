@@ -147,12 +147,33 @@ def test_triton_one_program_streams_many_blocks_of_a_row(monkeypatch, reduction)
     # logits that grow along the row make the max move at every block, so a missed rescale shows
     monkeypatch.setattr(triton_backend, "BLOCK_V", 8)
     monkeypatch.setattr(triton_backend, "PROGRAMS_PER_CHUNK", 1)
+    monkeypatch.setattr(triton_backend, "GRAD_PROGRAMS_PER_CHUNK", 1)
     assert triton_backend._splits(5, 67) == (1, 72)
     hidden, weight, labels = make_inputs(13, 8, 67, seed=12, device=DEVICE)
     weight = weight + 0.3 * torch.linspace(0, 4, 67, dtype=weight.dtype, device=weight.device)[:, None] * hidden.mean(0)
     truth = loss_and_grads(oracle, hidden, weight, labels, reduction, 12, z_loss_weight=0.01)
     got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, reduction, 12,
                          chunk_size=5, z_loss_weight=0.01)
+    for name, g, t in zip(("loss", "grad_hidden", "grad_weight"), got, truth):
+        assert relative_error(g, t) < 1e-5, (name, relative_error(g, t))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_triton_targets_at_block_and_range_edges(monkeypatch, label_smoothing):
+    # The passes read whole blocks unmasked and the row's last block masked; the target logit is
+    # one load by the range that holds it, and its gradient is stored after the range's loop.
+    # BLOCK_V 8, 53 columns: the stats pass cuts rows into 7 ranges of 8 (the last of 5), the gradient
+    # pass into 3 ranges: 24 + 24 (three whole blocks each) + 5 (one partial block); targets on every
+    # range's and block's first and last column must all come out as the oracle's.
+    monkeypatch.setattr(triton_backend, "BLOCK_V", 8)
+    monkeypatch.setattr(triton_backend, "GRAD_PROGRAMS_PER_CHUNK", 18)
+    assert triton_backend._splits(6, 53) == (7, 8) and triton_backend._splits(6, 53, 18) == (3, 24)
+    targets = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 39, 40, 47, 48, 49, 51, 52, 1, IGNORE])
+    hidden, weight, labels = make_inputs(len(targets), 8, 53, seed=21, device=DEVICE)
+    labels = targets.to(labels.device)
+    truth = loss_and_grads(oracle, hidden, weight, labels, "mean", 22, label_smoothing=label_smoothing)
+    got = loss_and_grads(triton_linear_cross_entropy, hidden.float(), weight.float(), labels, "mean", 22,
+                         chunk_size=6, label_smoothing=label_smoothing)
     for name, g, t in zip(("loss", "grad_hidden", "grad_weight"), got, truth):
         assert relative_error(g, t) < 1e-5, (name, relative_error(g, t))
 

@@ -66,7 +66,13 @@ from .._intmath import cdiv, next_power_of_2
 __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
 
 BLOCK_V = 2048
-PROGRAMS_PER_CHUNK = 2048  # enough (row, column range) programs to keep every SM streaming
+# (row, column range) programs per chunk, enough to keep every SM streaming. H200, 768 x 151936 and
+# 1408 x 262144 bf16 chunks (loss_row_passes.json): stats 0.103 / 0.265 ms at 2048, 0.115 / 0.241 at 8192
+# (within the runs' spread); gradient 0.183 / 0.462 ms at 2048, 0.167 / 0.440 at 32768, and 9% / 2% faster
+# at 32768 in each earlier run too (more, shorter ranges: a shorter tail)
+PROGRAMS_PER_CHUNK = 2048  # the stats pass
+GRAD_PROGRAMS_PER_CHUNK = 32768  # the gradient pass
+ROW_WARPS = 4  # warps per row-pass program (8 was slower for both passes at BLOCK_V 2048)
 CHUNK_BUDGET = 0.09  # auto chunk: the logits buffer may take this fraction of inputs + gradients
 MIN_CHUNK = 512  # auto chunk: never fewer tokens while the weight trains (grad_weight's product slows below)
 # A frozen weight has no grad_weight product; its floor is set by memory, not by that product's speed
@@ -84,9 +90,39 @@ SIDE_STREAM = True
 
 
 @triton.jit
+def _exp_minus(x, shift, FAST_EXP: tl.constexpr):
+    """e^(x - shift) for a block x and a scalar shift.
+
+    FAST_EXP (compiled for CUDA): ex2.approx.ftz of x log2(e) - shift log2(e), one FFMA and one
+    MUFU per element. tl.exp adds a subtract and guards the denormal range with three more
+    (a compare, two predicated multiplies); these passes are issue-bound, and a term under
+    2^-126 is below any bf16 gradient or fp32 sum-exp it could change. The interpreter takes tl.exp.
+    """
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634 - shift * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x - shift)
+
+
+@triton.jit
+def _online_block(b_x, row_max, row_sum, FAST_EXP: tl.constexpr):
+    """Folds one block of logits into the running (max, sum-exp under it): one exp per element, one rescale per block."""
+    new_max = tl.maximum(row_max, tl.max(b_x, axis=0))
+    # while the max is still -inf the sum stays 0; subtracting -inf from -inf would give NaN
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(_exp_minus(b_x, safe_max, FAST_EXP), axis=0)
+    return new_max, row_sum
+
+
+@triton.jit
 def _partial_stats_kernel(logits_ptr, local_ptr, part_ptr, stride_row, num_rows, num_cols, cols_per_split,
-                          BLOCK_V: tl.constexpr):
-    """One column range of one row -> (max, sum-exp under it, target logit or 0, logit sum) into part [4, S, C]."""
+                          BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP: tl.constexpr):
+    """One column range of one row -> (max, sum-exp under it, target logit or 0, logit sum or 0) into part [4, S, C].
+
+    Whole blocks load without a mask and the last, partial one with; the target logit is one
+    load, not a compare per element; the logit sum is taken only with label smoothing.
+    """
     i_row = tl.program_id(0).to(tl.int64)
     i_split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -94,25 +130,28 @@ def _partial_stats_kernel(logits_ptr, local_ptr, part_ptr, stride_row, num_rows,
     target_col = tl.load(local_ptr + i_row)  # -1: ignored, or the target is not in this shard
     col_start = i_split * cols_per_split
     col_end = tl.minimum(col_start + cols_per_split, num_cols)
-    row_max = tl.full([], float("-inf"), tl.float32)  # running max and sum-exp under it: one exp per element, one rescale per block
+    full_end = col_start + (col_end - col_start) // BLOCK_V * BLOCK_V
+    row_max = tl.full([], float("-inf"), tl.float32)
     row_sum = tl.zeros([], tl.float32)
-    b_target = tl.zeros([BLOCK_V], tl.float32)
     b_logit_sum = tl.zeros([BLOCK_V], tl.float32)
-    for i_col in range(col_start, col_end, BLOCK_V):
-        o_col = i_col + tl.arange(0, BLOCK_V)
+    for i_col in range(col_start, full_end, BLOCK_V):
+        b_x = tl.load(p_row + i_col + tl.arange(0, BLOCK_V)).to(tl.float32)
+        row_max, row_sum = _online_block(b_x, row_max, row_sum, FAST_EXP)
+        if HAS_SMOOTHING:
+            b_logit_sum += b_x
+    if full_end < col_end:
+        o_col = full_end + tl.arange(0, BLOCK_V)
         m_col = o_col < col_end
         b_x = tl.load(p_row + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(row_max, tl.max(b_x, axis=0))
-        # while the max is still -inf the sum stays 0; subtracting -inf from -inf would give NaN
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(tl.exp(b_x - safe_max), axis=0)
-        row_max = new_max
-        b_target += tl.where(o_col == target_col, b_x, 0.0)
-        b_logit_sum += tl.where(m_col, b_x, 0.0)
+        row_max, row_sum = _online_block(b_x, row_max, row_sum, FAST_EXP)
+        if HAS_SMOOTHING:
+            b_logit_sum += tl.where(m_col, b_x, 0.0)
+    has_target = (target_col >= col_start) & (target_col < col_end)
+    target = tl.load(p_row + tl.where(has_target, target_col, 0), mask=has_target, other=0.0).to(tl.float32)
     p_out = part_ptr + i_split * num_rows + i_row
     tl.store(p_out, row_max)
     tl.store(p_out + num_splits * num_rows, row_sum)
-    tl.store(p_out + 2 * num_splits * num_rows, tl.sum(b_target, axis=0))
+    tl.store(p_out + 2 * num_splits * num_rows, target)
     tl.store(p_out + 3 * num_splits * num_rows, tl.sum(b_logit_sum, axis=0))
 
 
@@ -139,8 +178,14 @@ def _finish_kernel(part_ptr, local_ptr, lse_ptr, loss_ptr, num_rows, num_splits,
 
 @triton.jit
 def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_row, num_cols, cols_per_split,
-                        z_loss_weight, label_smoothing, inv_num_classes, BLOCK_V: tl.constexpr):
-    """Overwrites one column range of one row of logits with d loss / d logits (reference.py's formula)."""
+                        z_loss_weight, label_smoothing, inv_num_classes, BLOCK_V: tl.constexpr,
+                        HAS_SMOOTHING: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Overwrites one column range of one row of logits with d loss / d logits (reference.py's formula).
+
+    The target's own element is computed from its logit, read before the loop overwrites it,
+    and stored after the loop (behind a barrier, so it lands after the block's store); the
+    loop itself has no per-element compare.
+    """
     i_row = tl.program_id(0).to(tl.int64)
     i_split = tl.program_id(1)
     p_row = logits_ptr + i_row * stride_row
@@ -152,30 +197,46 @@ def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_r
     uniform = grad_token * label_smoothing * inv_num_classes
     col_start = i_split * cols_per_split
     col_end = tl.minimum(col_start + cols_per_split, num_cols)
-    for i_col in range(col_start, col_end, BLOCK_V):
+    full_end = col_start + (col_end - col_start) // BLOCK_V * BLOCK_V
+    has_target = (target_col >= col_start) & (target_col < col_end)
+    p_target = p_row + tl.where(has_target, target_col, 0)
+    x_target = tl.load(p_target, mask=has_target, other=0.0).to(tl.float32)
+    for i_col in range(col_start, full_end, BLOCK_V):
         o_col = i_col + tl.arange(0, BLOCK_V)
+        b_grad = _exp_minus(tl.load(p_row + o_col).to(tl.float32), lse, FAST_EXP) * scale_softmax
+        if HAS_SMOOTHING:
+            b_grad -= uniform
+        tl.store(p_row + o_col, b_grad.to(logits_ptr.dtype.element_ty))
+    if full_end < col_end:
+        o_col = full_end + tl.arange(0, BLOCK_V)
         m_col = o_col < col_end
-        b_x = tl.load(p_row + o_col, mask=m_col, other=0.0).to(tl.float32)
-        b_grad = tl.exp(b_x - lse) * scale_softmax - uniform - tl.where(o_col == target_col, target_weight, 0.0)
+        b_grad = _exp_minus(tl.load(p_row + o_col, mask=m_col, other=0.0).to(tl.float32), lse, FAST_EXP) * scale_softmax
+        if HAS_SMOOTHING:
+            b_grad -= uniform
         tl.store(p_row + o_col, b_grad.to(logits_ptr.dtype.element_ty), mask=m_col)
+    g_target = tl.exp(x_target - lse) * scale_softmax - uniform - target_weight
+    tl.debug_barrier()
+    tl.store(p_target, g_target.to(logits_ptr.dtype.element_ty), mask=has_target)
 
 
-def _splits(num_rows: int, num_cols: int) -> tuple[int, int]:
-    """(S column ranges per row, columns per range, a multiple of BLOCK_V)."""
+def _splits(num_rows: int, num_cols: int, programs: int | None = None) -> tuple[int, int]:
+    """(S column ranges per row, columns per range, a multiple of BLOCK_V) for about programs (row, range) programs."""
     block = min(BLOCK_V, next_power_of_2(num_cols))
-    num_splits = max(1, min(cdiv(num_cols, block), cdiv(PROGRAMS_PER_CHUNK, num_rows)))
+    programs = PROGRAMS_PER_CHUNK if programs is None else programs
+    num_splits = max(1, min(cdiv(num_cols, block), cdiv(programs, num_rows)))
     cols_per_split = cdiv(cdiv(num_cols, num_splits), block) * block
     return cdiv(num_cols, cols_per_split), cols_per_split
 
 
-def _partial_stats(logits, local):
+def _partial_stats(logits, local, label_smoothing=0.0):
     """logits [C, V] -> per column range (max, sum-exp, target logit, logit sum) [4, S, C] fp32."""
     num_rows, num_cols = logits.shape
     num_splits, cols_per_split = _splits(num_rows, num_cols)
     part = torch.empty(4, num_splits, num_rows, dtype=torch.float32, device=logits.device)  # [4, S, C]
     _partial_stats_kernel[(num_rows, num_splits)](
         logits, local, part, logits.stride(0), num_rows, num_cols, cols_per_split,
-        BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), num_warps=4,
+        BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), HAS_SMOOTHING=label_smoothing != 0.0, FAST_EXP=logits.is_cuda,
+        num_warps=ROW_WARPS,
     )
     return part
 
@@ -236,7 +297,7 @@ class _Chunks:
     def stats_(self, logits, rows, lse, loss):
         """Fills lse[rows] and loss[rows] from this chunk's logits."""
         local = self.local[rows]
-        part = _partial_stats(logits, local)  # [4, S, C]
+        part = _partial_stats(logits, local, self.label_smoothing)  # [4, S, C]
         if self.tp_group is None:
             _finish_kernel[(logits.shape[0],)](
                 part, local, lse[rows], loss[rows], logits.shape[0], part.shape[1], self.z_loss_weight,
@@ -251,11 +312,12 @@ class _Chunks:
     def grads_(self, logits, rows, lse, grad_token, grad_hidden, grad_weight):
         """Turns logits into d loss / d logits and adds their products into the gradients."""
         num_rows, num_cols = logits.shape
-        num_splits, cols_per_split = _splits(num_rows, num_cols)
+        num_splits, cols_per_split = _splits(num_rows, num_cols, GRAD_PROGRAMS_PER_CHUNK)
         _grad_logits_kernel[(num_rows, num_splits)](
             logits, self.local[rows], lse[rows], grad_token[rows], logits.stride(0), num_cols, cols_per_split,
             self.z_loss_weight, self.label_smoothing, 1.0 / self.num_classes,
-            BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), num_warps=4,
+            BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), HAS_SMOOTHING=self.label_smoothing != 0.0,
+            FAST_EXP=logits.is_cuda, num_warps=ROW_WARPS,
         )
         if grad_weight is not None:
             if self.side is not None:
