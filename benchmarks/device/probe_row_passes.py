@@ -213,6 +213,53 @@ def _grad_prefetch_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride
         tl.store(p_row + o_col, b_grad.to(logits_ptr.dtype.element_ty), mask=m_col)
 
 
+@triton.jit
+def _thread_stats_kernel(logits_ptr, local_ptr, part_ptr, stride_row, num_rows, num_cols, cols_per_split,
+                         BLOCK_V: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                         FAST_EXP: tl.constexpr):
+    """The committed stats kernel with the running (max, sum-exp) kept per group of GROUP adjacent columns
+    ([BLOCK_V // GROUP, GROUP] tiles, reduced along the group: within a thread or two, no barrier in the loop)."""
+    i_row = tl.program_id(0).to(tl.int64)
+    i_split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    p_row = logits_ptr + i_row * stride_row
+    target_col = tl.load(local_ptr + i_row)
+    col_start = i_split * cols_per_split
+    col_end = tl.minimum(col_start + cols_per_split, num_cols)
+    full_end = col_start + (col_end - col_start) // BLOCK_V * BLOCK_V
+    o_tile = tl.arange(0, BLOCK_V // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [R, G]
+    b_max = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BLOCK_V // GROUP], tl.float32)
+    b_logit_sum = tl.zeros([BLOCK_V // GROUP, GROUP], tl.float32)
+    for i_col in range(col_start, full_end, BLOCK_V):
+        b_x = tl.load(p_row + i_col + o_tile).to(tl.float32)
+        new_max = tl.maximum(b_max, tl.max(b_x, axis=1))
+        b_sum = b_sum * tl.exp(b_max - new_max) + tl.sum(tri._exp_minus(b_x, new_max[:, None], FAST_EXP), axis=1)
+        b_max = new_max
+        if HAS_SMOOTHING:
+            b_logit_sum += b_x
+    if full_end < col_end:
+        o_col = full_end + o_tile
+        m_col = o_col < col_end
+        b_x = tl.load(p_row + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(b_max, tl.max(b_x, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        b_sum = b_sum * tl.exp(b_max - safe_max) + tl.sum(tri._exp_minus(b_x, safe_max[:, None], FAST_EXP), axis=1)
+        b_max = new_max
+        if HAS_SMOOTHING:
+            b_logit_sum += tl.where(m_col, b_x, 0.0)
+    row_max = tl.max(b_max, axis=0)
+    safe_row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    row_sum = tl.sum(b_sum * tl.exp(b_max - safe_row_max), axis=0)
+    has_target = (target_col >= col_start) & (target_col < col_end)
+    target = tl.load(p_row + tl.where(has_target, target_col, 0), mask=has_target, other=0.0).to(tl.float32)
+    p_out = part_ptr + i_split * num_rows + i_row
+    tl.store(p_out, row_max)
+    tl.store(p_out + num_splits * num_rows, row_sum)
+    tl.store(p_out + 2 * num_splits * num_rows, target)
+    tl.store(p_out + 3 * num_splits * num_rows, tl.sum(tl.sum(b_logit_sum, axis=1), axis=0))
+
+
 def splits(num_rows, num_cols, programs, block):
     num_splits = max(1, min(triton.cdiv(num_cols, block), triton.cdiv(programs, num_rows)))
     cols_per_split = triton.cdiv(triton.cdiv(num_cols, num_splits), block) * block
@@ -284,7 +331,9 @@ def main():
         for name, programs, block, warps, kernel, flags in (
             [("cf59101 stats (baseline)", 2048, 2048, 4, _cf59101_stats_kernel, {})]
             + [("stats: unmasked blocks, one target load, ex2.ftz", p, b, w, tri._partial_stats_kernel, smoothing_flags)
-               for p in (2048, 8192) for b, w in ((2048, 4), (1024, 4), (2048, 8), (4096, 8))]
+               for p in (2048, 8192) for b, w in ((2048, 4), (4096, 8))]
+            + [(f"stats: running max per {gr} columns", p, b, w, _thread_stats_kernel, {**smoothing_flags, "GROUP": gr})
+               for gr in (8, 16, 32) for p in (2048, 8192) for b, w in ((2048, 4), (4096, 4), (4096, 8))]
         ):
             err = (lse_of(stats(kernel, x, local, programs, block, warps, **flags)) - ref_lse).abs().max().item()
             target_err = (stats(kernel, x, local, programs, block, warps, **flags)[2].sum(0)
@@ -296,7 +345,7 @@ def main():
         for name, programs, block, warps, kernel, flags in (
             [("cf59101 gradient (baseline)", 2048, 2048, 4, _cf59101_grad_kernel, {})]
             + [("gradient: unmasked blocks, target after a barrier, ex2.ftz", p, b, w, tri._grad_logits_kernel, smoothing_flags)
-               for p in (2048, 8192, 32768) for b, w in ((2048, 4), (1024, 4), (2048, 8), (4096, 8))]
+               for p in (2048, 32768) for b, w in ((2048, 4), (2048, 2), (1024, 2), (4096, 8))]
         ):
             g.copy_(x)
             grad_pass(g, local, ref_lse, grad_token, programs, block, warps, kernel, **flags)

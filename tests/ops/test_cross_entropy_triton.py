@@ -186,7 +186,8 @@ def test_triton_empty_batch_gives_zero_grads():
 
 
 def test_auto_chunk_size_bounds_the_buffer():
-    # the [C, V] buffer takes about CHUNK_BUDGET of inputs + gradients, in whole 128-token tiles
+    # the [C, V] buffer takes about CHUNK_BUDGET of inputs + gradients, in whole 256-token (trainable)
+    # or 128-token (frozen) tiles
     num_tokens, hidden_size, vocab_size = 16384, 4096, 151936
     for trainable, expected in ((True, 768), (False, 384)):  # frozen: the budget's 384, above MIN_CHUNK_FROZEN
         chunk = auto_chunk_size(num_tokens, hidden_size, vocab_size, trainable)
@@ -194,8 +195,11 @@ def test_auto_chunk_size_bounds_the_buffer():
         inputs_and_grads = 2 * num_tokens * hidden_size + (2 if trainable else 1) * vocab_size * hidden_size
         budget_rows = triton_backend.CHUNK_BUDGET * inputs_and_grads / vocab_size
         least = triton_backend.MIN_CHUNK if trainable else triton_backend.MIN_CHUNK_FROZEN
-        assert chunk == max(least, budget_rows // 128 * 128)
+        tile = 256 if trainable else 128
+        assert chunk == max(least, budget_rows // tile * tile)
         assert chunk * vocab_size <= max(least * vocab_size, triton_backend.CHUNK_BUDGET * inputs_and_grads)
+    assert auto_chunk_size(32768, 7168, 262144, True) == 1536  # the budget's 1596 tokens, to a multiple of 256
+    assert auto_chunk_size(32768, 7168, 262144, False) == 768
     assert auto_chunk_size(1000, 8, 10**6, False) == 256  # a frozen weight's floor
 
     assert auto_chunk_size(100, 8, 10**6, True) == 100  # never more than the batch, never below MIN_CHUNK otherwise

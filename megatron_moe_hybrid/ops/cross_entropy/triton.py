@@ -73,7 +73,10 @@ BLOCK_V = 2048
 PROGRAMS_PER_CHUNK = 2048  # the stats pass
 GRAD_PROGRAMS_PER_CHUNK = 32768  # the gradient pass
 ROW_WARPS = 4  # warps per row-pass program (8 was slower for both passes at BLOCK_V 2048)
-CHUNK_BUDGET = 0.09  # auto chunk: the logits buffer may take this fraction of inputs + gradients
+# auto chunk: the logits buffer may take this fraction of inputs + gradients. Issue 7 bounds the peak by
+# 1.1x inputs + gradients; the loss's other buffers (partials, lse, loss, a cuBLASLt workspace) add about
+# 0.05% (1.5 MB at N 16384, D 4096, V 151936), so 9.9% keeps the peak under 1.1x at any shape.
+CHUNK_BUDGET = 0.099
 MIN_CHUNK = 512  # auto chunk: never fewer tokens while the weight trains (grad_weight's product slows below)
 # A frozen weight has no grad_weight product; its floor is set by memory, not by that product's speed
 # (first shape, torch's products: 256 / 384 / 512 tokens 72.7 / 70.5 / 67.8 ms, loss_grad_weight.json).
@@ -437,19 +440,24 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
 def auto_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int, weight_trainable: bool) -> int:
     """Tokens per chunk so the logits buffer takes about CHUNK_BUDGET of inputs + gradients.
 
-    A multiple of 128 (whole cuBLAS tiles), at least MIN_CHUNK (MIN_CHUNK_FROZEN for a frozen
-    weight) and at most num_tokens. Larger chunks make the grad_weight product less
-    memory-bound (it reads and writes [V, D] once per chunk); smaller ones bound the peak.
-    Below MIN_CHUNK tokens that product loses more time than the memory saved is worth (H200,
-    cuBLAS's heuristic: 315 TFLOP/s with 256 tokens, 465 with 512, 596 with 1024:
-    loss_parts.json). A frozen weight has no such product: at N 16384, D 4096, V 151936 the
-    budget's 384 tokens ran in 68.1 ms against 66.9 with 512, and keep the peak at 1.08x
-    inputs + gradients instead of 1.10x (loss_variants.json).
+    A multiple of 256 tokens with a trainable weight, 128 with a frozen one, at least MIN_CHUNK
+    (MIN_CHUNK_FROZEN for a frozen weight) and at most num_tokens. Larger chunks make the
+    grad_weight product less memory-bound (it reads and writes [V, D] once per chunk); smaller
+    ones bound the peak. Below MIN_CHUNK tokens that product loses more time than the memory
+    saved is worth (H200, cuBLAS's heuristic: 315 TFLOP/s with 256 tokens, 465 with 512, 596
+    with 1024: loss_parts.json). Odd multiples of 128 ran slower than the even ones below them
+    (whole loss, H200, loss_chunks.json): at N 16384, D 4096, V 151936 768 / 896 / 1024 tokens
+    took 97.1 / 99.3 / 94.2 ms, at N 32768, D 7168, V 262144 1408 / 1536 / 2048 took 579.0 / 543.9
+    / 571.5 ms; the budget then gives 768 and 1536 (1024 would take the first to 1.11x inputs +
+    gradients). A frozen weight has no grad_weight product: at the first shape the budget's 384
+    tokens ran in 68.1 ms against 66.9 with 512, and keep the peak at 1.08x inputs + gradients
+    instead of 1.10x (loss_variants.json).
     """
     inputs_and_grads = (2 * num_tokens * hidden_size + (2 if weight_trainable else 1) * vocab_size * hidden_size)
     rows = CHUNK_BUDGET * inputs_and_grads / vocab_size
     least = MIN_CHUNK if weight_trainable else MIN_CHUNK_FROZEN
-    return max(1, min(num_tokens, max(least, math.floor(rows / 128) * 128)))
+    tile = 256 if weight_trainable else 128
+    return max(1, min(num_tokens, max(least, math.floor(rows / tile) * tile)))
 
 
 def triton_linear_cross_entropy(
