@@ -160,6 +160,21 @@ def test_merge_rows_replaces_only_matching_keys():
     assert bench.merge_rows([], new) == new
 
 
+def test_sync_count_ignores_the_debug_modes_own_notice():
+    # the first set_sync_debug_mode of a process warns once that the mode is a prototype; that notice
+    # is no sync (it made each process's first moe.json row report one)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations (Triggered internally at Module.cpp:1003.)")
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp:150.)")
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp:150.)")
+    assert len(caught) == 3
+    assert bench.count_syncs_in(caught) == 2
+
+
 def test_bad_input_raises():
     with pytest.raises(ValueError, match="routing"):
         bench.make_router_weight(8, 16, "uniform", 1.1, torch.Generator(), "cpu")
