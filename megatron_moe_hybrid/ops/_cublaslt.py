@@ -116,7 +116,7 @@ class _Plan:
     """One shape: the descriptors, the candidates, the chosen one and its workspaces (one per stream)."""
 
     def __init__(self, key):
-        M, N, K, ta, tb, lda, ldb, ldc, dtype, (align_a, align_b, align_out), split_k = key
+        M, N, K, ta, tb, lda, ldb, ldc, dtype, (align_a, align_b, align_out) = key
         lib = _lib()
         self.lib, self.key = lib, key
         dt = _DTYPES[dtype]
@@ -147,9 +147,9 @@ class _Plan:
         lib.cublasLtMatmulPreferenceDestroy(pref)
         _check(status, "heuristic")
         self.candidates = [i for i in range(count.value)
-                           if self.results[i].state == 0 and (split_k or self.config(i).get("splitk", 1) <= 1)]
+                           if self.results[i].state == 0 and self.config(i).get("splitk", 1) <= 1]
         if not self.candidates:
-            raise RuntimeError(f"cuBLASLt offers no algorithm{'' if split_k else ' without split-K'} for out[{M}, {N}] (K {K})")
+            raise RuntimeError(f"cuBLASLt offers no algorithm without split-K for out[{M}, {N}] (K {K})")
         self.choice = None  # set by tune; until then the heuristic's first
         self.times = {}
         self.workspaces = {}
@@ -214,7 +214,7 @@ class _Plan:
 _PLANS: dict[tuple, "_Plan | Exception"] = {}  # a shape cuBLASLt cannot run keeps its error: asked once
 
 
-def _key(out, a, b, transpose_a, transpose_b, split_k=False):
+def _key(out, a, b, transpose_a, transpose_b):
     if out.dtype not in _DTYPES or a.dtype != out.dtype or b.dtype != out.dtype:
         raise ValueError(f"cuBLASLt gemm takes bf16 or fp16 of one dtype, got {a.dtype}, {b.dtype} -> {out.dtype}")
     if not (out.is_cuda and a.is_cuda and b.is_cuda):
@@ -229,8 +229,7 @@ def _key(out, a, b, transpose_a, transpose_b, split_k=False):
         if t.stride(1) != 1:
             raise ValueError(f"gemm needs {name} with unit column stride, got strides {t.stride()}")
     aligns = tuple(_alignment(t.data_ptr()) for t in (a, b, out))
-    return (M, N, K, transpose_a, transpose_b, a.stride(0), b.stride(0), out.stride(0), out.dtype, aligns, bool(split_k),
-            out.device)
+    return (M, N, K, transpose_a, transpose_b, a.stride(0), b.stride(0), out.stride(0), out.dtype, aligns, out.device)
 
 
 def _alignment(address: int) -> int:
@@ -241,9 +240,9 @@ def _alignment(address: int) -> int:
     return align
 
 
-def plan(out, a, b, transpose_a=False, transpose_b=False, split_k=False):
-    """The _Plan of this shape (built, not yet tuned, on first sight); split_k admits split-K candidates."""
-    key = _key(out, a, b, transpose_a, transpose_b, split_k)
+def plan(out, a, b, transpose_a=False, transpose_b=False):
+    """The _Plan of this shape (built, not yet tuned, on first sight)."""
+    key = _key(out, a, b, transpose_a, transpose_b)
     if key not in _PLANS:
         try:
             _PLANS[key] = _Plan(key[:-1])
@@ -255,10 +254,9 @@ def plan(out, a, b, transpose_a=False, transpose_b=False, split_k=False):
     return found
 
 
-def gemm(out, a, b, transpose_a=False, transpose_b=False, accumulate=False, split_k=False):
-    """out = a' @ b' (+ out): see the module docstring. An overwriting product tunes on its first call.
-    split_k admits split-K candidates (for a long K and a small out; see the module docstring)."""
-    p = plan(out, a, b, transpose_a, transpose_b, split_k)
+def gemm(out, a, b, transpose_a=False, transpose_b=False, accumulate=False):
+    """out = a' @ b' (+ out): see the module docstring. An overwriting product tunes on its first call."""
+    p = plan(out, a, b, transpose_a, transpose_b)
     if p.choice is None and not accumulate:
         p.tune(out, a, b, accumulate=False)
     return p.run(out, a, b, accumulate)

@@ -90,12 +90,6 @@ GEMM_BACKEND = "auto"
 # H200 with the tuned product (98.2 vs 99.2 ms at N 16384, D 4096, V 151936, chunk 768:
 # benchmarks/results/h200/loss_variants.json), at the same peak (the tuned product's workspace is its own, a few bytes).
 SIDE_STREAM = True
-# grad_hidden's product, g[C, V] @ W[V, D]: "torch" (torch.mm, cuBLAS's heuristic) or "cublaslt" (ops/_cublaslt.py,
-# timed on the first chunk, split-K candidates admitted: its K is the whole vocabulary and its output only [C, D])
-GRAD_HIDDEN_GEMM = "torch"
-# A frozen weight (no grad_weight product): two [C, V] buffers, and chunk i's grad_hidden product runs on the side
-# stream while the main stream computes chunk i + 1's logits and row passes. auto_chunk_size halves C for it.
-PIPELINE_FROZEN = False
 
 
 @triton.jit
@@ -260,7 +254,7 @@ def _merge_splits(part):
 class _Chunks:
     """The shared per-chunk steps of the forward and the backward."""
 
-    def __init__(self, hidden, weight, labels, options, pipelined=False):
+    def __init__(self, hidden, weight, labels, options):
         (self.ignore_index, self.z_loss_weight, self.label_smoothing, self.reduction,
          self.chunk_size, self.tp_group, vocab_start) = options
         self.hidden, self.weight = hidden, weight
@@ -268,40 +262,20 @@ class _Chunks:
         self.valid = labels != self.ignore_index  # [N]
         self.num_classes = global_vocab_size(weight.shape[0], hidden.device, self.tp_group)
         rows = max(1, min(self.chunk_size, hidden.shape[0]))  # an empty batch still gets a (tiny) buffer
-        # pipelined (a frozen weight): chunk i + 1's logits fill one buffer while chunk i's grad_hidden reads the other
-        num_buffers = 2 if pipelined and hidden.shape[0] > self.chunk_size else 1
-        self.buffers = [torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-                        for _ in range(num_buffers)]  # [C, V] each
+        self.buffer = torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)  # [C, V]
         self.side = _side_stream(hidden.device) if hidden.is_cuda and SIDE_STREAM else None
-        self.free = [None] * num_buffers  # per buffer: the event after which the side stream no longer reads it
-        self.current = -1  # the buffer the last logits went to
+        self.free = None  # the event after which the side stream no longer reads the buffer
         self.lt = _use_cublaslt(hidden)
-        self.lt_hidden = _use_cublaslt(hidden, GRAD_HIDDEN_GEMM, "GRAD_HIDDEN_GEMM")
 
     def ranges(self):
         for start in range(0, self.hidden.shape[0], self.chunk_size):
             yield slice(start, min(start + self.chunk_size, self.hidden.shape[0]))
 
     def logits(self, rows):
-        self.current = (self.current + 1) % len(self.buffers)
-        if self.free[self.current] is not None:
-            torch.cuda.current_stream().wait_event(self.free[self.current])
-        out = self.buffers[self.current][: rows.stop - rows.start]  # [C, V]
+        if self.free is not None:
+            torch.cuda.current_stream().wait_event(self.free)
+        out = self.buffer[: rows.stop - rows.start]  # [C, V]
         return torch.mm(self.hidden[rows], self.weight.T, out=out)
-
-    def _grad_hidden(self, logits, rows, grad_hidden):
-        """grad_hidden[rows] = g @ W: torch.mm, or cuBLASLt's timed choice (split-K admitted) with GRAD_HIDDEN_GEMM."""
-        if self.lt_hidden:
-            try:
-                _cublaslt.gemm(grad_hidden[rows], logits, self.weight, split_k=True)
-                return
-            except (RuntimeError, ValueError, OSError) as error:
-                if GRAD_HIDDEN_GEMM == "cublaslt":
-                    raise
-                _warn_once(f"linear_cross_entropy: cuBLASLt cannot run grad_hidden{tuple(grad_hidden[rows].shape)} "
-                           f"({error}); this run takes torch's product there")
-                self.lt_hidden = False
-        torch.mm(logits, self.weight, out=grad_hidden[rows])
 
     def _lt_grad_weight(self, logits, rows, grad_weight) -> bool:
         """grad_weight (+)= logits^T hidden[rows] through cuBLASLt; False where torch's product runs instead.
@@ -361,17 +335,9 @@ class _Chunks:
                 else:
                     grad_weight.addmm_(logits.T, self.hidden[rows])
             if self.side is not None:
-                self.free[self.current] = self.side.record_event()
-        if grad_hidden is None:
-            return
-        if len(self.buffers) == 2 and grad_weight is None and self.side is not None:
-            # pipelined: beside the main stream's next logits, which go to the other buffer
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                self._grad_hidden(logits, rows, grad_hidden)
-            self.free[self.current] = self.side.record_event()
-        else:
-            self._grad_hidden(logits, rows, grad_hidden)
+                self.free = self.side.record_event()
+        if grad_hidden is not None:  # long K (V): cuBLAS's split-K choice runs near the ceiling
+            torch.mm(logits, self.weight, out=grad_hidden[rows])
 
     def join(self):
         """The caller's stream waits for the side stream: after this every gradient is complete."""
@@ -379,26 +345,19 @@ class _Chunks:
             torch.cuda.current_stream().wait_stream(self.side)
 
 
-def _pipelined(grad_hidden_now: bool, weight_trainable: bool) -> bool:
-    """Whether the loss runs two buffers with grad_hidden's product on the side stream (PIPELINE_FROZEN)."""
-    return PIPELINE_FROZEN and grad_hidden_now and not weight_trainable
-
-
 def _grad_weight_buffer(weight, num_tokens):
     """[V, D] for grad_weight: the first chunk's product overwrites it, so only an empty batch needs zeros."""
     return torch.empty_like(weight) if num_tokens else torch.zeros_like(weight)
 
 
-def _use_cublaslt(hidden, backend=None, name="GEMM_BACKEND") -> bool:
-    """Whether a product whose switch (GEMM_BACKEND or GRAD_HIDDEN_GEMM) reads `backend` goes through cuBLASLt."""
-    backend = GEMM_BACKEND if backend is None else backend
-    if backend not in ("auto", "torch", "cublaslt"):
-        raise ValueError(f"cross_entropy.triton.{name} must be 'auto', 'torch' or 'cublaslt', got {backend!r}")
-    if backend == "torch":
+def _use_cublaslt(hidden) -> bool:
+    if GEMM_BACKEND not in ("auto", "torch", "cublaslt"):
+        raise ValueError(f"cross_entropy.triton.GEMM_BACKEND must be 'auto', 'torch' or 'cublaslt', got {GEMM_BACKEND!r}")
+    if GEMM_BACKEND == "torch":
         return False
     usable = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-    if backend == "cublaslt" and not usable:
-        raise ValueError(f"{name} 'cublaslt' needs bf16/fp16 CUDA tensors, got {hidden.dtype} on {hidden.device}")
+    if GEMM_BACKEND == "cublaslt" and not usable:
+        raise ValueError(f"GEMM_BACKEND 'cublaslt' needs bf16/fp16 CUDA tensors, got {hidden.dtype} on {hidden.device}")
     return usable
 
 
@@ -426,10 +385,10 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, options):
         hidden, weight = hidden.contiguous(), weight.contiguous()
+        chunks = _Chunks(hidden, weight, labels, options)
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        per_token = options[3] == "none"  # then only grad_hidden can be formed ahead (module docstring)
+        per_token = chunks.reduction == "none"  # then only grad_hidden can be formed ahead (module docstring)
         grads_now = (need_hidden or need_weight) and not (per_token and need_weight)
-        chunks = _Chunks(hidden, weight, labels, options, pipelined=_pipelined(grads_now and need_hidden, need_weight))
         grad_hidden = torch.empty_like(hidden) if grads_now and need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if grads_now and need_weight else None  # [V, D]
         if grads_now:  # d loss / d loss_n for an upstream gradient of 1 (applied in the backward)
