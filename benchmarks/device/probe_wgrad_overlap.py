@@ -14,7 +14,6 @@ beside them; every concurrent result is checked bitwise against the sequential o
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -22,24 +21,14 @@ import torch
 from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import write_results  # noqa: E402
+from common import time_and_peak, write_results  # noqa: E402
 
 SHAPES = {"S1": (16384, 2048, 64, 8, 1408), "S2": (4096, 7168, 256, 8, 2048)}  # tokens, hidden, experts, topk, ffn
 
 
 def event_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    """CUDA-event median of fn() over reps calls, after 3 warm-up calls (benchmarks/common.py)."""
+    return time_and_peak(fn, 3, reps)[0]
 
 
 def main():
