@@ -591,6 +591,21 @@ def layer_row(name, case, num_tokens, mine, theirs, anchor, target, notes):
     }
 
 
+def case_tensors(spec, routing, zipf_s, seed, rank, num_local):
+    """One case's inputs on this rank: router_weight [E, h] (the same on every rank), x [T, h],
+    grad_out [T, h], w1 [E_local, h, 2F], w2 [E_local, F, h] (this rank's own)."""
+    h, num_experts, ffn, num_tokens = (spec[k] for k in ("hidden", "experts", "ffn", "tokens"))
+    shared = torch.Generator(device="cuda").manual_seed(seed)  # the same router on every rank
+    local = torch.Generator(device="cuda").manual_seed(seed + 1 + rank)  # own tokens and experts
+    router_weight = make_router_weight(num_experts, h, routing, zipf_s, shared, "cuda")
+    x = make_input(num_tokens, h, routing, local, "cuda")
+    grad_out = torch.randn(num_tokens, h, generator=local, device="cuda").bfloat16()
+    bf16 = {"generator": local, "device": "cuda", "dtype": torch.bfloat16}
+    w1 = torch.randn(num_local, h, 2 * ffn, **bf16) / h**0.5
+    w2 = torch.randn(num_local, ffn, h, **bf16) / ffn**0.5
+    return router_weight, x, grad_out, w1, w2
+
+
 def run_case(key, routing, args, world, rank, ep_group, megatron_error):
     spec = SHAPES[key]
     h, num_experts, topk, ffn, num_tokens = (spec[k] for k in ("hidden", "experts", "topk", "ffn", "tokens"))
@@ -603,14 +618,7 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
         "tokens_per_gpu": num_tokens,
         "launch": "python" if world == 1 else f"torchrun --nproc_per_node {world}",
     }
-    shared = torch.Generator(device="cuda").manual_seed(args.seed)  # the same router on every rank
-    local = torch.Generator(device="cuda").manual_seed(args.seed + 1 + rank)  # own tokens and experts
-    router_weight = make_router_weight(num_experts, h, routing, args.zipf_s, shared, "cuda")  # [E, h]
-    x = make_input(num_tokens, h, routing, local, "cuda")  # [T, h]
-    grad_out = torch.randn(num_tokens, h, generator=local, device="cuda").bfloat16()  # [T, h]
-    bf16 = {"generator": local, "device": "cuda", "dtype": torch.bfloat16}
-    w1 = torch.randn(num_local, h, 2 * ffn, **bf16) / h**0.5  # [E_local, h, 2F]
-    w2 = torch.randn(num_local, ffn, h, **bf16) / ffn**0.5  # [E_local, F, h]
+    router_weight, x, grad_out, w1, w2 = case_tensors(spec, routing, args.zipf_s, args.seed, rank, num_local)
     _, topk_idx = route(x, router_weight, topk)  # [T, K]
     case.update(routing_stats(topk_idx, num_experts, world))
     timing = (f"median of {args.reps} after {args.warmup} warm-up, CUDA events, max over {world} rank(s); "

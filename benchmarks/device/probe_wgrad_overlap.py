@@ -23,12 +23,18 @@ from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import time_and_peak, write_results  # noqa: E402
 
-SHAPES = {"S1": (16384, 2048, 64, 8, 1408), "S2": (4096, 7168, 256, 8, 2048)}  # tokens, hidden, experts, topk, ffn
+from probe_grouped_gemm import PEAK_TBPS, SHAPES, counts_for  # noqa: E402  (beside this file)
 
 
 def event_ms(fn, reps=20):
     """CUDA-event median of fn() over reps calls, after 3 warm-up calls (benchmarks/common.py)."""
     return time_and_peak(fn, 3, reps)[0]
+
+
+def add(rows, row):
+    rows.append(row)
+    print(f"{row['shape']:32s} {row['name']:62s} {row['ms']:8.3f} ms  x{row.get('vs_one_stream', '')} "
+          f"{row.get('bitwise_as_sequential', '')}", flush=True)
 
 
 def main():
@@ -44,9 +50,7 @@ def main():
     for name in a.shapes.split(","):
         T, h, E, k, F = SHAPES[name]
         N = T * k
-        scores = torch.rand(T, E, generator=gen, device="cuda")
-        counts = torch.bincount(scores.topk(k, dim=1).indices.flatten(), minlength=E).to(torch.int32)
-        bounds = gt.row_bounds(counts)
+        bounds = gt.row_bounds(counts_for(T, E, k, gen))
         for form, K, M in (("fc1", h, 2 * F), ("fc2", F, h)):
             x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(E, K, M, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -63,15 +67,15 @@ def main():
             def dw_ours():
                 return gt.grouped_mm_wgrad(x, dy, bounds)
 
-            ref_dx, ref_dw = dx_fn(), dw_torch()
-            floor_ms = 2 * E * K * M * 2 / 4.27e9  # the weights read once and their gradient written once
+            ref_dx, ref_dw = dx_fn(), {"torch": dw_torch(), "ours": dw_ours()}
+            floor_ms = 2 * E * K * M * 2 / (PEAK_TBPS * 1e9)  # the weights read once and their gradient written once
             base = {"shape": f"{name}-N{N}-E{E}-K{K}-M{M}", "form": form, "floor_ms_bytes": round(floor_ms, 3)}
             alone = {"dx": event_ms(dx_fn), "dw torch": event_ms(dw_torch), "dw ours": event_ms(dw_ours)}
             for label, ms in alone.items():
-                rows.append({**base, "name": f"{form} {label} alone", "ms": round(ms, 3)})
+                add(rows, {**base, "name": f"{form} {label} alone", "ms": round(ms, 3)})
             for dw_name, dw_fn in (("torch", dw_torch), ("ours", dw_ours)):
                 seq = event_ms(lambda: (dx_fn(), dw_fn()))
-                rows.append({**base, "name": f"{form} dx then dw {dw_name}, one stream", "ms": round(seq, 3)})
+                add(rows, {**base, "name": f"{form} dx then dw {dw_name}, one stream", "ms": round(seq, 3)})
                 for side_name, side in (("normal", low), ("high", high)):
                     for order in ("dx first", "dw first"):
                         out = {}
@@ -90,20 +94,11 @@ def main():
                         ms = event_ms(pair)
                         pair()
                         torch.cuda.synchronize()
-                        same = bool(torch.equal(out["dx"], ref_dx)) and (
-                            dw_name != "torch" or bool(torch.equal(out["dw"], ref_dw)))
-                        row = {**base, "name": f"{form} dx main + dw {dw_name} on a {side_name}-priority stream, {order}",
-                               "ms": round(ms, 3), "vs_one_stream": round(seq / ms, 3), "bitwise_as_sequential": same}
-                        rows.append(row)
-            for r in rows:
-                if r.get("form") == form and r["shape"] == base["shape"] and "printed" not in r:
-                    r["printed"] = True
-                    print(f"{r['shape']:32s} {r['name']:62s} {r['ms']:8.3f} ms  x{r.get('vs_one_stream', '')} "
-                          f"{r.get('bitwise_as_sequential', '')}", flush=True)
+                        same = torch.equal(out["dx"], ref_dx) and torch.equal(out["dw"], ref_dw[dw_name])
+                        add(rows, {**base, "name": f"{form} dx main + dw {dw_name} on a {side_name}-priority stream, {order}",
+                                   "ms": round(ms, 3), "vs_one_stream": round(seq / ms, 3), "bitwise_as_sequential": same})
             del x, w, dy, ref_dx, ref_dw
             torch.cuda.empty_cache()
-    for r in rows:
-        r.pop("printed", None)
     if a.out:
         write_results(a.out, rows)
 
