@@ -23,6 +23,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from megatron_moe_hybrid.ops.moe import gather as gather_mod
 from megatron_moe_hybrid.ops.moe import layout
 from megatron_moe_hybrid.ops.moe.gather import (
     gather_sum,
@@ -186,6 +187,30 @@ def test_scatter_rows(S, K, M, h, backend, dtype, weighted):
         w_rows = padded[torch.where(unread >= 0, unread, S * K)][:, None]
     torch.testing.assert_close(out.double(), _gather_sum_oracle(src, idx, w_rows), **GATHER_TOL[dtype])
     assert torch.equal(out[unread < 0], torch.zeros_like(out[unread < 0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_rows_zeroes_only_unread_rows_of_a_poisoned_output(backend, monkeypatch):
+    """Unread rows sit in a few of many zero-fill tiles (most tiles have none, and skip):
+    written into a NaN-poisoned out, every read row holds its source and every unread one 0."""
+    monkeypatch.setattr(gather_mod, "SCATTER_ELEMS", 64)  # 2 rows per program at h 17 (block 32)
+    monkeypatch.setattr(gather_mod, "SCATTER_ZERO_TILES", 4)  # 8 output rows per zero-fill program
+    S, K, M, h = 40, 2, 120, 17
+    named = torch.cat([torch.arange(79), torch.tensor([81])])  # rows 79, 80 and 82.. unread
+    dest = named[torch.randperm(S * K, generator=_gen(21))].view(S, K)
+    unread = torch.full((M,), -1, dtype=torch.int64)
+    unread[dest.reshape(-1)] = torch.arange(S * K)
+    src = _randn(S, h, dtype=torch.float32, seed=22)
+    dev = _dev(backend)
+    out = torch.full((M, h), float("nan"), device=dev)
+    got = scatter_rows(src.to(dev), dest.to(dev), unread.to(dev), None, backend=backend, out=out)
+    assert got is out
+    out = out.cpu()
+    read = unread >= 0
+    assert torch.equal(out[read], src[unread[read] // K])
+    assert torch.equal(out[~read], torch.zeros(int((~read).sum()), h))
+    with pytest.raises(ValueError, match="out must be"):
+        scatter_rows(src.to(dev), dest.to(dev), unread.to(dev), None, backend=backend, out=out[:, :4].to(dev))
 
 
 ROW_DOT_CASES = [(M, R, K, h) for K in (1, 3, 8) for h in (1, 17, 64, 1030) for M, R in ((9, 7),)]
