@@ -21,8 +21,15 @@ above the inputs, and host syncs over one fwd+bwd (torch.cuda.set_sync_debug_mod
 "moe fwd+bwd static, CUDA graph" rows (1 GPU, --graphs) time ours and the grouped_mm layer each
 captured with torch.cuda.make_graphed_callables: what a sync-free layer gains once the host's
 launches are out of the way (both layers are free of host syncs at EP=1).
+"moe fwd+bwd static, back to back" rows (1 GPU, --back-to-back) time both layers with calls
+launched back to back (triton.testing.do_bench), as the layers of a step run: the host's launches
+overlap the previous call's device work instead of starting from an idle GPU.
 "dispatch+combine" rows time ours' six dispatcher steps with identity experts, forward only,
-against raw NCCL all_to_all_single of the same bytes (2 GPUs) or a device copy (1 GPU).
+against raw NCCL all_to_all_single of the same bytes (2 GPUs) or a device copy (1 GPU). At EP=1
+the static dispatcher also gets launch-free rows against a copy timed the same way: "permute
+static" (the dispatch steps from an idle GPU), "permute static, CUDA graph" and
+"dispatch+combine static, CUDA graph" (replays), and "permute kernel (scatter)" (the permute's
+one data-moving kernel back to back).
 One implementation failing (out of memory, missing backend) records null and the error.
 On 2 GPUs a failure inside a collective can still hang both ranks until the group's timeout.
 
@@ -47,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import time_and_peak, write_results
+from megatron_moe_hybrid.ops.moe.gather import scatter_rows
 from torch.distributed import _functional_collectives as funcol
 
 SHAPES = {
@@ -283,8 +291,10 @@ def guarded(fn, *args):
     return value, None
 
 
-def fwd_bwd(forward, params, x, grad_out, warmup, reps):
-    """Forward output once (for the agreement check), then fwd+bwd timed and its host syncs counted."""
+def fwd_bwd(forward, params, x, grad_out, warmup, reps, back_to_back=False):
+    """Forward output once (for the agreement check), then fwd+bwd timed and its host syncs
+    counted. back_to_back: the median of triton.testing.do_bench (calls launched back to back,
+    the host running ahead as in a model's step) instead of one call at a time from an idle GPU."""
     x_leaf = x.detach().requires_grad_(True)
     leaves = [x_leaf, *params]
 
@@ -293,11 +303,13 @@ def fwd_bwd(forward, params, x, grad_out, warmup, reps):
 
     out = forward(x_leaf).detach()  # [T, h]
     ms, peak = time_and_peak(step, warmup, reps)
+    if back_to_back:
+        ms = back_to_back_ms(step, rep_ms=max(200.0, 2 * reps * ms))
     return {"out": out, "ms": ms, "peak": peak, "syncs": count_host_syncs(step)}
 
 
-def measure(build, x, grad_out, warmup, reps):
-    """Builds one implementation and measures it; never raises.
+def measure(build, x, grad_out, warmup, reps, back_to_back=False):
+    """Builds one implementation and measures it (fwd_bwd); never raises.
 
     build() -> (forward: [T, h] -> [T, h], parameters, info dict, extra: () -> dict, or None).
     Returns ms, peak, syncs (each the max over ranks), out (this rank's forward output), info,
@@ -308,7 +320,7 @@ def measure(build, x, grad_out, warmup, reps):
     if built is None:
         return res
     forward, params, res["info"], extra = built
-    timed, res["error"] = guarded(fwd_bwd, forward, params, x, grad_out, warmup, reps)
+    timed, res["error"] = guarded(fwd_bwd, forward, params, x, grad_out, warmup, reps, back_to_back)
     if timed is not None:
         res.update(
             out=timed["out"],
@@ -374,7 +386,57 @@ def dispatch_only(layer, x, warmup, reps):
     # copies the static dispatcher's capacity left unsent: they explain a non-zero err
     overflow = int(getattr(d, "last_overflow", 0))
     ms, peak = time_and_peak(step, warmup, reps)
-    return {"ms": ms, "peak": peak, "syncs": count_host_syncs(step), "err": err.item(), "overflow": overflow}
+    result = {"ms": ms, "peak": peak, "syncs": count_host_syncs(step), "err": err.item(), "overflow": overflow}
+    if static and d.ep_size == 1:
+        result["launch_free"] = permute_timings(d, x, topk_idx, probs, step, warmup, reps)
+    return result
+
+
+def permute_timings(d, x, topk_idx, probs, step, warmup, reps):
+    """The static dispatcher at EP=1 with the host's launches out of the way: {row label: (ms,
+    "permute" or "dispatch+combine" bytes, timing)}. The permute is the dispatch steps: the
+    send and expand layouts and one scatter kernel that reads each token row once and writes
+    its K expert-grouped copies."""
+
+    @torch.no_grad()
+    def dispatch_steps():
+        return d.dispatch_postprocess(d.token_dispatch(d.dispatch_preprocess(x, topk_idx, probs)))[0]
+
+    dispatch_steps()
+    st = d.state
+    recv = x  # EP=1: the identity send layout, so the received rows are the tokens
+
+    def scatter_kernel():
+        return scatter_rows(recv, st.expand.copy_pos, st.expand.sorted_row, None, d.backend)
+
+    return {
+        "permute static": (time_and_peak(dispatch_steps, warmup, reps)[0], "permute", "idle"),
+        "permute static, CUDA graph": (graph_replay_ms(dispatch_steps, warmup, reps), "permute", "graph"),
+        "permute kernel (scatter)": (back_to_back_ms(scatter_kernel), "permute", "back-to-back"),
+        "dispatch+combine static, CUDA graph": (graph_replay_ms(step, warmup, reps), "dispatch+combine", "graph"),
+    }
+
+
+def graph_replay_ms(fn, warmup, reps):
+    """Median ms of replays of fn captured in a CUDA graph (after three calls on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_and_peak(graph.replay, warmup, reps)[0]
+
+
+def back_to_back_ms(fn, rep_ms=200.0):
+    """Median ms of fn launched back to back (triton.testing.do_bench: events per call, the L2
+    flushed between calls, no sync in between, so the host runs ahead of the device)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
 def build_ours(spec, variant, ep_group, router_weight, w1, w2, x, warmup, reps):
@@ -641,6 +703,16 @@ def run_case(key, routing, args, world, rank, ep_group, megatron_error):
                         1.5, [timing, "both captured with torch.cuda.make_graphed_callables (forward and backward graphs)"])
         row["ours_max_rel_err_vs_eager"] = rel_err(mine["out"], ours["static"]["out"]) if "static" in ours else None
         graph_rows.append(row)
+    if args.back_to_back and world == 1:  # both layers launched back to back: the host runs ahead of both
+        mine = measure(build_ours(spec, "static", ep_group, router_weight, w1, w2, x, args.warmup, args.reps),
+                       x, grad_out, args.warmup, args.reps, back_to_back=True)
+        theirs = measure(build_torch(spec, ep_group, router_weight, w1, w2), x, grad_out, args.warmup, args.reps,
+                         back_to_back=True)
+        graph_rows.append(layer_row(
+            "moe fwd+bwd static, back to back", case, num_tokens, mine, theirs, TORCH_ANCHOR + ", back to back", 1.5,
+            ["median of triton.testing.do_bench (calls launched back to back with no sync between them, as the "
+             "layers of a step run; L2 flushed between calls); host syncs = calls that "
+             "torch.cuda.set_sync_debug_mode('warn') flags"]))
     if not args.skip_megatron and megatron_error is None:
         build = build_megatron(spec, world, router_weight, w1, w2, x)
         anchors[MEGATRON_ANCHOR] = measure(build, x, grad_out, args.warmup, args.reps)
@@ -693,6 +765,50 @@ def dispatch_rows(dispatch, case, topk_idx, num_local, hidden, args, world, timi
             "ours_overflow_copies": None if failed else int(reduce_max(d["overflow"])),
             "notes": "; ".join(notes),
         })
+        if not failed and d.get("launch_free"):
+            permute_bytes = (num_tokens + num_tokens * topk) * hidden * 2
+            rows += launch_free_rows(d["launch_free"], case, {"permute": permute_bytes, "dispatch+combine": num_bytes},
+                                     args)
+    return rows
+
+
+TIMINGS = {  # how a launch-free row (and its copy) is timed
+    "idle": "median of {reps} after {warmup} warm-up from an idle GPU, CUDA events (host launches included)",
+    "graph": "median of {reps} CUDA-graph replays after {warmup} warm-up, CUDA events (no host launches)",
+    "back-to-back": "median of triton.testing.do_bench (back to back, L2 flushed between calls)",
+}
+
+
+def launch_free_rows(timed, case, byte_counts, args):
+    """Rows of the static dispatcher's permute and dispatch+combine at EP=1 (permute_timings),
+    each against a device copy of the same bytes timed the same way."""
+    copies = {}
+    rows = []
+    for name, (ms, kind, how) in timed.items():
+        num_bytes = int(byte_counts[kind])
+        if (num_bytes, how) not in copies:
+            src = torch.empty(num_bytes // 4, dtype=torch.bfloat16, device="cuda")  # read 2 B + write 2 B each
+            dst = torch.empty_like(src)
+            copy = lambda: dst.copy_(src)  # noqa: E731
+            copies[num_bytes, how] = (time_and_peak(copy, args.warmup, args.reps)[0] if how == "idle"
+                                      else graph_replay_ms(copy, args.warmup, args.reps) if how == "graph"
+                                      else back_to_back_ms(copy))
+            del src, dst
+        anchor_ms = round(copies[num_bytes, how], 4)
+        ms = round(ms, 4)
+        rule = ("bytes = least read+written by the permute, (T + T*K) h * 2 B" if kind == "permute"
+                else "bytes = least read+written by permute and unpermute, 2 (T + T*K) h * 2 B")
+        what = ("the scatter kernel alone (the permute's data movement; layouts not included)"
+                if name.startswith("permute kernel") else
+                "ours' dispatch steps (send layout, expand layout, scatter), forward only" if kind == "permute"
+                else "ours' six dispatcher steps, identity experts, forward only")
+        rows.append({
+            "name": name, **case, "ours_ms": ms, "anchor": f"device copy_ (same bytes read+written), {how}",
+            "anchor_ms": anchor_ms, "speedup": round(anchor_ms / ms, 3), "target_speedup": 0.75,
+            "payload_bytes": num_bytes, "ours_GBps": gbps(num_bytes, ms), "anchor_GBps": gbps(num_bytes, anchor_ms),
+            "notes": "; ".join([TIMINGS[how].format(reps=args.reps, warmup=args.warmup), what, rule]),
+        })
+    free_memory()
     return rows
 
 
@@ -738,6 +854,8 @@ def main():
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="also time ours and the grouped_mm layer captured in CUDA graphs (1 GPU)")
+    parser.add_argument("--back-to-back", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time ours and the grouped_mm layer launched back to back (1 GPU)")
     args = parser.parse_args()
     shapes = parse_list(args.shapes, list(SHAPES), "--shapes")
     routings = parse_list(args.routing, ROUTINGS, "--routing")
