@@ -199,10 +199,10 @@ def breakdown(op, x, cu, do):
     common = {"H": H, "HV": HV, "K": K, "V": V, "BT": C, "BK": BK, "IS_VARLEN": varlen}
     saved = dict(tc.CONFIGS)
 
-    def prep(store_A):
+    def prep(store_A, read_A=False):
         def run(bv, nw):
             tc.CONFIGS["prep"] = (None, nw)
-            tc._prep(q, k, v, g, beta, scale, chunks, store_A=store_A)
+            tc._prep(q, k, v, g, beta, scale, chunks, store_A=store_A, A=A if read_A else None)
         return run
 
     def rec_fwd(store_o):
@@ -226,9 +226,10 @@ def breakdown(op, x, cu, do):
 
     seq = [(16, 4), (32, 4), (64, 4), (32, 8)]
     stages = [  # in order: each stage fills what the next reads
-        ("prep fwd", prep(False), [(None, 4), (None, 8)]),
+        ("prep fwd (no grad: no A kept)", prep(False), [(None, 4), (None, 8)]),
         ("recurrence fwd + o", rec_fwd(True), seq),
-        ("prep bwd (with A)", prep(True), [(None, 4), (None, 8)]),
+        ("prep fwd storing A / bwd before A was kept", prep(True), [(None, 4), (None, 8)]),
+        ("prep bwd reading the forward's A", prep(True, read_A=True), [(None, 4), (None, 8)]),
         ("recurrence fwd, store h", rec_fwd(False), seq),
         ("recurrence bwd", rec_bwd, seq),
         ("chunk bwd", chunk_bwd, [(32, 4), (32, 8), (64, 8), (16, 4)]),

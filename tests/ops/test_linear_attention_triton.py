@@ -84,6 +84,40 @@ def test_triton_matches_reference_cpu(op, case):
 
 
 @interpreter
+@pytest.mark.parametrize("cu", [None, [0, 5, 75, 140]], ids=["batch", "varlen"])
+def test_backward_reads_the_forwards_A_bitwise_as_recomputing_it_cpu(cu):
+    """The delta rule's forward keeps A (as fla does) and the backward's prep reads it instead of
+    forming k k^T and inverting again: the same gradients, bit for bit."""
+    B, T, H, HV, K, V = (2, 70, 1, 2, 16, 16) if cu is None else (1, 140, 1, 2, 16, 16)
+    cu = None if cu is None else torch.tensor(cu)
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if cu is None else 3, seed=3)
+    q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    chunks = triton_chunk._chunks_of(q.shape[0], T, cu)
+    o, ht, split, A = triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks, keep_A=True)
+    assert A is not None and A.shape == (B, T, HV, triton_chunk.CHUNK) and not A.isnan().any()
+    assert triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks)[3] is None
+    gen = torch.Generator().manual_seed(4)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    read = triton_chunk._bwd(q, k, v, g, beta, K**-0.5, h0, do, dht, chunks, split, A)
+    again = triton_chunk._bwd(q, k, v, g, beta, K**-0.5, h0, do, dht, chunks, split, None)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), read, again):
+        assert torch.equal(a, b), name
+
+
+@interpreter
+def test_gradient_of_the_initial_state_alone_cpu():
+    """Only the initial state needs a gradient: the forward keeps no A and the backward forms it."""
+    x = make_inputs(1, 70, 1, 16, 16, HV=2, seed=5)
+    h0 = x["initial_state"].clone().requires_grad_()
+    grads = {}
+    for backend in ("triton", "torch"):
+        o, ht = la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
+                                    output_final_state=True, backend=backend)
+        grads[backend] = torch.autograd.grad(o.square().sum() + ht.sum(), h0)[0]
+    assert rel_rms(grads["triton"], grads["torch"]) < 2e-5
+
+
+@interpreter
 @pytest.mark.parametrize("op", OPS)
 def test_varlen_with_empty_and_length_one_segments_cpu(op):
     lengths = [0, 1, 64, 70, 0, 5]

@@ -15,7 +15,8 @@ u = A (beta v). With S the state entering the chunk and gC the chunk's last gam:
 Kernels (each program one chunk of one value head, or one V block of one sequence-head):
     forward:  _prep_kernel (gam, P, A, w, u; parallel over chunks)
               _recurrence_fwd_kernel (state kept on chip, sequential over chunks, writes o)
-    backward: _prep_kernel again, _recurrence_fwd_kernel again writing the chunk states h and U
+    backward: _prep_kernel again (reading the forward's A: gam, P, w, u only), _recurrence_fwd_kernel
+              again writing the chunk states h and U
               (bf16 for bf16 inputs, freed at the end of the backward), _recurrence_bwd_kernel
               (state gradient on chip, reverse over chunks, writes dh and dU), _bwd_chunk_kernel
               (every input gradient of one chunk, including the WY backward and the reverse
@@ -111,9 +112,10 @@ def _prep_kernel(
     q, k, v, g, beta, gam, P, A, w, u, cu_seqlens, chunk_indices, scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_GDN: tl.constexpr, STORE_A: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IS_GDN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """One chunk of one value head: gam = cumsum(g), P; and for the delta rule A, w, u."""
+    """One chunk of one value head: gam = cumsum(g), P; and for the delta rule A, w, u (LOAD_A:
+    A as the forward stored it, in the input dtype, instead of k k^T and the inverse)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     if IS_VARLEN:
@@ -144,12 +146,17 @@ def _prep_kernel(
     tl.store(p_P, b_P.to(P.dtype.element_ty), mask=m_t[:, None])
     if IS_GDN:
         b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        m_strict = o_c[:, None] > o_c[None, :]
-        b_M = tl.where(m_strict, tl.dot(b_k, tl.trans(b_k)) * b_D, 0.0) * b_beta[:, None]
-        b_A = _unit_lower_inverse(b_M, BT)
-        if STORE_A:
-            tl.store(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], b_A.to(A.dtype.element_ty), mask=m_t[:, None])
-        b_Ad = b_A.to(k.dtype.element_ty)
+        if LOAD_A:
+            p_A = A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :]
+            b_Ad = tl.load(p_A, mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
+        else:
+            m_strict = o_c[:, None] > o_c[None, :]
+            b_M = tl.where(m_strict, tl.dot(b_k, tl.trans(b_k)) * b_D, 0.0) * b_beta[:, None]
+            b_A = _unit_lower_inverse(b_M, BT)
+            if STORE_A:
+                p_A = A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :]
+                tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_t[:, None])
+            b_Ad = b_A.to(k.dtype.element_ty)
         b_kb = (b_k * (b_beta * tl.exp(b_gam))[:, None]).to(k.dtype.element_ty)
         b_w = tl.dot(b_Ad, b_kb)
         tl.store(w + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
@@ -641,24 +648,28 @@ def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
     return BV, num_warps
 
 
-def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool):
+def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None):
+    """gam, P and for the delta rule A, w, u; A given (what an earlier call stored): read, not
+    computed again (bitwise the same w and u, as both round A to the input dtype first)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK, BV = _blocks(K, V)
     gdn = beta is not None
+    load_A = gdn and A is not None
     gam = _alloc((B, T, HV), torch.float32, q.device)
     P = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
-    A = _alloc((B, T, HV, CHUNK), q.dtype, q.device) if gdn and store_A else None
+    if gdn and store_A and not load_A:
+        A = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
     w = _alloc((B, T, HV, K), q.dtype, q.device) if gdn else None
     u = _alloc(v.shape, v.dtype, v.device) if gdn else None
     grid = (chunks.NT // (1 if chunks.indices is not None else B), B * HV)
     _prep_kernel[grid](
         q, k, v, g, beta, gam, P, A, w, u, chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        IS_GDN=gdn, STORE_A=gdn and store_A, IS_VARLEN=chunks.indices is not None,
+        IS_GDN=gdn, STORE_A=gdn and store_A and not load_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
         num_warps=CONFIGS["prep"][1],
     )
-    return gam, P, A, w, u
+    return gam, P, A if gdn else None, w, u
 
 
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
@@ -706,10 +717,12 @@ def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
     return S_in, st
 
 
-def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
+def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_A: bool = False):
+    """(o, final state or None, the split's states or None, and with keep_A the delta rule's A
+    [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None)."""
     K = q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    gam, P, _, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=False)
+    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
     gdn = beta is not None
     u = u if gdn else v
     o = _alloc(v.shape, v.dtype, v.device)
@@ -718,7 +731,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(V, chunks.N * HV)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
-        return o, ht, None
+        return o, ht, None, A
     config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
     L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
@@ -732,15 +745,16 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks):
     # 2. the states entering the segments; 3. each segment from its state, writing o
     S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
     _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in)
-    return o, ht, (seg, S_in, trans)
+    return o, ht, (seg, S_in, trans), A
 
 
-def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split):
+def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
+    """A: the forward's (None: computed again here)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
-    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True)
+    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
@@ -801,8 +815,9 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
         chunks = _chunks_of(q.shape[0], q.shape[1], cu_seqlens)
-        o, ht, split = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        keep_A = beta is not None and any(ctx.needs_input_grad[:5])
+        o, ht, split, A = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, keep_A)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A)
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
         if ht is None:
             return o
@@ -810,10 +825,10 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, A = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _bwd(
             q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), ctx.chunks, ctx.split,
+            None if dht is None else dht.contiguous(), ctx.chunks, ctx.split, A,
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
