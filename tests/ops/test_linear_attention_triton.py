@@ -429,21 +429,3 @@ def test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu(segment_chunks,
     ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch")
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\nsimple_gla K256 segments {segment_chunks} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("segment_chunks", [None, 8])
-def test_backward_sweeps_side_by_side_equal_in_turn_gpu(op, segment_chunks, monkeypatch):
-    """The backward's two sweeps on two streams (OVERLAP_SWEEPS) give bitwise the gradients of
-    running them one after the other, unsplit and split, packed with an initial state."""
-    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
-    lengths = [1500, 0, 1, 2600]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(1, sum(lengths), 2, 128, 128, HV=4, N=len(lengths), dtype=torch.bfloat16, device="cuda", seed=19)
-    runs = {}
-    for overlap in (False, True):
-        monkeypatch.setattr(triton_chunk, "OVERLAP_SWEEPS", overlap)
-        runs[overlap] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
-    for name, want in runs[False].items():
-        assert torch.equal(runs[True][name], want), name

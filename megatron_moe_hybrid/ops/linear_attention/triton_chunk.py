@@ -16,7 +16,7 @@ Kernels (each program one chunk of one value head, or one V block of one sequenc
     forward:  _prep_kernel (gam, P, A, w, u; parallel over chunks)
               _recurrence_fwd_kernel (state kept on chip, sequential over chunks, writes o)
     backward: _prep_kernel again (reading the forward's A: gam, P, w, u only), _recurrence_fwd_kernel
-              again writing the chunk states h and U (on CUDA on a side stream, beside the reverse sweep)
+              again writing the chunk states h and U
               (bf16 for bf16 inputs, freed at the end of the backward), _recurrence_bwd_kernel
               (state gradient on chip, reverse over chunks, writes dh and dU), _bwd_chunk_kernel
               (every input gradient of one chunk, including the WY backward and the reverse
@@ -748,46 +748,6 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     return o, ht, (seg, S_in, trans), A
 
 
-# The backward's forward sweep on a side stream beside its reverse sweep (CUDA only; False:
-# one after the other on the current stream, as on the CPU).
-OVERLAP_SWEEPS = True
-_SIDE_STREAMS: dict = {}
-
-
-class _beside:
-    """`with side:` launches on a side stream that first waits for the current stream's work;
-    side.join() makes the current stream wait for it. A no-op off CUDA or without
-    OVERLAP_SWEEPS. The work inside must allocate nothing: its tensors come from the current
-    stream and stay referenced until join() (the caller's locals), so the caching allocator
-    cannot hand their memory to other work while the side stream still uses it."""
-
-    def __init__(self, device: torch.device):
-        self.main = self.stream = None
-        if OVERLAP_SWEEPS and device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            if device not in _SIDE_STREAMS:
-                _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-            self.stream = _SIDE_STREAMS[device]
-        self._ctx = None
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.wait_stream(self.main)
-            self._ctx = torch.cuda.stream(self.stream)
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-            self._ctx = None
-        return False
-
-    def join(self) -> None:
-        if self.stream is not None:
-            self.main.wait_stream(self.stream)
-
-
 def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     """A: the forward's (None: computed again here)."""
     B, T, H, K = q.shape
@@ -800,27 +760,22 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
     dh = _alloc(h.shape, h.dtype, h.device)
     dU = _alloc(v.shape, v.dtype, v.device)  # dv itself for simple GLA
-    # The states h, U (a forward sweep from the inputs) and dh, dU (a reverse sweep from do, which
-    # reads neither h nor U) are independent: on CUDA the forward sweep runs on a side stream
-    # beside the reverse one (_beside), each a chain of chunk steps that leaves most of an SM idle.
-    side = _beside(q.device)
     if split is None:
         layout, config = _layout(chunks), _seq_config(V, chunks.N * HV)
-        with side:
-            _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
+        _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
+        del u
         dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
         _sweep_bwd(layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht, dh0=dh0)
     else:
         seg, S_in, trans = split
         config = _split_config(K, V, gdn)
-        with side:
-            _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
+        _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
+        del u
         L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dh0=L)
         dht_in, dh0 = _scan(seg, L, trans, dht, reverse=True, want_end=h0 is not None)
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht_in)
-    side.join()  # before anything reads h or U, and before the sweep's inputs are freed
-    del u, w, P
+    del w, P
     grouped = HV != H
     # per value head, in the input dtype; a group of heads is summed afterwards in fp32 and
     # rounded once (_group_sum: one pass; torch's sum over the group dim ran at 1.5 TB/s)
