@@ -456,3 +456,23 @@ def test_triton_kl_kernels_name_bad_arguments():
 
     with pytest.raises(ValueError, match="lse must be"):
         sparse_probs_target_triton(q, k, idx, torch.zeros(1, 8, 3))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("packed", [False, True], ids=["one", "packed"])
+@pytest.mark.parametrize("shifted", [False, True], ids=["q=k", "q_positions"])
+def test_last_keys_on_host_equal_the_device_ranges(causal, packed, shifted):
+    """The indexer's chunk plan takes each query's last readable key on the host: where it follows
+    from the arguments (causal without q_positions, or neither causal nor packed) it is built
+    there without touching the device tensor (a meta tensor stands in for it), and in every
+    case it equals read_ranges' hi."""
+    S = 50
+    cu = torch.tensor([0, 7, 7, 30, 50]) if packed else None
+    q_positions = torch.tensor([3, 9, 10, 29, 30, 31, 49]) if shifted else None
+    T = S if q_positions is None else q_positions.numel()
+    _, hi = triton_indexer.read_ranges(1, T, S, causal, cu, q_positions, torch.device("cpu"))
+    got = triton_indexer.last_keys_on_host(hi, T, S, causal, cu, q_positions)
+    assert got.dtype == hi.dtype and torch.equal(got, hi)
+    if q_positions is None and (causal or cu is None):
+        on_meta = triton_indexer.last_keys_on_host(hi.to("meta"), T, S, causal, cu, q_positions)
+        assert on_meta.device.type == "cpu" and torch.equal(on_meta, hi)

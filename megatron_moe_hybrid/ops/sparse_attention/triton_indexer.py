@@ -158,6 +158,18 @@ def read_ranges(
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
+def last_keys_on_host(hi: Tensor, T: int, S: int, causal: bool, cu_seqlens: Tensor | None,
+                      q_positions: Tensor | None) -> Tensor:
+    """[T] the last key each query reads (read_ranges' hi) on the host, without reading hi back
+    where it follows from the arguments: query t itself when causal without q_positions (then
+    T == S), the last key when neither causal nor packed; otherwise hi.cpu(), a host sync."""
+    if q_positions is None and causal:
+        return torch.arange(T, dtype=hi.dtype)
+    if q_positions is None and cu_seqlens is None:
+        return torch.full((T,), S - 1, dtype=hi.dtype)
+    return hi.cpu()
+
+
 def _select_rows(ords: Tensor, topk: int) -> Tensor:
     """[N, Sc] int32 order keys, topk < Sc -> [N, topk] int32 key indices, by descending key
     with ties to the lower index (the stable sort's order), -1 for unreadable keys."""
@@ -229,8 +241,10 @@ def lightning_indexer_topk_triton(
     BQ, BS = cfg["BQ"], cfg["BS"]
     DIP = max(16, next_power_of_2(DI))
     budget = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
-    # The last key each query can read decides how many keys its chunk scores: one sync.
-    hi_host = hi.cpu()
+    # The last key each query can read decides how many keys its chunk scores: known on the
+    # host for the causal, unshifted queries of training (and the whole-sequence case), else
+    # read back once (context parallelism's q_positions, packed non-causal).
+    hi_host = last_keys_on_host(hi, T, S, causal, cu_seqlens, q_positions)
     reach = hi_host.flip(0).cummax(0).values.flip(0)  # [T] the widest range from query t on
     t0 = 0
     while t0 < T:
