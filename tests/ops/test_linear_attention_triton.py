@@ -105,6 +105,28 @@ def test_backward_reads_the_forwards_A_bitwise_as_recomputing_it_cpu(cu):
 
 
 @interpreter
+def test_forward_keeps_A_only_when_a_backward_can_follow_cpu(monkeypatch):
+    """A is kept for the backward with grad enabled and an input that needs one; not under
+    no_grad (where autograd's needs_input_grad still reads True), nor for simple GLA."""
+    seen = []
+    real_fwd = triton_chunk._fwd
+
+    def spy(*args, **kwargs):
+        out = real_fwd(*args, **kwargs)
+        seen.append(out[3] is not None)
+        return out
+
+    monkeypatch.setattr(triton_chunk, "_fwd", spy)
+    x = {n: t.requires_grad_() for n, t in make_inputs(1, 70, 1, 16, 16, HV=2, seed=6).items()}
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    la.gated_delta_rule(*args, backend="triton")
+    with torch.no_grad():
+        la.gated_delta_rule(*args, backend="triton")
+    la.simple_gla(*args[:4], backend="triton")
+    assert seen == [True, False, False]
+
+
+@interpreter
 def test_gradient_of_the_initial_state_alone_cpu():
     """Only the initial state needs a gradient: the forward keeps no A and the backward forms it."""
     x = make_inputs(1, 70, 1, 16, 16, HV=2, seed=5)

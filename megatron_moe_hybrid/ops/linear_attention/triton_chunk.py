@@ -813,9 +813,10 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     """Autograd of the chunked gated delta rule (beta given) or simple GLA (beta None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, grad_enabled):
         chunks = _chunks_of(q.shape[0], q.shape[1], cu_seqlens)
-        keep_A = beta is not None and any(ctx.needs_input_grad[:5])
+        # needs_input_grad stays True under no_grad: the caller's grad mode decides too
+        keep_A = beta is not None and grad_enabled and any(ctx.needs_input_grad[:5])
         o, ht, split, A = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, keep_A)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A)
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
@@ -832,7 +833,7 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
-            None, None if dh0 is None else dh0.to(h0.dtype), None, None,
+            None, None if dh0 is None else dh0.to(h0.dtype), None, None, None,
         )
 
 
@@ -920,7 +921,7 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         None if beta is None else beta.contiguous(), scale,
         None if initial_state is None else initial_state.contiguous(), output_final_state,
-        cu_seqlens,
+        cu_seqlens, torch.is_grad_enabled(),
     )
     if output_final_state:
         return out
