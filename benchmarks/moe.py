@@ -302,7 +302,7 @@ def fwd_bwd(forward, params, x, grad_out, warmup, reps, back_to_back=False):
         torch.autograd.grad(forward(x_leaf), leaves, grad_out)
 
     out = forward(x_leaf).detach()  # [T, h]
-    ms, peak = time_and_peak(step, warmup, reps)
+    ms, peak = time_and_peak(step, warmup, 1 if back_to_back else reps)  # back to back: the peak and a first ms
     if back_to_back:
         ms = back_to_back_ms(step, rep_ms=max(200.0, 2 * reps * ms))
     return {"out": out, "ms": ms, "peak": peak, "syncs": count_host_syncs(step)}
@@ -361,6 +361,25 @@ def ours_config(spec, dispatcher, chunks):
     return cfg
 
 
+@torch.no_grad()
+def dispatch_steps(d, x, topk_idx, probs):
+    """The dispatcher's first three steps -> the rows grouped by local expert [N_recv, h]."""
+    from megatron_moe_hybrid.layers.moe import StaticAllToAllDispatcher
+
+    if isinstance(d, StaticAllToAllDispatcher):  # the weights travel with the tokens, applied on the expert side
+        permuted = d.dispatch_preprocess(x, topk_idx, probs)  # [ep * C, h]
+    else:
+        permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
+    return d.dispatch_postprocess(d.token_dispatch(permuted))[0]
+
+
+@torch.no_grad()
+def dispatch_combine(d, x, topk_idx, probs):
+    """All six steps with identity experts -> [T, h]."""
+    y = d.token_combine(d.combine_preprocess(dispatch_steps(d, x, topk_idx, probs)))  # [N_send, h]
+    return d.combine_postprocess(y, probs)
+
+
 def dispatch_only(layer, x, warmup, reps):
     """Ours' six dispatcher steps with identity experts, forward only, on x's routing."""
     with torch.no_grad():
@@ -368,18 +387,9 @@ def dispatch_only(layer, x, warmup, reps):
     from megatron_moe_hybrid.layers.moe import StaticAllToAllDispatcher
 
     d = layer.dispatcher
-    static = isinstance(d, StaticAllToAllDispatcher)
 
-    @torch.no_grad()
     def step():
-        if static:  # the weights travel with the tokens and apply on the expert side
-            permuted = d.dispatch_preprocess(x, topk_idx, probs)  # [ep * C, h]
-        else:
-            permuted = d.dispatch_preprocess(x, topk_idx)  # [N_send, h]
-        received = d.token_dispatch(permuted)  # [N_recv, h]
-        x_sorted, _ = d.dispatch_postprocess(received)  # [N_recv, h] grouped by local expert
-        y = d.token_combine(d.combine_preprocess(x_sorted))  # [N_send, h]
-        return d.combine_postprocess(y, probs)  # [T, h]
+        return dispatch_combine(d, x, topk_idx, probs)
 
     want = x.float() * probs.sum(-1, keepdim=True)  # identity experts: each copy returns its token
     err = (step().float() - want).abs().max() / want.abs().max().clamp_min(1e-30)
@@ -387,7 +397,7 @@ def dispatch_only(layer, x, warmup, reps):
     overflow = int(getattr(d, "last_overflow", 0))
     ms, peak = time_and_peak(step, warmup, reps)
     result = {"ms": ms, "peak": peak, "syncs": count_host_syncs(step), "err": err.item(), "overflow": overflow}
-    if static and d.ep_size == 1:
+    if isinstance(d, StaticAllToAllDispatcher) and d.ep_size == 1:
         result["launch_free"] = permute_timings(d, x, topk_idx, probs, step, warmup, reps)
     return result
 
@@ -398,23 +408,27 @@ def permute_timings(d, x, topk_idx, probs, step, warmup, reps):
     send and expand layouts and one scatter kernel that reads each token row once and writes
     its K expert-grouped copies."""
 
-    @torch.no_grad()
-    def dispatch_steps():
-        return d.dispatch_postprocess(d.token_dispatch(d.dispatch_preprocess(x, topk_idx, probs)))[0]
+    def permute():
+        return dispatch_steps(d, x, topk_idx, probs)
 
-    dispatch_steps()
-    st = d.state
-    recv = x  # EP=1: the identity send layout, so the received rows are the tokens
-
-    def scatter_kernel():
-        return scatter_rows(recv, st.expand.copy_pos, st.expand.sorted_row, None, d.backend)
-
+    permute()
+    expand = d.state.expand
+    # EP=1: the identity send layout, so the received rows are the tokens themselves
     return {
-        "permute static": (time_and_peak(dispatch_steps, warmup, reps)[0], "permute", "idle"),
-        "permute static, CUDA graph": (graph_replay_ms(dispatch_steps, warmup, reps), "permute", "graph"),
-        "permute kernel (scatter)": (back_to_back_ms(scatter_kernel), "permute", "back-to-back"),
+        "permute static": (time_and_peak(permute, warmup, reps)[0], "permute", "idle"),
+        "permute static, CUDA graph": (graph_replay_ms(permute, warmup, reps), "permute", "graph"),
+        "permute kernel (scatter)": (
+            back_to_back_ms(lambda: scatter_rows(x, expand.copy_pos, expand.sorted_row, None, d.backend)),
+            "permute", "back-to-back"),
         "dispatch+combine static, CUDA graph": (graph_replay_ms(step, warmup, reps), "dispatch+combine", "graph"),
     }
+
+
+def device_copy(num_bytes):
+    """A device copy reading + writing num_bytes in all (bf16), as a callable."""
+    src = torch.empty(num_bytes // 4, dtype=torch.bfloat16, device="cuda")  # read 2 B + write 2 B each
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def graph_replay_ms(fn, warmup, reps):
@@ -602,9 +616,7 @@ def comm_anchor(world, num_bytes, warmup, reps):
     """(ms, peak, description) of moving num_bytes by NCCL all_to_all_single there and back
     (equal splits) or, on one GPU, of a device copy reading + writing num_bytes in all."""
     if world == 1:
-        src = torch.empty(num_bytes // 4, dtype=torch.bfloat16, device="cuda")  # read 2 B + write 2 B each
-        dst = torch.empty_like(src)
-        ms, peak = time_and_peak(lambda: dst.copy_(src), warmup, reps)
+        ms, peak = time_and_peak(device_copy(num_bytes), warmup, reps)
         return ms, peak, "device copy_ (same bytes read+written)"
     numel = math.ceil(num_bytes / 2 / 2 / world) * world  # half the bytes each way, bf16
     send = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
@@ -787,13 +799,11 @@ def launch_free_rows(timed, case, byte_counts, args):
     for name, (ms, kind, how) in timed.items():
         num_bytes = int(byte_counts[kind])
         if (num_bytes, how) not in copies:
-            src = torch.empty(num_bytes // 4, dtype=torch.bfloat16, device="cuda")  # read 2 B + write 2 B each
-            dst = torch.empty_like(src)
-            copy = lambda: dst.copy_(src)  # noqa: E731
+            copy = device_copy(num_bytes)
             copies[num_bytes, how] = (time_and_peak(copy, args.warmup, args.reps)[0] if how == "idle"
                                       else graph_replay_ms(copy, args.warmup, args.reps) if how == "graph"
                                       else back_to_back_ms(copy))
-            del src, dst
+            del copy
         anchor_ms = round(copies[num_bytes, how], 4)
         ms = round(ms, 4)
         rule = ("bytes = least read+written by the permute, (T + T*K) h * 2 B" if kind == "permute"

@@ -186,3 +186,21 @@ def test_bad_input_raises():
         bench.GroupedMMMoE(torch.zeros(8, 4), torch.zeros(3, 4, 6), torch.zeros(3, 3, 4), 2)
     with pytest.raises(ValueError, match="--shapes"):
         bench.parse_list("S1,S9", list(bench.SHAPES), "--shapes")
+
+
+@pytest.mark.parametrize("dispatcher", ["static", "alltoall"])
+def test_dispatch_helpers_return_each_token_weighted_with_identity_experts(dispatcher):
+    """moe.dispatch_steps / dispatch_combine (the dispatch+combine rows, probe_permute.py) on one
+    CPU rank: the expert-grouped rows are the routed copies, and with identity experts the
+    combine gives each token times the sum of its routing weights."""
+    from megatron_moe_hybrid.registry import MOE_DISPATCHERS
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 16, generator=gen)
+    probs, topk_idx = torch.randn(37, 8, generator=gen).softmax(-1).topk(3, dim=1)
+    d = MOE_DISPATCHERS.get(dispatcher)(8, None, "torch")
+    grouped = bench.dispatch_steps(d, x, topk_idx, probs)
+    assert grouped.shape == (37 * 3, 16)
+    want = x[topk_idx.flatten().argsort(stable=True) // 3]  # copies grouped by expert, token order within
+    torch.testing.assert_close(grouped, want)
+    torch.testing.assert_close(bench.dispatch_combine(d, x, topk_idx, probs), x * probs.sum(-1, keepdim=True))

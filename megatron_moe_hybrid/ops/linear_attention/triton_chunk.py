@@ -656,9 +656,10 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
     BK, BV = _blocks(K, V)
     gdn = beta is not None
     load_A = gdn and A is not None
+    store_A = gdn and store_A and not load_A
     gam = _alloc((B, T, HV), torch.float32, q.device)
     P = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
-    if gdn and store_A and not load_A:
+    if store_A:
         A = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
     w = _alloc((B, T, HV, K), q.dtype, q.device) if gdn else None
     u = _alloc(v.shape, v.dtype, v.device) if gdn else None
@@ -666,7 +667,7 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
     _prep_kernel[grid](
         q, k, v, g, beta, gam, P, A, w, u, chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        IS_GDN=gdn, STORE_A=gdn and store_A and not load_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
+        IS_GDN=gdn, STORE_A=store_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
         num_warps=CONFIGS["prep"][1],
     )
     return gam, P, A if gdn else None, w, u

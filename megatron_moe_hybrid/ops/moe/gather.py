@@ -176,8 +176,9 @@ GATHER_BLOCK_MAX = 1024
 GATHER_ELEMS = 1024
 SCATTER_ELEMS = 4096
 GATHER_WARPS = 4
-# tiles of ROWS output rows per zero-fill program of the scatter (probe_permute.py, H200: the
-# scatter 0.195 -> 0.164 ms at 16384 x top-8 rows of 2048, the variant that has no zero-fill)
+# tiles of ROWS output rows per zero-fill program of the scatter (benchmarks/results/h200/
+# permute_probe.json: at 16384 x top-8 rows of 2048 the scatter took 0.195 ms with one program
+# per ROWS rows and 0.170 with these; a probe kernel without any zero-fill took 0.164-0.167)
 SCATTER_ZERO_TILES = 16
 
 
