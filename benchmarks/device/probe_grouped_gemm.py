@@ -28,7 +28,9 @@ SHAPES = {  # tokens, hidden, experts, topk, ffn
     "Q3N": (16384, 2048, 512, 10, 512),  # Qwen3-Next's experts (benchmarks/end_to_end.py): 320 rows per expert
 }
 FWD_CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3)]
-WGRAD_CONFIGS = [(128, 256, 64, 8, 3, 4), (128, 128, 64, 8, 3, 1), (128, 128, 64, 4, 3, 8)]
+# the weight gradient's (BK, BN, BR, warps, stages, column tiles per program); the first is the default
+WGRAD_CONFIGS = [(128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 256, 64, 8, 3, 8), (128, 128, 64, 4, 3, 8),
+                 (128, 256, 128, 8, 2, 4)]
 PEAK_TFLOPS, PEAK_TBPS = 687.0, 4.27  # measured bf16 matmul and copy ceilings (issue 5's anchors)
 
 
@@ -148,7 +150,7 @@ def main():
             return run
 
         t_torch = bench(experts(lambda u, w: torch._grouped_mm(u, w, offs=offs)))
-        t_ours = bench(experts(lambda u, w: gt.GroupedMM.apply(u, w, bounds)))
+        t_ours = bench(experts(lambda u, w: gt.GroupedMM.apply(u, w, bounds, "triton")))
         t_hybrid = bench(experts(lambda u, w: gt.GroupedMM.apply(u, w, bounds, "torch")))
         print(f"== {name} experts fwd+bwd: ours {t_ours:.2f} ms, ours with torch's wgrad {t_hybrid:.2f}, "
               f"torch._grouped_mm {t_torch:.2f} ms ({t_torch / t_ours:.2f}x, {t_torch / t_hybrid:.2f}x)", flush=True)

@@ -20,6 +20,11 @@ path holding an expert's rows in one tile. Measured: benchmarks/results/h200/gro
 Also tried (grouped_gemm_overlap.json): the weight gradient on a second stream beside the input
 gradient, either launch order or stream priority; the pair took as long as in turn (at 128 rows
 per expert fc1 12.66 ms in turn, 12.67-13.30 side by side), so GroupedMM runs them in turn.
+And (fused_backward.json, benchmarks/device/probe_fused_backward.py): the input gradient and the
+weight gradient in one kernel sharing each dy tile, one program per (expert, k tile) holding the
+expert's rows in one register tile: at exactly 128 rows per expert 0.99-1.01x our dx kernel plus
+torch's weight gradient, and 0.62-0.74x where an expert holds more than 128 rows (a 256-row tile
+doubles the tensor-core work), so it stayed a probe.
 The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
 
@@ -112,10 +117,14 @@ if triton is not None:
 
     @triton.jit
     def _grouped_wgrad_kernel(x, dy, dw, bounds, K, M,
-                              sxm, sxk, sdm, sdn, swe, swk, swm,
-                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
+                                   sxm, sxk, sdm, sdn, swe, swk, swm,
+                                   BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
         # one program: expert e, row tile kt of dw[e], NT column tiles in turn (the x^T tile it
-        # reads is the same for each: L1/L2 hits), each a reduction over the expert's rows
+        # reads is the same for each: L2 hits), each a reduction over the expert's rows in
+        # chunks of BR. Column tiles and row chunks run as one loop (step i: chunk i % chunks of
+        # column tile n0 + i // chunks), which Triton pipelines as one: the next tile's loads are
+        # in flight while a tile finishes and stores. Nested loops started each tile's pipeline
+        # afresh (H200, 128 rows per expert: fc1 8.52 -> 7.64 ms, fc2 4.30 -> 3.86).
         pid = tl.program_id(0)
         num_k = tl.cdiv(K, BK)
         num_n = tl.cdiv(M, BN)
@@ -126,19 +135,23 @@ if triton is not None:
         n0 = (local % n_groups) * NT
         row0 = tl.load(bounds + e)
         row_end = tl.load(bounds + e + 1)
+        chunks = tl.maximum(tl.cdiv(row_end - row0, BR), 1)  # an expert without rows writes zeros
+        steps = (tl.minimum(n0 + NT, num_n) - n0) * chunks
         rk = (kt * BK + tl.arange(0, BK)).to(tl.int64)  # [BK]
-        n_stop = tl.minimum(n0 + NT, num_n)
-        for n in range(n0, n_stop):
+        acc = tl.zeros((BK, BN), dtype=tl.float32)
+        for i in range(0, steps):
+            n = n0 + i // chunks
+            c = i % chunks
             rn = (n * BN + tl.arange(0, BN)).to(tl.int64)  # [BN]
-            acc = tl.zeros((BK, BN), dtype=tl.float32)
-            for r in range(row0, row_end, BR):
-                rr = (r + tl.arange(0, BR)).to(tl.int64)  # [BR]
-                r_ok = rr < row_end
-                a = tl.load(x + rr[None, :] * sxm + rk[:, None] * sxk, mask=r_ok[None, :] & (rk[:, None] < K), other=0.0)
-                b = tl.load(dy + rr[:, None] * sdm + rn[None, :] * sdn, mask=r_ok[:, None] & (rn[None, :] < M), other=0.0)
-                acc = tl.dot(a, b, acc)  # [BK, BR] @ [BR, BN]
-            o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
-            tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
+            rr = (row0 + c * BR + tl.arange(0, BR)).to(tl.int64)  # [BR]
+            r_ok = rr < row_end
+            a = tl.load(x + rr[None, :] * sxm + rk[:, None] * sxk, mask=r_ok[None, :] & (rk[:, None] < K), other=0.0)
+            b = tl.load(dy + rr[:, None] * sdm + rn[None, :] * sdn, mask=r_ok[:, None] & (rn[None, :] < M), other=0.0)
+            acc = tl.dot(a, b, acc)  # [BK, BR] @ [BR, BN]
+            if c == chunks - 1:
+                o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
+                tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
+                acc = tl.zeros((BK, BN), dtype=tl.float32)
 
 
 def _check(x: torch.Tensor, bounds: torch.Tensor, n_experts: int) -> None:
