@@ -24,7 +24,7 @@ from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import write_results  # noqa: E402
-from probe_grouped_gemm import PEAK_TBPS, PEAK_TFLOPS, counts_for  # noqa: E402  (beside this file)
+from probe_grouped_gemm import PEAK_TBPS, PEAK_TFLOPS, bench, counts_for, rel  # noqa: E402  (beside this file)
 
 
 @triton.jit
@@ -67,14 +67,6 @@ def fused_backward(dy, w, x, bounds, cfg):
 
 
 CONFIGS = [(256, 64, 128, 8, 2), (256, 64, 64, 8, 3), (128, 64, 128, 8, 3), (128, 128, 128, 8, 2), (128, 64, 128, 4, 3)]
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def main():

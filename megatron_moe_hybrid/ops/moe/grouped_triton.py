@@ -23,7 +23,7 @@ per expert fc1 12.66 ms in turn, 12.67-13.30 side by side), so GroupedMM runs th
 And (fused_backward.json, benchmarks/device/probe_fused_backward.py): the input gradient and the
 weight gradient in one kernel sharing each dy tile, one program per (expert, k tile) holding the
 expert's rows in one register tile: at exactly 128 rows per expert 0.99-1.01x our dx kernel plus
-torch's weight gradient, and 0.62-0.74x where an expert holds more than 128 rows (a 256-row tile
+torch's weight gradient, and 0.61-0.74x where an expert holds more than 128 rows (a 256-row tile
 doubles the tensor-core work), so it stayed a probe.
 The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
