@@ -105,31 +105,6 @@ def test_backward_reads_the_forwards_A_bitwise_as_recomputing_it_cpu(cu):
 
 
 @interpreter
-@pytest.mark.parametrize("segment_chunks", [None, 1])
-@pytest.mark.parametrize("cu", [None, [0, 5, 75, 140]], ids=["batch", "varlen"])
-def test_simple_gla_without_prep_kernel_matches_prep_path_and_reference_cpu(cu, segment_chunks, monkeypatch):
-    """INLINE_GLA_PREP: simple GLA's sweeps and chunk backward take the raw gate and form gam and
-    P themselves (the prep kernel never runs); the same results as the prep kernel's path, and
-    both match the reference (chunks cut short by T = 70 and by packed lengths, with and
-    without the sequence split)."""
-    B, T = (2, 70) if cu is None else (1, 140)
-    cu = None if cu is None else torch.tensor(cu)
-    x = make_inputs(B, T, 1, 16, 16, HV=2, N=B if cu is None else 3, seed=21)
-    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
-    preps = []
-    real_prep = triton_chunk._prep
-    monkeypatch.setattr(triton_chunk, "_prep", lambda *a, **kw: preps.append(1) or real_prep(*a, **kw))
-    prep = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
-    assert preps == [1, 1]  # forward and backward
-    monkeypatch.setattr(triton_chunk, "INLINE_GLA_PREP", True)
-    inline = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
-    assert preps == [1, 1]
-    ref = outputs_and_grads("simple_gla", x, "torch", cu_seqlens=cu)
-    assert_rel_rms(inline, prep, 1e-6, 1e-6)
-    assert_rel_rms(inline, ref, 2e-5, 2e-5)
-
-
-@interpreter
 def test_forward_keeps_A_only_when_a_backward_can_follow_cpu(monkeypatch):
     """A is kept for the backward with grad enabled and an input that needs one; not under
     no_grad (where autograd's needs_input_grad still reads True), nor for simple GLA."""

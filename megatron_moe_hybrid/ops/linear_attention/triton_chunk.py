@@ -73,11 +73,6 @@ SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
 SPLIT_PROGRAMS_PER_SM = 1
 MIN_SEGMENT_CHUNKS = 16
 SEGMENT_CHUNKS: int | None = None
-# Simple GLA without _prep_kernel: its sweeps take g and compute gam and P = scale (q k^T . D) in
-# registers from the q and k tiles they load anyway (_inline_prep). Measured slower on the H200
-# (benchmarks/device/probe_gla_inline.py), so off: the prep kernel writes
-# gam and P first (the delta rule's path; probes time both).
-INLINE_GLA_PREP = False
 
 
 @triton.jit
@@ -110,15 +105,6 @@ def _unit_lower_inverse(b_M, BT: tl.constexpr):
     b_N = tl.dot(b_Dinv, b_off)
     b_T = b_eye - tl.dot(b_N, b_eye - tl.dot(b_N, b_eye - b_N))
     return tl.dot(b_T, b_Dinv)
-
-
-@triton.jit
-def _gam_from_g(g, r_t, m_t, last_t, o_t, HV, i_h):
-    """(gam [BT], its value at the chunk's last token): the in-chunk cumulative log decay from
-    the raw gate g [.., HV] (simple GLA's sweeps, which then need no prep kernel)."""
-    b_gam = tl.cumsum(tl.load(g + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
-    b_gam = tl.where(m_t, b_gam, 0.0)
-    return b_gam, tl.sum(tl.where(o_t == last_t, b_gam, 0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
@@ -191,12 +177,8 @@ def _recurrence_fwd_kernel(
     IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     ZERO_U: tl.constexpr = False, H0_EYE: tl.constexpr = False, STORE_GT: tl.constexpr = False,
-    FROM_G: tl.constexpr = False,
 ):
     """One V block of one sequence-head, chunk after chunk: U = u - w S, o = q^ S + P U, S'.
-
-    FROM_G (simple GLA): gam holds the raw gate g; gam and P are computed here from g, q and k
-    (no prep kernel, no P in memory).
 
     u is v for simple GLA. STORE_H (the backward's recompute) writes the state entering each
     chunk to h [NT, HV, K, V] and U to U [B, T, HV, V].
@@ -239,13 +221,8 @@ def _recurrence_fwd_kernel(
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
         if STORE_H:
             tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
-        if FROM_G:
-            b_gam, b_glast = _gam_from_g(gam, r_t, m_t, tl.minimum(i_t * BT + BT, T) - 1, o_t, HV, i_h)
-            # k^T raw [BK, BT], for P here and the state update below
-            b_kT = tl.load(k + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        else:
-            b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-            b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         if STORE_GT:
             b_G += b_glast
         if ZERO_U:
@@ -262,18 +239,12 @@ def _recurrence_fwd_kernel(
             b_Ud = b_u.to(dt)
         if STORE_O:
             b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            if FROM_G:  # P = scale (q k^T . D), as _prep_kernel computes it
-                m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
-                b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
-                b_P = tl.dot(b_q, b_kT) * b_D * scale
-            else:
-                b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
             b_qh = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
+            b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
             b_o = tl.dot(b_qh, b_S.to(dt)) + tl.dot(b_P.to(dt), b_Ud)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        if not FROM_G:
-            # k^T loaded transposed [BK, BT]; padded tokens load k = 0
-            b_kT = tl.load(k + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        # k^T loaded transposed [BK, BT]; padded tokens load k = 0
+        b_kT = tl.load(k + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_kT = (b_kT * tl.exp(b_glast - b_gam)[None, :]).to(dt)
         b_S = b_S * tl.exp(b_glast) + tl.dot(b_kT, b_Ud)
     if STORE_HT:
@@ -289,13 +260,12 @@ def _recurrence_bwd_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STORE: tl.constexpr = True, FROM_G: tl.constexpr = False,
+    STORE: tl.constexpr = True,
 ):
     """One V block of one sequence-head, chunks in reverse: dU = P^T do + k' dS',
     dS = e^gC dS' + q^T do - w^T dU. Writes dh (the gradient of the state leaving each chunk)
     and dU (for simple GLA that is dv itself); with STORE False only dh0 (the sequence split's
-    first pass: each segment's own contribution to the gradient of the state entering it).
-    FROM_G: gam holds the raw gate g, and gam and P^T are computed here (simple GLA)."""
+    first pass: each segment's own contribution to the gradient of the state entering it)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -327,25 +297,16 @@ def _recurrence_bwd_kernel(
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
         if STORE:
             tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
         b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        if FROM_G:
-            b_gam, b_glast = _gam_from_g(gam, r_t, m_t, tl.minimum(i_t * BT + BT, T) - 1, o_t, HV, i_h)
-            b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            # P^T = scale (k q^T . D^T): D^T[i, j] = e^{gam_j - gam_i} for i <= j
-            m_T = (o_c[:, None] <= o_c[None, :]) & m_t[None, :]
-            b_DT = tl.where(m_T, tl.exp(tl.where(m_T, b_gam[None, :] - b_gam[:, None], 0.0)), 0.0)
-            b_PT = (tl.dot(b_k, b_qT) * b_DT * scale).to(dt)
-        else:
-            b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-            b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
-            b_PT = tl.trans(tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt))
         b_kp = (b_k * tl.exp(b_glast - b_gam)[:, None]).to(dt)
-        b_dU = tl.dot(b_PT, b_do) + tl.dot(b_kp, b_dS.to(dt))
+        b_dU = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, b_dS.to(dt))
         if STORE:
             tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
-        if not FROM_G:
-            b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_qT = (b_qT * (scale * tl.exp(b_gam))[None, :]).to(dt)
         b_dS = b_dS * tl.exp(b_glast) + tl.dot(b_qT, b_do)
         if IS_GDN:
@@ -422,11 +383,10 @@ def _bwd_chunk_kernel(
     scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_G: tl.constexpr = False,
+    IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Every input gradient of one chunk of one value head, given the state S entering it (h),
-    the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms.
-    FROM_G: gam holds the raw gate g (simple GLA), its cumsum is taken here."""
+    the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     if IS_VARLEN:
@@ -450,11 +410,8 @@ def _bwd_chunk_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     last = tl.minimum(i_t * BT + BT, T) - 1
 
-    if FROM_G:
-        b_gam, b_glast = _gam_from_g(gam, r_t, m_t, last, o_t, HV, i_h)
-    else:
-        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-        b_glast = tl.load(gam + (bos + last) * HV + i_h)
+    b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+    b_glast = tl.load(gam + (bos + last) * HV + i_h)
     if IS_GDN:
         b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
         b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
@@ -718,8 +675,7 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
 
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
                h=None, U=None, gt=None, zero_u=False, h0_eye=False):
-    """_recurrence_fwd_kernel over layout's sequences; each output given is written. P None:
-    gam is the raw gate g, and the kernel computes gam and P itself (simple GLA, _inline_prep)."""
+    """_recurrence_fwd_kernel over layout's sequences; each output given is written."""
     T, H, K = q.shape[1:]
     HV = gam.shape[2]
     V = u.shape[3] if V is None else V
@@ -729,13 +685,12 @@ def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
         STORE_HT=ht is not None, IS_VARLEN=layout.varlen, ZERO_U=zero_u, H0_EYE=h0_eye,
-        STORE_GT=gt is not None, FROM_G=P is None, num_warps=num_warps,
+        STORE_GT=gt is not None, num_warps=num_warps,
     )
 
 
 def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, dh=None, dht=None, dh0=None):
-    """_recurrence_bwd_kernel over layout's sequences; without dh (and dU) it writes only dh0.
-    P None: gam is the raw gate g (as _sweep_fwd)."""
+    """_recurrence_bwd_kernel over layout's sequences; without dh (and dU) it writes only dh0."""
     T, H, K = q.shape[1:]
     HV, V = do.shape[2], do.shape[3]
     BV, num_warps = config
@@ -743,7 +698,7 @@ def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, 
         q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
-        STORE=dh is not None, FROM_G=P is None, num_warps=num_warps,
+        STORE=dh is not None, num_warps=num_warps,
     )
 
 
@@ -763,23 +718,13 @@ def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
     return S_in, st
 
 
-def _inline_prep(gdn: bool) -> bool:
-    """Simple GLA's sweeps and chunk backward take the raw gate and compute gam and P
-    themselves (INLINE_GLA_PREP): no prep kernel, and no P [B, T, HV, C] written and read back.
-    The delta rule keeps _prep_kernel, which it needs for A, w and u."""
-    return not gdn and INLINE_GLA_PREP
-
-
 def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_A: bool = False):
     """(o, final state or None, the split's states or None, and with keep_A the delta rule's A
     [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None)."""
     K = q.shape[3]
     HV, V = v.shape[2], v.shape[3]
+    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
     gdn = beta is not None
-    if _inline_prep(gdn):
-        gam, P, A, w, u = g, None, None, None, v
-    else:
-        gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
     u = u if gdn else v
     o = _alloc(v.shape, v.dtype, v.device)
     seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
@@ -810,11 +755,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
-    inline = _inline_prep(gdn)
-    if inline:
-        gam, P, w, u = g, None, None, v
-    else:
-        gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
+    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
@@ -850,7 +791,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
         q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=gdn, IS_VARLEN=varlen, FROM_G=inline, num_warps=num_warps,
+        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=num_warps,
     )
     if grouped:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
