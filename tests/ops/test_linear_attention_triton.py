@@ -242,6 +242,12 @@ def test_sequence_split_plan():
     counts = (seg.layout.cu[1:] - seg.layout.cu[:-1]).tolist()
     assert sum(counts) == 32768 and len(counts) > 4
     assert min(counts[:-1]) >= triton_chunk.MIN_SEGMENT_CHUNKS * triton_chunk.CHUNK
+    # equal segments in one wave: 8 x 64 chunks, 128 programs on the H200's 132 SMs
+    assert counts == [64 * triton_chunk.CHUNK] * 8
+    for B, T, lengths, first in ((4, 8192, None, [0, 2, 4, 6, 8]), (1, 32768, [8192, 8192, 16384], [0, 2, 4, 8])):
+        seg = plan(B, T, 16, lengths=lengths)  # not 63 + 63 + 2 chunks per 8192 tokens (192 programs)
+        counts = (seg.layout.cu[1:] - seg.layout.cu[:-1]).tolist()
+        assert counts == [64 * triton_chunk.CHUNK] * 8 and seg.first.tolist() == first
     assert plan(4, 8192, 16) is not None  # 256 programs at BV 32: still split
     assert plan(16, 8192, 32) is None  # 16 x 32 x 4 programs: no split
     assert plan(1, 512, 2) is None  # 8 chunks: shorter than a segment

@@ -29,6 +29,7 @@ accumulate in fp32; the state, gam and every exponent are fp32.
 """
 
 import functools
+import heapq
 import itertools
 import logging
 import os
@@ -73,6 +74,7 @@ SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
 SPLIT_PROGRAMS_PER_SM = 1
 MIN_SEGMENT_CHUNKS = 16
 SEGMENT_CHUNKS: int | None = None
+SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, store), in chunk steps
 
 
 @triton.jit
@@ -587,23 +589,54 @@ def _num_sms(device: torch.device) -> int:
 def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) -> _Segments | None:
     """The split, or None where the sequences alone give the recurrences enough programs.
 
-    Segments are sized so that all of them together make about SPLIT_PROGRAMS_PER_SM
-    recurrence programs per SM, and hold at least MIN_SEGMENT_CHUNKS chunks (the split's
-    first pass and scan cost more than they save on short segments). SEGMENT_CHUNKS, when
-    set, forces the segment length (tests).
+    Segments take the length with the shortest sweep (_segment_length) and hold at least
+    MIN_SEGMENT_CHUNKS chunks (the split's first pass and scan cost more than they save on
+    short segments). SEGMENT_CHUNKS, when set, forces the segment length (tests).
     """
-    longest = max(cdiv(n, CHUNK) for n in chunks.lengths)
+    counts = [cdiv(n, CHUNK) for n in chunks.lengths]
+    longest = max(counts)
     if SEGMENT_CHUNKS is not None:
         length = SEGMENT_CHUNKS
     else:
         if chunks.N * HV * cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
             return None
         BV = _split_config(K, V, gdn)[0]
-        target = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
-        length = max(MIN_SEGMENT_CHUNKS, cdiv(chunks.NT * HV * cdiv(V, BV), target))
+        slots = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
+        length = _segment_length(tuple(counts), HV * cdiv(V, BV), slots)
+        if length is None:
+            return None
     if length >= longest:
         return None
     return _segments(tuple(chunks.starts), tuple(chunks.lengths), length, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_length(counts: tuple, programs_per_segment: int, slots: int) -> int | None:
+    """Chunks per segment for sequences of counts chunks: the length whose sweep ends first
+    when its programs (programs_per_segment per segment, in launch order) take the first free
+    of slots program slots, each for its chunk count plus SPLIT_PROGRAM_OVERHEAD_CHUNKS; ties
+    go to the longer length (fewer segments to scan). None where no length of at least
+    MIN_SEGMENT_CHUNKS cuts the longest sequence.
+
+    Lengths tried are those where a sequence's segment count changes, up to about two waves of
+    programs. Taking total chunks / slots rounded up instead (before 2026-12-03) cut B4-T8192-H16
+    into 63 + 63 + 2 chunks per sequence: 192 programs on 132 SMs, whose long second-wave
+    segments start late (a modelled 73 steps against 66 for 2 x 64 chunks).
+    """
+    longest = max(counts)
+    most = 2 * slots // programs_per_segment + 1  # segments per sequence at most
+    lengths = {max(MIN_SEGMENT_CHUNKS, cdiv(n, s)) for n in set(counts) for s in range(2, most + 1)}
+    best = None
+    for length in sorted((n for n in lengths if n < longest), reverse=True):
+        free = [0] * slots  # when each slot is next free (a heap)
+        for n in counts:
+            for j in range(cdiv(n, length)):
+                steps = min(length, n - j * length) + SPLIT_PROGRAM_OVERHEAD_CHUNKS
+                for _ in range(programs_per_segment):
+                    heapq.heappush(free, heapq.heappop(free) + steps)
+        if best is None or max(free) < best[0]:
+            best = (max(free), length)
+    return None if best is None else best[1]
 
 
 def _alloc(shape, dtype, device) -> Tensor:

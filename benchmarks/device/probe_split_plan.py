@@ -1,0 +1,97 @@
+"""Probe: the sequence split's segment plan (triton_chunk._plan_segments) against the plan
+before it, simple GLA on the H200, both in the same process.
+
+    python benchmarks/device/probe_split_plan.py [--shapes gla_t32k,gla_b4,varlen] [--rounds 2]
+        [--out results.json]
+
+Before (d63cfcb): segments of ceil(total chunks x HV / SMs) chunks, which at B4-T8192-H16 cut
+each sequence into 63 + 63 + 2 chunks (192 programs on 132 SMs) and at B1-T32768-H16 into
+8 x 63 + 8 (144 programs). Now (triton_chunk._segment_length): the length whose modelled sweep
+ends first, 2 x 64 and 8 x 64 chunks there (128 programs each).
+Per shape both plans run in turn --rounds times (benchmarks/linear_attention.py's measure:
+do_bench medians, warm); one results row per shape, ours_ms the current plan's fwd+bwd
+(median over rounds), anchor_ms the earlier plan's, with the segment counts and the relative
+RMS distance between the two (output and gradients, bf16).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import linear_attention as bench  # noqa: E402
+from common import write_results  # noqa: E402
+from megatron_moe_hybrid.ops._intmath import cdiv  # noqa: E402
+from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
+
+current_plan = tc._plan_segments
+
+
+def earlier_plan(chunks, K, HV, V, device, gdn):
+    """_plan_segments as at d63cfcb (SEGMENT_CHUNKS unset)."""
+    longest = max(cdiv(n, tc.CHUNK) for n in chunks.lengths)
+    if chunks.N * HV * cdiv(V, tc.CONFIGS["seq"][0]) > tc.SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
+        return None
+    BV = tc._split_config(K, V, gdn)[0]
+    target = tc._num_sms(torch.device(device)) * tc.SPLIT_PROGRAMS_PER_SM
+    length = max(tc.MIN_SEGMENT_CHUNKS, cdiv(chunks.NT * HV * cdiv(V, BV), target))
+    if length >= longest:
+        return None
+    return tc._segments(tuple(chunks.starts), tuple(chunks.lengths), length, torch.device(device))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="gla_t32k,gla_b4,varlen")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    rows = []
+    for key in a.shapes.split(","):
+        name, B, T, H, HV, D, lengths = bench.SHAPES[key]
+        x, cu = bench.make_inputs("gla", B, T, H, HV, D, lengths)
+        do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        fn = bench.ours_fn("gla", cu)
+        chunks = tc._Chunks(B, T, cu)
+        plans = {"now": current_plan, "before": earlier_plan}
+        segments = {}
+        for label, plan in plans.items():
+            seg = plan(chunks, D, HV, D, "cuda", False)
+            segments[label] = None if seg is None else seg.layout.N
+        ms, peak, out = {"now": [], "before": []}, {}, {}
+        try:
+            for _ in range(a.rounds):
+                for label in ("before", "now"):
+                    tc._plan_segments = plans[label]
+                    m, peak[label], out[label] = bench.measure(fn, x, do)
+                    ms[label].append(m)
+        finally:
+            tc._plan_segments = current_plan
+        med = {f: {mode: round(statistics.median(r[mode] for r in ms[f]), 4) for mode in ms[f][0]} for f in ms}
+        (o1, g1), (o0, g0) = out["now"], out["before"]
+        err = {"o": bench.rel_rms(o1, o0), **{f"d{n}": bench.rel_rms(a1, a0) for n, a1, a0 in zip(x, g1, g0)}}
+        print(json.dumps(dict(shape=name, segments=segments, now=med["now"], before=med["before"],
+                              rel_rms={n: f"{e:.1e}" for n, e in err.items()})), flush=True)
+        rows.append({
+            "name": "gla fwd+bwd, segment plan: one wave of equal segments (A/B)", "shape": name + "-bf16",
+            "ours_ms": med["now"]["fwd+bwd"], "anchor": "the same with d63cfcb's plan (ceil(chunks x HV / SMs) per segment)",
+            "anchor_ms": med["before"]["fwd+bwd"], "speedup": round(med["before"]["fwd+bwd"] / med["now"]["fwd+bwd"], 3),
+            "target_speedup": None, "ours_peak_mem_bytes": peak["now"], "anchor_peak_mem_bytes": peak["before"],
+            "fwd_ms": med["now"]["fwd"], "bwd_ms": med["now"]["bwd"],
+            "anchor_fwd_ms": med["before"]["fwd"], "anchor_bwd_ms": med["before"]["bwd"],
+            "segments": segments["now"], "anchor_segments": segments["before"],
+            "rel_rms_vs_anchor": {n: float(f"{e:.1e}") for n, e in err.items()},
+            "notes": f"benchmarks/device/probe_split_plan.py: both plans in turn, {a.rounds} rounds in one process, "
+                     "medians of benchmarks/linear_attention.py's measure (do_bench medians)",
+        })
+        if a.out:
+            write_results(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
