@@ -2,7 +2,7 @@
 before it, simple GLA on the H200, both in the same process.
 
     python benchmarks/device/probe_split_plan.py [--shapes gla_t32k,gla_b4,varlen] [--rounds 2]
-        [--out results.json]
+        [--passes] [--out results.json]
 
 Before (d63cfcb): segments of ceil(total chunks x HV / SMs) chunks, which at B4-T8192-H16 cut
 each sequence into 63 + 63 + 2 chunks (192 programs on 132 SMs) and at B1-T32768-H16 into
@@ -11,7 +11,8 @@ ends first, 2 x 64 and 8 x 64 chunks there (128 programs each).
 Per shape both plans run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm); one results row per shape, ours_ms the current plan's fwd+bwd
 (median over rounds), anchor_ms the earlier plan's, with the segment counts and the relative
-RMS distance between the two (output and gradients, bf16).
+RMS distance between the two (output and gradients, bf16). --passes first prints each kernel
+of the current plan's forward and backward timed alone (printed only).
 """
 
 import argparse
@@ -45,13 +46,66 @@ def earlier_plan(chunks, K, HV, V, device, gdn):
     return tc._segments(tuple(chunks.starts), tuple(chunks.lengths), length, torch.device(device))
 
 
+def passes(key):
+    """{pass: median ms} of simple GLA's forward and backward under the current plan, each kernel
+    launch timed alone the way _fwd / _bwd call it (do_bench medians)."""
+    import triton
+
+    name, B, T, H, HV, D, lengths = bench.SHAPES[key]
+    x, cu = bench.make_inputs("gla", B, T, H, HV, D, lengths)
+    q, k, v, g = (x[n].detach() for n in "qkvg")
+    do = torch.randn_like(v)
+    scale = D**-0.5
+    chunks = tc._Chunks(B, T, cu)
+    seg = tc._plan_segments(chunks, D, HV, D, "cuda", False)
+    config = tc._split_config(D, D, False)
+    gam, P, _, _, _ = tc._prep(q, k, v, g, None, scale, chunks, store_A=False)
+    NS = seg.layout.N
+    L = torch.empty(NS, HV, D, D, device="cuda")
+    G = torch.empty(NS, HV, device="cuda")
+    o = torch.empty_like(v)
+    h = torch.empty(chunks.NT, HV, D, D, dtype=q.dtype, device="cuda")
+    dh, dU = torch.empty_like(h), torch.empty_like(v)
+    dq = torch.empty(B, T, HV, D, dtype=q.dtype, device="cuda")  # per value head, as _bwd
+    dk = torch.empty_like(dq)
+    dg = torch.empty(B, T, HV, device="cuda")
+    ms = lambda f: round(triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median"), 4)  # noqa: E731
+    tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, ht=L, gt=G)
+    S_in, _ = tc._scan(seg, L, G, None, reverse=False, want_end=False)
+    dS, _ = tc._scan(seg, L, G, None, reverse=True, want_end=False)  # a stand-in of the right shape
+    BV, nw = tc._chunk_bwd_config(D, D)
+    rows = {
+        "prep": ms(lambda: tc._prep(q, k, v, g, None, scale, chunks, store_A=False)),
+        "fwd: L pass": ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, ht=L, gt=G)),
+        "fwd: scan": ms(lambda: tc._scan(seg, L, G, None, reverse=False, want_end=False)),
+        "fwd: output pass": ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, o=o, h0=S_in)),
+        "bwd: h pass": ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, h0=S_in, h=h)),
+        "bwd: L pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dh0=L)),
+        "bwd: scan": ms(lambda: tc._scan(seg, L, G, None, reverse=True, want_end=False)),
+        "bwd: dh, dv pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dU=dU, dh=dh,
+                                                      dht=dS)),
+        "bwd: chunk kernel": ms(lambda: tc._bwd_chunk_kernel[(chunks.NT // (1 if cu is not None else B), B * HV)](
+            q, k, v, gam, None, None, h, dh, None, dU, do, dq, dk, None, dg, None, chunks.cu_seqlens, chunks.indices,
+            scale, T, H=H, HV=HV, K=D, V=D, BT=tc.CHUNK, BK=tc._blocks(D, D)[0], BV=BV, IS_GDN=False,
+            IS_VARLEN=cu is not None, num_warps=nw)),
+    }
+    print(json.dumps(dict(shape=name, segments=NS, passes_ms=rows)), flush=True)
+    return name, NS, rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="gla_t32k,gla_b4,varlen")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--passes", action="store_true", help="also time each pass of the current plan (simple GLA)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rows = []
+    if a.passes:
+        for key in a.shapes.split(","):
+            passes(key)
+    if a.rounds < 1:
+        return
     for key in a.shapes.split(","):
         name, B, T, H, HV, D, lengths = bench.SHAPES[key]
         x, cu = bench.make_inputs("gla", B, T, H, HV, D, lengths)
