@@ -225,6 +225,26 @@ def test_sequence_split_without_initial_or_final_state_cpu(op, monkeypatch):
     assert_rel_rms({"o": o, **dict(zip(args, grads))}, {"o": o_ref, **dict(zip(args, grads_ref))}, 2e-5, 2e-5)
 
 
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
+    """More sequence-heads x V blocks than SMs: the recurrences take CONFIGS["seq_wide"]'s wider
+    V block (fewer waves of the same sequential steps); results match the reference."""
+    monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "CONFIGS", {**triton_chunk.CONFIGS, "seq": (16, 4), "seq_wide": (32, 4)})
+    assert triton_chunk._seq_config(16, 32, 2, "cpu") == (16, 4)  # 4 programs: one wave
+    assert triton_chunk._seq_config(16, 32, 3, "cpu") == (32, 4)  # 6 programs at BV 16
+    assert triton_chunk._seq_config(256, 32, 3, "cpu") == (16, 4)  # key head dim 256 keeps BV
+    configs = []
+    real = triton_chunk._sweep_fwd
+    monkeypatch.setattr(triton_chunk, "_sweep_fwd", lambda layout, config, *a, **kw: configs.append(config) or real(layout, config, *a, **kw))
+    x = make_inputs(3, 70, 1, 16, 32, seed=13)
+    got = outputs_and_grads(op, x, "triton")
+    assert configs == [(32, 4), (32, 4)]  # forward, and the backward's recompute
+    assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
+
+
 def test_sequence_split_plan():
     """Few sequence-heads on long sequences are split (simple GLA), into segments of
     >= MIN_SEGMENT_CHUNKS chunks; enough of them already fill the GPU and are not; the delta

@@ -56,7 +56,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # shape), picked from benchmarks/linear_attention.py --breakdown on the H200 at
 # B1-T32768-HQK16-HV32-D128: kernel -> (BV, num_warps); BV None: the kernel takes none.
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
-CONFIGS = {"prep": (None, 4), "seq": (32, 4), "chunk_bwd": (64, 8), "split": (128, 8), "split_gdn": (32, 4)}
+# "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
+CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "chunk_bwd": (64, 8), "split": (128, 8),
+           "split_gdn": (32, 4)}
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, enough of them for
@@ -648,14 +650,24 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
     return max(16, next_power_of_2(K)), min(64, max(16, next_power_of_2(V)))
 
 
-def _seq_config(V: int, sequence_heads: int) -> tuple[int, int]:
+def _seq_config(K: int, V: int, sequence_heads: int, device) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences. With few sequence-heads (tensor-parallel shards,
     B1 with 4 heads) a smaller BV puts more programs side by side: a chunk step's latency
-    hardly depends on BV, so that is nearly free."""
+    hardly depends on BV, so that is nearly free. With more programs than SMs (one fits per
+    SM at BV 32 and 64), CONFIGS["seq_wide"]'s BV runs the same sequential steps in fewer
+    waves: Gated DeltaNet fwd+bwd 3.49 -> 3.07 ms at B4-T8192-H16 (256 -> 128 programs),
+    5.50 -> 5.24 at B1-T8192-H96, simple GLA 3.07 -> 2.73 at B1-T8192-H96, bitwise the same
+    results (benchmarks/results/h200/linear_attention_seq_bv.json); at 128 programs
+    (B1-T32768-HQK16-HV32) BV 64 would leave half the SMs idle (7.46 -> 8.49 ms)."""
     BV, num_warps = CONFIGS["seq"]
     BV = min(BV, _blocks(1, V)[1])
     while BV > 16 and sequence_heads * cdiv(V, BV) < MIN_SEQ_PROGRAMS:
         BV //= 2
+    wide, wide_warps = CONFIGS["seq_wide"]
+    wide = min(wide, _blocks(1, V)[1])
+    # key head dim 256 (simple GLA) stays at BV 32: BV 64 needs more shared memory than the H200's
+    if wide > BV and _blocks(K, V)[0] <= 128 and sequence_heads * cdiv(V, BV) > _num_sms(torch.device(device)):
+        return wide, wide_warps
     return BV, num_warps
 
 
@@ -763,7 +775,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
-        config = _seq_config(V, chunks.N * HV)
+        config = _seq_config(K, V, chunks.N * HV, q.device)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
         return o, ht, None, A
     config = _split_config(K, V, gdn)
@@ -795,7 +807,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     dh = _alloc(h.shape, h.dtype, h.device)
     dU = _alloc(v.shape, v.dtype, v.device)  # dv itself for simple GLA
     if split is None:
-        layout, config = _layout(chunks), _seq_config(V, chunks.N * HV)
+        layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device)
         _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
         del u
         dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
