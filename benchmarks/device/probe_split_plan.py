@@ -132,7 +132,7 @@ def main():
         print(json.dumps(dict(shape=name, segments=segments, now=med["now"], before=med["before"],
                               rel_rms={n: f"{e:.1e}" for n, e in err.items()})), flush=True)
         rows.append({
-            "name": "gla fwd+bwd, segment plan: one wave of equal segments (A/B)", "shape": name + "-bf16",
+            "name": "gla fwd+bwd, segment plan: the modelled shortest sweep (A/B)", "shape": name + "-bf16",
             "ours_ms": med["now"]["fwd+bwd"], "anchor": "the same with d63cfcb's plan (ceil(chunks x HV / SMs) per segment)",
             "anchor_ms": med["before"]["fwd+bwd"], "speedup": round(med["before"]["fwd+bwd"] / med["now"]["fwd+bwd"], 3),
             "target_speedup": None, "ours_peak_mem_bytes": peak["now"], "anchor_peak_mem_bytes": peak["before"],
