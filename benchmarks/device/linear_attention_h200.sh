@@ -46,7 +46,7 @@ PY
     bench)
       [ -f "$OUT/linear_attention.json" ] || cp benchmarks/results/h200/linear_attention.json "$OUT/linear_attention.json"
       (cd benchmarks && python linear_attention.py --ops "$OPS" --shapes "$SHAPES" --merge --out "$OUT/linear_attention.json") 2>&1 \
-        | tee "$OUT/bench.log" | grep "fwd+bwd\|wrote" ;;
+        | tee "$OUT/bench_${OPS//,/_}_${SHAPES//,/_}.log" | grep "fwd+bwd\|wrote" ;;
     breakdown) (cd benchmarks && python linear_attention.py --ops gdn --shapes qwen --skip-fla --breakdown \
                   --out "$OUT/breakdown.json") 2>&1 | grep "^breakdown" | tee "$OUT/breakdown.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
