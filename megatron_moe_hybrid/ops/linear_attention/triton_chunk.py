@@ -620,16 +620,18 @@ def _segment_length(counts: tuple, programs_per_segment: int, slots: int) -> int
     go to the longer length (fewer segments to scan). None where no length of at least
     MIN_SEGMENT_CHUNKS cuts the longest sequence.
 
-    Lengths tried are those where a sequence's segment count changes, up to about two waves of
-    programs. Taking total chunks / slots rounded up instead (before 2026-12-03) cut B4-T8192-H16
-    into 63 + 63 + 2 chunks per sequence: 192 programs on 132 SMs, whose long second-wave
-    segments start late (a modelled 73 steps against 66 for 2 x 64 chunks).
+    Lengths tried are those where the longest sequence's segment count changes, longest first,
+    until the programs would take more than two waves (host time: at most a few ms per new
+    packed layout). Taking total chunks / slots rounded up instead (before 2026-12-03) cut
+    B4-T8192-H16 into 63 + 63 + 2 chunks per sequence: 192 programs on 132 SMs, whose long
+    second-wave segments start late (a modelled 73 steps against 66 for 2 x 64 chunks).
     """
     longest = max(counts)
-    most = 2 * slots // programs_per_segment + 1  # segments per sequence at most
-    lengths = {max(MIN_SEGMENT_CHUNKS, cdiv(n, s)) for n in set(counts) for s in range(2, most + 1)}
+    lengths = {max(MIN_SEGMENT_CHUNKS, cdiv(longest, s)) for s in range(2, 2 * slots + 2)}
     best = None
     for length in sorted((n for n in lengths if n < longest), reverse=True):
+        if programs_per_segment * sum(cdiv(n, length) for n in counts) > 2 * slots:
+            break  # shorter lengths make only more programs
         free = [0] * slots  # when each slot is next free (a heap)
         for n in counts:
             for j in range(cdiv(n, length)):
