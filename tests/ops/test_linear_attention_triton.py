@@ -238,7 +238,11 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     assert triton_chunk._seq_config(256, 32, 3, "cpu") == (16, 4)  # key head dim 256 keeps BV
     configs = []
     real = triton_chunk._sweep_fwd
-    monkeypatch.setattr(triton_chunk, "_sweep_fwd", lambda layout, config, *a, **kw: configs.append(config) or real(layout, config, *a, **kw))
+    def sweep(layout, config, *a, **kw):
+        configs.append(config)
+        return real(layout, config, *a, **kw)
+
+    monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
     assert configs == [(32, 4), (32, 4)]  # forward, and the backward's recompute

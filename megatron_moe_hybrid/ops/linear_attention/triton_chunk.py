@@ -62,8 +62,9 @@ CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "chunk_bwd": 
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, their length the one
-# whose sweep ends first with SPLIT_PROGRAMS_PER_SM programs per SM (_segment_length; each takes a whole [K, V] state,
-# BV 128, so q, k and P are read once per chunk, not once per V block). Chosen from
+# whose sweep ends first with SPLIT_PROGRAMS_PER_SM programs per SM (_segment_length; each
+# program takes a whole [K, V] state, BV 128, so q, k and P are read once per chunk, not once
+# per V block). Chosen from
 # benchmarks/results/h200/linear_attention_split.json (device/probe_split.py): simple GLA fwd+bwd 3.43 -> 1.61 ms at
 # B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66
 # and 1.63, 3 per SM: 1.71 and 1.69). The delta rule's split (two first passes, one of them
