@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -170,6 +171,39 @@ def rel_rms(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def measure_in_turn(fn, x, do, labels, apply, rounds):
+    """A/B probes: apply(label) then measure, label after label, rounds times in one process.
+    ({label: {mode: median ms over the rounds}}, {label: peak bytes}, {label: (o, grads)});
+    the caller restores what apply changed."""
+    runs, peak, out = {label: [] for label in labels}, {}, {}
+    for _ in range(rounds):
+        for label in labels:
+            apply(label)
+            m, peak[label], out[label] = measure(fn, x, do)
+            runs[label].append(m)
+    med = {label: {mode: round(statistics.median(r[mode] for r in runs[label]), 4) for mode in runs[label][0]}
+           for label in labels}
+    return med, peak, out
+
+
+def ab_row(name, shape, x, med, peak, out, new, old, anchor, notes, **extra):
+    """A results row of an A/B probe: form new (ours_*) against form old (anchor_*), fwd+bwd
+    with fwd and bwd beside it, and rel_rms_vs_anchor of the output and every gradient."""
+    (o1, g1), (o0, g0) = out[new], out[old]
+    err = {"o": rel_rms(o1, o0), **{f"d{n}": rel_rms(a1, a0) for n, a1, a0 in zip(x, g1, g0)}}
+    return {
+        "name": name, "shape": shape + "-bf16",
+        "ours_ms": med[new]["fwd+bwd"], "anchor": anchor, "anchor_ms": med[old]["fwd+bwd"],
+        "speedup": round(med[old]["fwd+bwd"] / med[new]["fwd+bwd"], 3), "target_speedup": None,
+        "ours_peak_mem_bytes": peak[new], "anchor_peak_mem_bytes": peak[old],
+        "fwd_ms": med[new]["fwd"], "bwd_ms": med[new]["bwd"],
+        "anchor_fwd_ms": med[old]["fwd"], "anchor_bwd_ms": med[old]["bwd"],
+        **extra,
+        "rel_rms_vs_anchor": {n: float(f"{e:.1e}") for n, e in err.items()},
+        "notes": notes + ", medians of benchmarks/linear_attention.py's measure (do_bench medians)",
+    }
+
+
 def kernel_resources():
     """Registers, spills, warps and shared memory of each compiled variant of our kernels."""
     lines = []
@@ -238,9 +272,7 @@ def breakdown(op, x, cu, do):
             BV=bv, IS_GDN=gdn, USE_DHT=False, USE_DH0=False, num_warps=nw, **common)
 
     def chunk_bwd(bv, nw):
-        tc._bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
-            q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, db, chunks.cu_seqlens,
-            chunks.indices, scale, T, BV=bv, IS_GDN=gdn, num_warps=nw, **common)
+        tc._chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, db, scale, config=(bv, nw))
 
     seq = [(16, 4), (32, 4), (64, 4), (32, 8)]
     stages = [  # in order: each stage fills what the next reads

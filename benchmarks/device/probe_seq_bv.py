@@ -16,7 +16,6 @@ The sequence split is off throughout (as at these cases by default).
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -37,42 +36,32 @@ def main():
     a = p.parse_args()
     configs = [tuple(int(n) for n in c.split("x")) for c in a.configs.split(",")]
     rows, saved, saved_split = [], dict(tc.CONFIGS), dict(tc.SPLIT_MAX_PROGRAMS)
+
+    def apply(c):
+        tc.CONFIGS["seq"] = tc.CONFIGS["seq_wide"] = c  # this config whatever the program count
+
     for case in a.cases.split(","):
         op, key = case.split(":")
         name, B, T, H, HV, D, lengths = bench.SHAPES[key]
         x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
         do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
         fn = bench.ours_fn(op, cu)
-        ms, peak, out = {c: [] for c in configs}, {}, {}
         try:
             # the sequence split off, as at these cases by default (its threshold counts programs
             # at the seq config's BV, which would turn it on for simple GLA at H96 under BV 64)
             tc.SPLIT_MAX_PROGRAMS.update(gla=0, gdn=0)
-            for _ in range(a.rounds):
-                for c in configs:
-                    tc.CONFIGS["seq"] = tc.CONFIGS["seq_wide"] = c  # this config whatever the program count
-                    m, peak[c], out[c] = bench.measure(fn, x, do)
-                    ms[c].append(m)
+            med, peak, out = bench.measure_in_turn(fn, x, do, configs, apply, a.rounds)
         finally:
             tc.CONFIGS.update(saved)
             tc.SPLIT_MAX_PROGRAMS.update(saved_split)
-        med = {c: {mode: round(statistics.median(r[mode] for r in ms[c]), 4) for mode in ms[c][0]} for c in configs}
         base = configs[0]
         print(json.dumps(dict(op=op, shape=name, ms={f"{c[0]}x{c[1]}": med[c] for c in configs})), flush=True)
         for c in configs[1:]:
-            (o1, g1), (o0, g0) = out[c], out[base]
-            err = {"o": bench.rel_rms(o1, o0), **{f"d{n}": bench.rel_rms(a1, a0) for n, a1, a0 in zip(x, g1, g0)}}
-            rows.append({
-                "name": f"{op} fwd+bwd, unsplit recurrences at BV {c[0]}, {c[1]} warps (A/B)", "shape": name + "-bf16",
-                "ours_ms": med[c]["fwd+bwd"], "anchor": f"the same at BV {base[0]}, {base[1]} warps",
-                "anchor_ms": med[base]["fwd+bwd"], "speedup": round(med[base]["fwd+bwd"] / med[c]["fwd+bwd"], 3),
-                "target_speedup": None, "ours_peak_mem_bytes": peak[c], "anchor_peak_mem_bytes": peak[base],
-                "fwd_ms": med[c]["fwd"], "bwd_ms": med[c]["bwd"],
-                "anchor_fwd_ms": med[base]["fwd"], "anchor_bwd_ms": med[base]["bwd"],
-                "rel_rms_vs_anchor": {n: float(f"{e:.1e}") for n, e in err.items()},
-                "notes": f"benchmarks/device/probe_seq_bv.py: configs in turn, {a.rounds} rounds in one process, "
-                         "medians of benchmarks/linear_attention.py's measure (do_bench medians)",
-            })
+            rows.append(bench.ab_row(
+                f"{op} fwd+bwd, unsplit recurrences at BV {c[0]}, {c[1]} warps (A/B)", name, x, med, peak, out, c, base,
+                f"the same at BV {base[0]}, {base[1]} warps",
+                f"benchmarks/device/probe_seq_bv.py: configs in turn, {a.rounds} rounds in one process",
+            ))
             if a.out:
                 write_results(a.out, rows)
 

@@ -18,7 +18,6 @@ of the current plan's forward and backward timed alone (printed only).
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -73,7 +72,6 @@ def passes(key):
     tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, ht=L, gt=G)
     S_in, _ = tc._scan(seg, L, G, None, reverse=False, want_end=False)
     dS, _ = tc._scan(seg, L, G, None, reverse=True, want_end=False)  # a stand-in of the right shape
-    BV, nw = tc._chunk_bwd_config(D, D)
     rows = {
         "prep": ms(lambda: tc._prep(q, k, v, g, None, scale, chunks, store_A=False)),
         "fwd: L pass": ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, ht=L, gt=G)),
@@ -84,10 +82,8 @@ def passes(key):
         "bwd: scan": ms(lambda: tc._scan(seg, L, G, None, reverse=True, want_end=False)),
         "bwd: dh, dv pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dU=dU, dh=dh,
                                                       dht=dS)),
-        "bwd: chunk kernel": ms(lambda: tc._bwd_chunk_kernel[(chunks.NT // (1 if cu is not None else B), B * HV)](
-            q, k, v, gam, None, None, h, dh, None, dU, do, dq, dk, None, dg, None, chunks.cu_seqlens, chunks.indices,
-            scale, T, H=H, HV=HV, K=D, V=D, BT=tc.CHUNK, BK=tc._blocks(D, D)[0], BV=BV, IS_GDN=False,
-            IS_VARLEN=cu is not None, num_warps=nw)),
+        "bwd: chunk kernel": ms(lambda: tc._chunk_bwd(chunks, q, k, v, gam, None, None, h, dh, None, dU, do, dq, dk,
+                                                       None, dg, None, scale)),
     }
     print(json.dumps(dict(shape=name, segments=NS, passes_ms=rows)), flush=True)
     return name, NS, rows
@@ -117,32 +113,20 @@ def main():
         for label, plan in plans.items():
             seg = plan(chunks, D, HV, D, "cuda", False)
             segments[label] = None if seg is None else seg.layout.N
-        ms, peak, out = {"now": [], "before": []}, {}, {}
         try:
-            for _ in range(a.rounds):
-                for label in ("before", "now"):
-                    tc._plan_segments = plans[label]
-                    m, peak[label], out[label] = bench.measure(fn, x, do)
-                    ms[label].append(m)
+            med, peak, out = bench.measure_in_turn(fn, x, do, ("before", "now"),
+                                                   lambda label: setattr(tc, "_plan_segments", plans[label]), a.rounds)
         finally:
             tc._plan_segments = current_plan
-        med = {f: {mode: round(statistics.median(r[mode] for r in ms[f]), 4) for mode in ms[f][0]} for f in ms}
-        (o1, g1), (o0, g0) = out["now"], out["before"]
-        err = {"o": bench.rel_rms(o1, o0), **{f"d{n}": bench.rel_rms(a1, a0) for n, a1, a0 in zip(x, g1, g0)}}
+        row = bench.ab_row(
+            "gla fwd+bwd, segment plan: the modelled shortest sweep (A/B)", name, x, med, peak, out, "now", "before",
+            "the same with d63cfcb's plan (ceil(chunks x HV / SMs) per segment)",
+            f"benchmarks/device/probe_split_plan.py: both plans in turn, {a.rounds} rounds in one process",
+            segments=segments["now"], anchor_segments=segments["before"],
+        )
         print(json.dumps(dict(shape=name, segments=segments, now=med["now"], before=med["before"],
-                              rel_rms={n: f"{e:.1e}" for n, e in err.items()})), flush=True)
-        rows.append({
-            "name": "gla fwd+bwd, segment plan: the modelled shortest sweep (A/B)", "shape": name + "-bf16",
-            "ours_ms": med["now"]["fwd+bwd"], "anchor": "the same with d63cfcb's plan (ceil(chunks x HV / SMs) per segment)",
-            "anchor_ms": med["before"]["fwd+bwd"], "speedup": round(med["before"]["fwd+bwd"] / med["now"]["fwd+bwd"], 3),
-            "target_speedup": None, "ours_peak_mem_bytes": peak["now"], "anchor_peak_mem_bytes": peak["before"],
-            "fwd_ms": med["now"]["fwd"], "bwd_ms": med["now"]["bwd"],
-            "anchor_fwd_ms": med["before"]["fwd"], "anchor_bwd_ms": med["before"]["bwd"],
-            "segments": segments["now"], "anchor_segments": segments["before"],
-            "rel_rms_vs_anchor": {n: float(f"{e:.1e}") for n, e in err.items()},
-            "notes": f"benchmarks/device/probe_split_plan.py: both plans in turn, {a.rounds} rounds in one process, "
-                     "medians of benchmarks/linear_attention.py's measure (do_bench medians)",
-        })
+                              rel_rms=row["rel_rms_vs_anchor"])), flush=True)
+        rows.append(row)
         if a.out:
             write_results(a.out, rows)
 

@@ -622,8 +622,8 @@ def _segment_length(counts: tuple, programs_per_segment: int, slots: int) -> int
     MIN_SEGMENT_CHUNKS cuts the longest sequence.
 
     Lengths tried are those where the longest sequence's segment count changes, longest first,
-    until the programs would take more than two waves (host time: at most a few ms per new
-    packed layout). Taking total chunks / slots rounded up instead (before 2026-12-03) cut
+    until the programs would take more than two waves, so each length tried places at most
+    2 x slots programs. Taking total chunks / slots rounded up instead (before 2026-12-03) cut
     B4-T8192-H16 into 63 + 63 + 2 chunks per sequence: 192 programs on 132 SMs, whose long
     second-wave segments start late (a modelled 73 steps against 66 for 2 x 64 chunks).
     """
@@ -668,18 +668,21 @@ def _seq_config(K: int, V: int, sequence_heads: int, device) -> tuple[int, int]:
         BV //= 2
     wide, wide_warps = CONFIGS["seq_wide"]
     wide = min(wide, _blocks(1, V)[1])
-    # key head dim 256 (simple GLA) stays at BV 32: BV 64 needs more shared memory than the H200's
-    if wide > BV and _blocks(K, V)[0] <= 128 and sequence_heads * cdiv(V, BV) > _num_sms(torch.device(device)):
+    if wide > BV and _wide_v_fits(K) and sequence_heads * cdiv(V, BV) > _num_sms(torch.device(device)):
         return wide, wide_warps
     return BV, num_warps
+
+
+def _wide_v_fits(K: int) -> bool:
+    """Whether the recurrences take V blocks wider than 32 at key head dim K: not at K 256
+    (simple GLA), where BV 64 needs 241 KB of shared memory on the H200 (227 KB)."""
+    return _blocks(K, 1)[0] <= 128
 
 
 def _split_config(K: int, V: int, gdn: bool) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences under the sequence split (which supplies the programs)."""
     BV, num_warps = CONFIGS["split_gdn" if gdn else "split"]
-    # K 256 (simple GLA): BV 32, as BV 64 needs 241 KB of shared memory on the H200 (227 KB)
-    BV = min(BV, max(16, next_power_of_2(V)), 128 if _blocks(K, V)[0] <= 128 else 32)
-    return BV, num_warps
+    return min(BV, max(16, next_power_of_2(V)), 128 if _wide_v_fits(K) else 32), num_warps
 
 
 def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
@@ -833,17 +836,26 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     dv = _alloc(v.shape, v.dtype, v.device) if gdn else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
-    grid = (chunks.NT // (1 if varlen else B), B * HV)
-    BV, num_warps = _chunk_bwd_config(K, V)
-    _bwd_chunk_kernel[grid](
-        q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
-        chunks.cu_seqlens, chunks.indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=gdn, IS_VARLEN=varlen, num_warps=num_warps,
-    )
+    _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale)
     if grouped:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale,
+               config=None) -> None:
+    """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps), default
+    _chunk_bwd_config's); beta None: simple GLA."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = chunks.indices is not None
+    BV, num_warps = _chunk_bwd_config(K, V) if config is None else config
+    _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
+        q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
+        chunks.cu_seqlens, chunks.indices, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        IS_GDN=beta is not None, IS_VARLEN=varlen, num_warps=num_warps,
+    )
 
 
 def _group_sum(x: Tensor, H: int) -> Tensor:

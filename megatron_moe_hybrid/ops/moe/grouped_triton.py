@@ -117,8 +117,8 @@ if triton is not None:
 
     @triton.jit
     def _grouped_wgrad_kernel(x, dy, dw, bounds, K, M,
-                                   sxm, sxk, sdm, sdn, swe, swk, swm,
-                                   BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
+                              sxm, sxk, sdm, sdn, swe, swk, swm,
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
         # one program: expert e, row tile kt of dw[e], NT column tiles in turn (the x^T tile it
         # reads is the same for each: L2 hits), each a reduction over the expert's rows in
         # chunks of BR. Column tiles and row chunks run as one loop (step i: chunk i % chunks of
