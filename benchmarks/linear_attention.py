@@ -6,7 +6,10 @@
 bf16 q, k (L2-normalised beforehand), v, beta; fp32 g (log decay, as the layer makes it);
 no initial state, no final state. Rows per shape and op: forward, backward (autograd of a
 retained graph) and forward+backward, each the median of triton.testing.do_bench (warm, L2
-flushed between calls), ours and fla's in the same process. Peak memory is the allocator's peak
+flushed between calls), ours and fla's in the same process; the forward+backward rows also
+hold both timed as one CUDA graph replayed (ours_graph_ms, anchor_graph_ms, graph_speedup):
+where the kernels are short (TP=8) eager do_bench times the host's launches, the graph the
+device alone (benchmarks/device/probe_host.py). Peak memory is the allocator's peak
 above the inputs over one forward+backward. tflops counts algorithmic FLOPs per token and head
 (D head dim, C = 64): GDN fwd+bwd 22D^2 + 36CD + 5C^2 (issue 3), fwd 6D^2 + 10CD; simple GLA
 fwd+bwd 14D^2 + 14CD, fwd 4D^2 + 4CD; bwd is their difference.
@@ -164,7 +167,29 @@ def measure(fn, x, do):
         for mode, f in (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd))
     }
     graph.clear()
+    ms["fwd+bwd graph"] = graph_ms(fwd_bwd)
     return ms, peak, (o_keep, grads)
+
+
+def graph_ms(f):
+    """do_bench median (L2 flushed) of f captured once in a CUDA graph and replayed: the device's
+    time alone. Where the kernels are short (the TP=8 shape), do_bench's eager calls time the
+    host's launches instead (benchmarks/device/probe_host.py). A str (the error) where f does
+    not capture."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            f()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
 
 
 def rel_rms(a, b):
@@ -181,8 +206,11 @@ def measure_in_turn(fn, x, do, labels, apply, rounds):
             apply(label)
             m, peak[label], out[label] = measure(fn, x, do)
             runs[label].append(m)
-    med = {label: {mode: round(statistics.median(r[mode] for r in runs[label]), 4) for mode in runs[label][0]}
-           for label in labels}
+    def median(values):  # a str (graph capture's error) stays as it is
+        values = list(values)
+        return next((v for v in values if isinstance(v, str)), None) or round(statistics.median(values), 4)
+
+    med = {label: {mode: median(r[mode] for r in runs[label]) for mode in runs[label][0]} for label in labels}
     return med, peak, out
 
 
@@ -198,6 +226,7 @@ def ab_row(name, shape, x, med, peak, out, new, old, anchor, notes, **extra):
         "ours_peak_mem_bytes": peak[new], "anchor_peak_mem_bytes": peak[old],
         "fwd_ms": med[new]["fwd"], "bwd_ms": med[new]["bwd"],
         "anchor_fwd_ms": med[old]["fwd"], "anchor_bwd_ms": med[old]["bwd"],
+        "graph_ms": med[new]["fwd+bwd graph"], "anchor_graph_ms": med[old]["fwd+bwd graph"],
         **extra,
         "rel_rms_vs_anchor": {n: float(f"{e:.1e}") for n, e in err.items()},
         "notes": notes + ", medians of benchmarks/linear_attention.py's measure (do_bench medians)",
@@ -365,12 +394,21 @@ def main():
                     "anchor_tflops": None if fla_ms is None else round(flop / fla_ms[mode] / 1e9, 1),
                     "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}",
                 }
+                if mode == "fwd+bwd":
+                    ours_g = ours_ms["fwd+bwd graph"]
+                    fla_g = None if fla_ms is None else fla_ms["fwd+bwd graph"]
+                    row["ours_graph_ms"] = round(ours_g, 4) if isinstance(ours_g, float) else ours_g
+                    row["anchor_graph_ms"] = round(fla_g, 4) if isinstance(fla_g, float) else fla_g
+                    if isinstance(ours_g, float) and isinstance(fla_g, float):
+                        row["graph_speedup"] = round(fla_g / ours_g, 3)
                 if errs and mode == "fwd+bwd":
                     row["rel_rms_vs_fla"] = {n: float(f"{e:.2e}") for n, e in errs.items()}
                 rows.append(row)
                 print(
                     f"{op:4s} {mode:8s} {shape:36s} ours {row['ours_ms']:8.3f} ms  fla {row['anchor_ms']}  "
-                    f"speedup {row['speedup']}  tflops {row['tflops']}", flush=True,
+                    f"speedup {row['speedup']}  tflops {row['tflops']}"
+                    + (f"  graphs: ours {row['ours_graph_ms']} fla {row['anchor_graph_ms']} speedup "
+                       f"{row.get('graph_speedup')}" if mode == "fwd+bwd" else ""), flush=True,
                 )
             ours_keys = {(r["name"], r["shape"]) for r in rows}
             write_results(args.out, [r for r in kept if (r["name"], r["shape"]) not in ours_keys] + rows, versions)

@@ -8,6 +8,8 @@ element fails. Shape legend: B batch, T time, H q/k heads, HV value heads, K, V 
 N sequences; q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; states [N, HV, K, V].
 """
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,14 +254,20 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
 def test_sequence_split_plan():
     """Few sequence-heads on long sequences are split (simple GLA), into segments of
     >= MIN_SEGMENT_CHUNKS chunks; enough of them already fill the GPU and are not; the delta
-    rule splits only when forced (SEGMENT_CHUNKS)."""
+    rule splits only under SPLIT_MAX_PROGRAMS["gdn"] unsplit programs (the TP=8 shape)."""
 
     def plan(B, T, HV, lengths=None, gdn=False):
         cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         chunks = triton_chunk._Chunks(B, T, cu)
         return triton_chunk._plan_segments(chunks, 128, HV, 128, "cpu", gdn)
 
-    assert plan(1, 32768, 4, gdn=True) is None
+    assert plan(1, 32768, 16, gdn=True) is None  # 64 programs at BV 32
+    # the TP=8 shape, B1-T8192 with 4 value heads: the delta rule in 8 x 16 chunks (16 programs
+    # per segment at its split BV 32), simple GLA in 32 x 4 (4 programs per segment at BV 128):
+    # 128 programs each, one wave
+    for gdn, n in ((True, 16), (False, 4)):
+        counts = (plan(1, 8192, 4, gdn=gdn).layout.cu.diff()).tolist()
+        assert counts == [n * triton_chunk.CHUNK] * (128 // n)
 
     seg = plan(1, 32768, 16)
     assert seg is not None and seg.N == 1
@@ -274,7 +282,7 @@ def test_sequence_split_plan():
         assert counts == [64 * triton_chunk.CHUNK] * 8 and seg.first.tolist() == first
     assert plan(4, 8192, 16) is not None  # 256 programs at BV 32: still split
     assert plan(16, 8192, 32) is None  # 16 x 32 x 4 programs: no split
-    assert plan(1, 512, 2) is None  # 8 chunks: shorter than a segment
+    assert plan(1, 256, 2) is None  # 4 chunks: no shorter segment
     seg = plan(1, 20000, 2, lengths=[100, 19900])  # only the long sequence is cut
     assert seg.first.tolist()[:2] == [0, 1] and seg.layout.N > 2
     assert seg.layout.offsets.tolist()[:2] == [0, 2]  # chunk numbers stay global
@@ -437,6 +445,42 @@ GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
 }
 
 
+@interpreter
+@pytest.mark.parametrize("op, bound", [("simple_gla", 80e6), ("gated_delta_rule", 93e6)])
+def test_backward_peak_memory_cpu(op, bound, monkeypatch):
+    """The kernels' buffers alive at once over a forward+backward at the TP=8 shape
+    (B1-T8192-HQK2-HV4-D128, bf16), counted at every _alloc with the kernels stubbed out. This
+    count gave the allocator's peak above the inputs measured on the H200 for the code measured,
+    to within its 512-byte rounding of small blocks (simple GLA here: 82051200 against 82051584
+    in 16-chunk segments; the delta rule 96862208 unsplit, 105250816 split; 3099590656 at
+    B1-T32768-HQK16-HV32). Since the backward frees its chunk states and the split's segment
+    states ahead of the group sums: 79.8 and 92.7 MB, under fla 0.6.0's 100.9 and 117.9 MB."""
+    live, peak = [0], [0]
+
+    def counted(shape, dtype, device):
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        n = t.numel() * t.element_size()
+        live[0] += n
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
+        return t
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(triton_chunk, "_alloc", counted)
+    for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
+                 "_segment_scan_kernel", "_group_sum_kernel"):
+        monkeypatch.setattr(triton_chunk, name, Stub())
+    x = {n: t.requires_grad_() for n, t in make_inputs(1, 8192, 2, 128, 128, HV=4, dtype=torch.bfloat16).items()}
+    args = [x["q"], x["k"], x["v"], x["g"]] + ([x["beta"]] if op == "gated_delta_rule" else [])
+    o, _ = getattr(la, op)(*args, backend="triton")
+    torch.autograd.grad(o, args, torch.ones_like(o))
+    del o  # and with it the graph and what the forward kept
+    assert 0 < peak[0] <= bound and live[0] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", list(GPU_CASES))
@@ -481,3 +525,31 @@ def test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu(segment_chunks,
     ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch")
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\nsimple_gla K256 segments {segment_chunks} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["B2-T1000-H2-HV4-D128", "varlen-300-0-1-2700-H2-HV4-D128"])
+def test_fast_launch_gives_bitwise_the_same_results_gpu(op, case, monkeypatch):
+    """ops/_launch.py's cached launches against Triton's own path: the same outputs and
+    gradients bit for bit (split and unsplit, packed and not), and the cached path was taken."""
+    from megatron_moe_hybrid.ops import _launch
+
+    lengths = None if case.startswith("B2") else [300, 0, 1, 2700]
+    B, T = (2, 1000) if lengths is None else (1, sum(lengths))
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, 2, 128, 128, HV=4, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=19)
+    kernels = [getattr(triton_chunk, n) for n in dir(triton_chunk) if isinstance(getattr(triton_chunk, n), _launch.FastKernel)]
+    assert len(kernels) == 6
+    for segment_chunks in (None, 8):
+        monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+        monkeypatch.setattr(_launch, "ENABLED", False)
+        slow = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+        monkeypatch.setattr(_launch, "ENABLED", True)
+        outputs_and_grads(op, x, "triton", cu_seqlens=cu)  # the first launch of each key goes Triton's way
+        hits = sum(k.hits for k in kernels)
+        fast = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+        assert sum(k.hits for k in kernels) - hits >= 5
+        for n in slow:
+            assert torch.equal(fast[n], slow[n]), n

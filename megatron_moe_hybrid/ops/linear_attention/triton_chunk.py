@@ -42,6 +42,7 @@ from torch import Tensor
 
 from . import _TRITON_MAX_HEAD_DIM_K
 from .._intmath import cdiv, next_power_of_2
+from .._launch import fast_launch
 from .._packed import derived, host_offsets
 
 logger = logging.getLogger(__name__)
@@ -68,14 +69,18 @@ MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # benchmarks/results/h200/linear_attention_split.json (device/probe_split.py): simple GLA fwd+bwd 3.43 -> 1.61 ms at
 # B1-T32768-H16-D128 and 2.00 -> 1.66 ms at B4-T8192-H16 (1 program per SM; 2 per SM: 1.66
 # and 1.63, 3 per SM: 1.71 and 1.69). The delta rule's split (two first passes, one of them
-# over the [K, K] transition) was 0.8-0.9x at every shape tried, so only simple GLA splits
-# unless SEGMENT_CHUNKS forces it; a forced delta-rule split runs at BV 32 ("split_gdn": at
-# BV 128 its kernels need 238 KB of shared memory, over the H200's 227 KB).
+# over the [K, K] transition; BV 32, "split_gdn": at BV 128 its kernels need 238 KB of shared
+# memory, over the H200's 227 KB) was 0.82x at B1-T32768-HQK16-HV32 and 0.77x at B4-T8192-H16
+# (128 and 256 unsplit programs), but 2.13x on the device at B1-T8192-HQK2-HV4 (16 programs:
+# 0.863 -> 0.405 ms, one CUDA graph replayed, linear_attention_segments.json; do_bench had
+# timed the host's launches there and read 0.8-0.9x), so it splits only under 32 programs.
 # SPLIT_MAX_PROGRAMS: split only where the unsplit recurrences would run at most this many
-# programs (at BV 32).
-SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 0}
+# programs (at BV 32). MIN_SEGMENT_CHUNKS 4 rather than 16 (before 2026-12-03): at that shape
+# simple GLA's plan then takes 4-chunk segments, 128 programs, 0.300 -> 0.199 ms on the device;
+# elsewhere enough programs fill the SMs at the plan's longer lengths, which are unchanged.
+SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 32}
 SPLIT_PROGRAMS_PER_SM = 1
-MIN_SEGMENT_CHUNKS = 16
+MIN_SEGMENT_CHUNKS = 4
 SEGMENT_CHUNKS: int | None = None
 SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, store), in chunk steps
 
@@ -499,6 +504,15 @@ def _bwd_chunk_kernel(
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
+# Launched through their cached compiled kernels (ops/_launch.py: about 45 us less host time per launch).
+_prep_kernel = fast_launch(_prep_kernel)
+_recurrence_fwd_kernel = fast_launch(_recurrence_fwd_kernel)
+_recurrence_bwd_kernel = fast_launch(_recurrence_bwd_kernel)
+_group_sum_kernel = fast_launch(_group_sum_kernel)
+_segment_scan_kernel = fast_launch(_segment_scan_kernel)
+_bwd_chunk_kernel = fast_launch(_bwd_chunk_kernel)
+
+
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
     """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py):
     the linear-attention layers of one step share their batch's cu_seqlens."""
@@ -593,8 +607,8 @@ def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) 
     """The split, or None where the sequences alone give the recurrences enough programs.
 
     Segments take the length with the shortest sweep (_segment_length) and hold at least
-    MIN_SEGMENT_CHUNKS chunks (the split's first pass and scan cost more than they save on
-    short segments). SEGMENT_CHUNKS, when set, forces the segment length (tests).
+    MIN_SEGMENT_CHUNKS chunks (each segment adds a program's start and end and a scan step).
+    SEGMENT_CHUNKS, when set, forces the segment length (tests, probes).
     """
     counts = [cdiv(n, CHUNK) for n in chunks.lengths]
     longest = max(counts)
@@ -826,7 +840,9 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
         L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dh0=L)
         dht_in, dh0 = _scan(seg, L, trans, dht, reverse=True, want_end=h0 is not None)
+        del L
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht_in)
+        del dht_in
     del w, P
     grouped = HV != H
     # per value head, in the input dtype; a group of heads is summed afterwards in fp32 and
@@ -837,6 +853,9 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
     _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale)
+    # freed before the group sums, where the backward's peak memory is (the chunk states alone
+    # are [NT, HV, K, V])
+    del gam, h, dh, U, dU
     if grouped:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
     return dq, dk, dv, dg, dbeta, dh0
@@ -844,17 +863,17 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
 
 def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale,
                config=None) -> None:
-    """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps), default
-    _chunk_bwd_config's); beta None: simple GLA."""
+    """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps[, num_stages]),
+    default _chunk_bwd_config's); beta None: simple GLA."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
-    BV, num_warps = _chunk_bwd_config(K, V) if config is None else config
+    BV, num_warps, *stages = _chunk_bwd_config(K, V) if config is None else config
     _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
         q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=beta is not None, IS_VARLEN=varlen, num_warps=num_warps,
+        IS_GDN=beta is not None, IS_VARLEN=varlen, num_warps=num_warps, **({"num_stages": stages[0]} if stages else {}),
     )
 
 

@@ -1,0 +1,137 @@
+"""Probe: host time against device time of our chunked linear attention on the H200, where the
+kernels are short (the TP=8 shape, B1-T8192-HQK2-HV4).
+
+    python benchmarks/device/probe_host.py [--cases gla:tp8,gdn:tp8,gla:gla_b4] [--out results.json]
+
+Per case and launch path (ops/_launch.py's cached launches, then Triton's own: fast off and
+on in one process), forward+backward (autograd.grad of a fresh forward):
+  - do_bench: benchmarks/linear_attention.py's measure (do_bench median, L2 flushed);
+  - host: wall time per call of 30 calls issued back to back without a sync (the CPU's cost
+    of one call, as long as the GPU keeps up);
+  - device: the sum of the CUDA kernel times per call (torch.profiler over 10 calls), and each
+    kernel's mean;
+  - graph: a CUDA graph of one forward+backward replayed (no host work), where capture works.
+--cprofile prints cProfile's top functions (own time) over 50 forward+backward calls per case.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import linear_attention as bench  # noqa: E402
+from megatron_moe_hybrid.ops import _launch  # noqa: E402
+
+
+def host_ms(f, calls=30):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return 1e3 * (t1 - t0) / calls, 1e3 * (t2 - t0) / calls
+
+
+def kernel_ms(f, calls=10):
+    from torch.profiler import ProfilerActivity, profile
+
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            f()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.key and not e.key.startswith(("cuda", "aten::", "autograd", "Memcpy", "Memset")):
+            per[e.key] = (t / 1e3 / calls, e.count // calls)
+    cpu_top = sorted(((e.self_cpu_time_total / 1e3 / calls, e.key, e.count // calls) for e in prof.key_averages()),
+                     reverse=True)[:15]
+    return per, cpu_top
+
+
+def graph_ms(f):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        f()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default="gla:tp8,gdn:tp8,gla:gla_b4")
+    p.add_argument("--out", default=None)
+    p.add_argument("--cprofile", action="store_true")
+    a = p.parse_args()
+    rows = []
+    for case in a.cases.split(","):
+        op, key = case.split(":")
+        name, B, T, H, HV, D, lengths = bench.SHAPES[key]
+        x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
+        do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        fn = bench.ours_fn(op, cu)
+        inputs = list(x.values())
+
+        def fwd_bwd():
+            torch.autograd.grad(fn(x), inputs, do)
+
+        def fwd():
+            with torch.no_grad():
+                fn(x)
+
+        row = dict(op=op, shape=name)
+        for fast in (True, False, True):  # fast again last: its second reading shows the drift
+            _launch.ENABLED = fast
+            ms, _, _ = bench.measure(fn, x, do)
+            path = "fast" if fast else "triton"
+            row.setdefault(f"do_bench_ms_{path}", []).append(ms)
+            row.setdefault(f"host_issue_ms_{path}", []).append(host_ms(fwd_bwd)[0])
+            row.setdefault(f"fwd_host_issue_ms_{path}", []).append(host_ms(fwd)[0])
+        _launch.ENABLED = True
+        per, cpu_top = kernel_ms(fwd_bwd)
+        row["kernels_ms"] = {k: round(v[0], 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])}
+        row["kernel_calls"] = {k: v[1] for k, v in per.items()}
+        row["kernels_sum_ms"] = round(sum(v[0] for v in per.values()), 4)
+        row["cpu_self_top_ms"] = [(round(t, 4), k, n) for t, k, n in cpu_top]
+        try:
+            row["graph_ms"] = graph_ms(fwd_bwd)
+        except Exception as e:  # noqa: BLE001 (report, go on)
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+        print(json.dumps(row), flush=True)
+        if a.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(50):
+                fwd_bwd()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"cProfile {op} {name}: 50 forward+backward calls", flush=True)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+        rows.append(row)
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
