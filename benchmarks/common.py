@@ -34,6 +34,21 @@ def time_and_peak(fn, warmup: int, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
+def cuda_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured once in a CUDA graph (after three calls on a side stream, as capture needs);
+    time its .replay: the device's time alone, without the host's launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def versions(*packages: str) -> dict[str, str]:
     found = {}
     for name in ("torch", "triton", "megatron-core", *packages):

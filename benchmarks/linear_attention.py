@@ -36,7 +36,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
-from common import write_results
+from common import cuda_graph, write_results
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe_hybrid.ops import linear_attention as la
@@ -177,14 +177,7 @@ def graph_ms(f):
     host's launches instead (benchmarks/device/probe_host.py). A str (the error) where f does
     not capture."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            f()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
+        g = cuda_graph(f)
         torch.cuda.synchronize()
         return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - recorded in the row

@@ -53,7 +53,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import time_and_peak, write_results
+from common import cuda_graph, time_and_peak, write_results
 from megatron_moe_hybrid.ops.moe.gather import scatter_rows
 from torch.distributed import _functional_collectives as funcol
 
@@ -432,17 +432,8 @@ def device_copy(num_bytes):
 
 
 def graph_replay_ms(fn, warmup, reps):
-    """Median ms of replays of fn captured in a CUDA graph (after three calls on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_and_peak(graph.replay, warmup, reps)[0]
+    """Median ms of replays of fn captured in a CUDA graph (common.cuda_graph)."""
+    return time_and_peak(cuda_graph(fn).replay, warmup, reps)[0]
 
 
 def back_to_back_ms(fn, rep_ms=200.0):

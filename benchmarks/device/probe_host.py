@@ -21,7 +21,6 @@ import sys
 import time
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -61,19 +60,6 @@ def kernel_ms(f, calls=10):
     return per, cpu_top
 
 
-def graph_ms(f):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="gla:tp8,gdn:tp8,gla:gla_b4")
@@ -110,10 +96,7 @@ def main():
         row["kernel_calls"] = {k: v[1] for k, v in per.items()}
         row["kernels_sum_ms"] = round(sum(v[0] for v in per.values()), 4)
         row["cpu_self_top_ms"] = [(round(t, 4), k, n) for t, k, n in cpu_top]
-        try:
-            row["graph_ms"] = graph_ms(fwd_bwd)
-        except Exception as e:  # noqa: BLE001 (report, go on)
-            row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+        row["graph_ms"] = bench.graph_ms(fwd_bwd)  # a str where capture failed
         print(json.dumps(row), flush=True)
         if a.cprofile:
             import cProfile
