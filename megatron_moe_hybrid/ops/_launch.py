@@ -1,10 +1,12 @@
 """Launching a Triton kernel with less host time per call than ``kernel[grid](...)``.
 
 Triton's ``JITFunction.run`` binds and specialises every argument, builds a cache key and a
-launch-metadata object on every call: on the H200 machine's host (Triton 3.6) that cost about
-45 us of a 65 us launch (cProfile in benchmarks/device/probe_host.py), and the chunked simple
-GLA at TP=8 (B1-T8192, 4 value heads) makes 12 launches per forward+backward whose kernels
-take 0.30 ms of device time against 1.1 ms of host time.
+launch-metadata object on every call: on the H200 machine's host (Triton 3.6) cProfile put
+about 45 us of a 65 us launch there (benchmarks/device/probe_host.py --cprofile; the profiler
+inflates both). The chunked simple GLA at TP=8 (B1-T8192, 4 value heads) makes 12 launches per
+forward+backward, whose kernels took 0.30 ms of device time against 1.1-1.3 ms of host time;
+launched as below its host time went 1.33 -> 1.08 ms (about 20 us a launch), Gated DeltaNet's
+0.99 -> 0.85 ms over 8 launches (benchmarks/results/h200/linear_attention_segments.json).
 
 ``fast_launch(kernel)`` wraps a ``@triton.jit`` function. ``wrapped[grid](*args, **kwargs)``
 takes the same arguments as the kernel, runtime arguments positionally and constexprs and
