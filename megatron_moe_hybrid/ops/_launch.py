@@ -56,6 +56,14 @@ def _arg_key(a):
     raise TypeError(type(a).__name__)
 
 
+def _keyword_key(item):
+    """Keywords are constexprs and launch options, keyed by value; anything else (a tensor passed
+    by keyword would key by identity: a new entry per call) is not cached."""
+    if item[1] is None or type(item[1]) in (int, bool, float, str):
+        return item
+    raise TypeError(type(item[1]).__name__)
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is set: Triton 3.6 keeps an empty HookChain (.calls) when none is."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -87,10 +95,10 @@ class FastKernel:
             return self.fn[grid](*args, **kwargs)
         device = driver.active.get_current_device()
         try:
-            key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()), knobs.runtime.debug,
-                   knobs.compilation.instrumentation_mode)
+            key = (device, tuple(map(_arg_key, args)), tuple(map(_keyword_key, kwargs.items())),
+                   knobs.runtime.debug, knobs.compilation.instrumentation_mode)
             hit = self.cache.get(key)
-        except TypeError:  # an argument type the key does not cover, or an unhashable keyword
+        except TypeError:  # an argument type the key does not cover
             return self.fn[grid](*args, **kwargs)
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)

@@ -114,4 +114,5 @@ def test_defaulted_parameters_and_unknown_argument_types_always_take_triton(kern
     for _ in range(2):
         kernel[(1,)](x, 5, False)  # B left to a default: not cached
         kernel[(1,)](x, [5], False, B=16)  # a list: no key
-    assert paths(kernel) == ["triton"] * 4
+        kernel[(1,)](x, 5, flag=False, B=torch.zeros(1))  # a tensor by keyword would key by identity
+    assert paths(kernel) == ["triton"] * 6 and not kernel.cache
