@@ -95,6 +95,14 @@ def make_inputs(op, B, T, H, HV, D, lengths, seed=0):
     return x, cu
 
 
+def case(op, key):
+    """(shape name, inputs x, cu_seqlens, output gradient do) of SHAPES[key] for op: what the
+    device probes time."""
+    name, B, T, H, HV, D, lengths = SHAPES[key]
+    x, cu = make_inputs(op, B, T, H, HV, D, lengths)
+    return name, x, cu, torch.randn(B, T, HV, D, device="cuda").bfloat16()
+
+
 def ours_fn(op, cu):
     if op == "gdn":
         return lambda x: la.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, backend="triton")[0]

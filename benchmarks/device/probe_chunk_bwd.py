@@ -28,9 +28,7 @@ OUTS = {"dq": 12, "dk": 13, "dv": 14, "dg": 15, "dbeta": 16}  # _chunk_bwd's out
 
 
 def captured_args(op, key):
-    name, B, T, H, HV, D, lengths = bench.SHAPES[key]
-    x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
-    do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+    name, x, cu, do = bench.case(op, key)
     kept, original = [], tc._chunk_bwd
 
     def keep(*args, **kwargs):

@@ -6,11 +6,11 @@ kernels are short (the TP=8 shape, B1-T8192-HQK2-HV4).
 Per case and launch path (ops/_launch.py's cached launches, then Triton's own: fast off and
 on in one process), forward+backward (autograd.grad of a fresh forward):
   - do_bench: benchmarks/linear_attention.py's measure (do_bench median, L2 flushed);
-  - host: wall time per call of 30 calls issued back to back without a sync (the CPU's cost
-    of one call, as long as the GPU keeps up);
+  - host: time per call of 30 calls issued back to back without a sync (the CPU's cost of one
+    call, as long as the GPU keeps up; probe_launch.per_call);
   - device: the sum of the CUDA kernel times per call (torch.profiler over 10 calls), and each
-    kernel's mean;
-  - graph: a CUDA graph of one forward+backward replayed (no host work), where capture works.
+    kernel's mean; measure's "fwd+bwd graph" (one CUDA graph replayed) is the same without
+    the gaps between kernels.
 --cprofile prints cProfile's top functions (own time) over 50 forward+backward calls per case.
 """
 
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -26,19 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import linear_attention as bench  # noqa: E402
 from megatron_moe_hybrid.ops import _launch  # noqa: E402
+from probe_launch import per_call  # noqa: E402
 
 
 def host_ms(f, calls=30):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return 1e3 * (t1 - t0) / calls, 1e3 * (t2 - t0) / calls
+    """Host ms per call of f issued back to back (probe_launch.per_call)."""
+    return per_call(f, calls)["host_us"] / 1e3
 
 
 def kernel_ms(f, calls=10):
@@ -52,8 +44,9 @@ def kernel_ms(f, calls=10):
         torch.cuda.synchronize()
     per = {}
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t and e.key and not e.key.startswith(("cuda", "aten::", "autograd", "Memcpy", "Memset")):
+        # self time: an op's device total also counts the kernels under it (the autograd Function's)
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t and e.key:
             per[e.key] = (t / 1e3 / calls, e.count // calls)
     cpu_top = sorted(((e.self_cpu_time_total / 1e3 / calls, e.key, e.count // calls) for e in prof.key_averages()),
                      reverse=True)[:15]
@@ -69,9 +62,7 @@ def main():
     rows = []
     for case in a.cases.split(","):
         op, key = case.split(":")
-        name, B, T, H, HV, D, lengths = bench.SHAPES[key]
-        x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
-        do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        name, x, cu, do = bench.case(op, key)
         fn = bench.ours_fn(op, cu)
         inputs = list(x.values())
 
@@ -88,15 +79,14 @@ def main():
             ms, _, _ = bench.measure(fn, x, do)
             path = "fast" if fast else "triton"
             row.setdefault(f"do_bench_ms_{path}", []).append(ms)
-            row.setdefault(f"host_issue_ms_{path}", []).append(host_ms(fwd_bwd)[0])
-            row.setdefault(f"fwd_host_issue_ms_{path}", []).append(host_ms(fwd)[0])
+            row.setdefault(f"host_issue_ms_{path}", []).append(host_ms(fwd_bwd))
+            row.setdefault(f"fwd_host_issue_ms_{path}", []).append(host_ms(fwd))
         _launch.ENABLED = True
         per, cpu_top = kernel_ms(fwd_bwd)
         row["kernels_ms"] = {k: round(v[0], 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])}
         row["kernel_calls"] = {k: v[1] for k, v in per.items()}
         row["kernels_sum_ms"] = round(sum(v[0] for v in per.values()), 4)
         row["cpu_self_top_ms"] = [(round(t, 4), k, n) for t, k, n in cpu_top]
-        row["graph_ms"] = bench.graph_ms(fwd_bwd)  # a str where capture failed
         print(json.dumps(row), flush=True)
         if a.cprofile:
             import cProfile

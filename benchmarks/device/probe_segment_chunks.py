@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -39,9 +38,7 @@ def main():
 
     for case in a.cases.split(","):
         op, key = case.split(":")
-        name, B, T, H, HV, D, lengths = bench.SHAPES[key]
-        x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
-        do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        name, x, cu, do = bench.case(op, key)
         try:
             med, peak, out = bench.measure_in_turn(bench.ours_fn(op, cu), x, do, labels, apply, a.rounds)
         finally:

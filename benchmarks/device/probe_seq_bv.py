@@ -18,7 +18,6 @@ import json
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -42,9 +41,7 @@ def main():
 
     for case in a.cases.split(","):
         op, key = case.split(":")
-        name, B, T, H, HV, D, lengths = bench.SHAPES[key]
-        x, cu = bench.make_inputs(op, B, T, H, HV, D, lengths)
-        do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        name, x, cu, do = bench.case(op, key)
         fn = bench.ours_fn(op, cu)
         try:
             # the sequence split off, as at these cases by default (its threshold counts programs

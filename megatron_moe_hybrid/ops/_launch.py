@@ -76,10 +76,8 @@ class FastKernel:
         self.fn = fn
         self.cache: dict = {}
         self.hits = 0  # launches that took the cached kernel
-        names = getattr(fn, "arg_names", None)
-        params = getattr(fn, "params", None)
-        self.supported = names is not None and params is not None and hasattr(fn, "device_caches")
-        self.names = names
+        self.names = getattr(fn, "arg_names", None)  # None: the interpreter's kernels, Triton's path
+        self.supported = self.names is not None and hasattr(fn, "device_caches")
 
     def __getattr__(self, name):  # device_caches, __name__, ... of the kernel itself
         if name == "fn":
@@ -96,7 +94,7 @@ class FastKernel:
         device = driver.active.get_current_device()
         try:
             key = (device, tuple(map(_arg_key, args)), tuple(map(_keyword_key, kwargs.items())),
-                   knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+                   runtime.debug, knobs.compilation.instrumentation_mode)
             hit = self.cache.get(key)
         except TypeError:  # an argument type the key does not cover
             return self.fn[grid](*args, **kwargs)
@@ -121,5 +119,4 @@ class FastKernel:
         return kernel
 
 
-def fast_launch(fn) -> FastKernel:
-    return FastKernel(fn)
+fast_launch = FastKernel  # kernel = fast_launch(kernel)

@@ -24,7 +24,6 @@ class FakeJit:
     """The parts of a triton JITFunction that FastKernel uses: x, n, flag at run time, B constexpr."""
 
     arg_names = ["x", "n", "flag", "B"]
-    params = [SimpleNamespace(name=n) for n in arg_names]
     device_caches: dict = {}
 
     def __init__(self):
