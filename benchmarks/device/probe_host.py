@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import linear_attention as bench  # noqa: E402
 from megatron_moe_hybrid.ops import _launch  # noqa: E402
-from probe_launch import per_call  # noqa: E402
+from probe_launch import cprofile_top, per_call  # noqa: E402
 
 
 def host_ms(f, calls=30):
@@ -89,17 +89,7 @@ def main():
         row["cpu_self_top_ms"] = [(round(t, 4), k, n) for t, k, n in cpu_top]
         print(json.dumps(row), flush=True)
         if a.cprofile:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(50):
-                fwd_bwd()
-            prof.disable()
-            torch.cuda.synchronize()
-            print(f"cProfile {op} {name}: 50 forward+backward calls", flush=True)
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            print(cprofile_top(fwd_bwd, 50, f"{op} {name}, forward+backward"), flush=True)
         rows.append(row)
         if a.out:
             with open(a.out, "w") as fh:

@@ -35,6 +35,24 @@ def per_call(fn, n=2000):
     return dict(host_us=round((t1 - t0) / n * 1e6, 2), wall_us=round((t2 - t0) / n * 1e6, 2))
 
 
+def cprofile_top(fn, calls, title, rows=30, sort_by="tottime"):
+    """cProfile's top functions over `calls` calls of fn (issued back to back, one sync after),
+    as text headed by title."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats(sort_by).print_stats(rows)
+    return f"cProfile {title}: {calls} calls\n{text.getvalue()}"
+
+
 def profile_table(step, iters, sort_by, rows):
     """The profiler's CPU + CUDA table of `iters` calls of step, and the profile."""
     from torch.profiler import ProfilerActivity, profile

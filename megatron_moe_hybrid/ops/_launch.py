@@ -8,6 +8,11 @@ forward+backward, whose kernels took 0.30 ms of device time against 1.1-1.3 ms o
 launched as below its host time went 1.33 -> 1.08 ms (about 20 us a launch), Gated DeltaNet's
 0.99 -> 0.85 ms over 8 launches (benchmarks/results/h200/linear_attention_segments.json).
 
+Every Triton kernel of the package launches through it: the linear-attention chunk kernels,
+norms and short conv, the MoE router, layout, gathers, SwiGLU and grouped GEMM, sparse attention
+and its indexer, the cross-entropy passes. Small steps are host-bound, so this is their speed:
+benchmarks/device/probe_fast_launch.py times both paths (results/h200/fast_launch.json).
+
 ``fast_launch(kernel)`` wraps a ``@triton.jit`` function. ``wrapped[grid](*args, **kwargs)``
 takes the same arguments as the kernel, runtime arguments positionally and constexprs and
 launch options (num_warps, num_stages) by keyword. The first call with a new key goes through
@@ -21,6 +26,11 @@ by 16 and which integer type holds them, floats as one kind; every keyword's val
 Triton's debug and instrumentation knobs.
 Anything else (another argument type, a launch hook such as a profiler's, the interpreter, a
 Triton whose launch protocol this file was not checked against) takes Triton's own path.
+
+Checks: tests/ops/test_launch.py (the key and the launch, CPU); on the GPU, every kernel against
+Triton's own path bit for bit (test_fast_launch_gpu.py and the linear-attention twin), and in
+every GPU test VERIFY mode (tests/conftest.py): a cached key still launches Triton's way and
+must get the cached compiled kernel back, else KeyTooCoarse.
 """
 
 from __future__ import annotations
@@ -40,6 +50,15 @@ except ImportError:  # Triton before 3.4: no knobs; Triton's own path only
 # ENABLED False: every launch takes Triton's own path (tests and probes compare the two).
 CHECKED_VERSIONS = ("3.6.", "3.9.")
 ENABLED = knobs is not None and triton.__version__.startswith(CHECKED_VERSIONS)
+# VERIFY True (the GPU tests set it, tests/conftest.py): a call whose key is cached still takes
+# Triton's own path, and the compiled kernel Triton launched must be the cached one (the same
+# object), else KeyTooCoarse. Every GPU test so checks the key of each kernel it launches twice.
+VERIFY = False
+
+
+class KeyTooCoarse(AssertionError):
+    """Triton compiled a different kernel for a call whose key was cached: the key misses a
+    specialisation, and a cached launch would have run the wrong binary."""
 
 
 def _arg_key(a):
@@ -76,6 +95,7 @@ class FastKernel:
         self.fn = fn
         self.cache: dict = {}
         self.hits = 0  # launches that took the cached kernel
+        self.verified = 0  # VERIFY calls whose cached kernel was Triton's
         self.names = getattr(fn, "arg_names", None)  # None: the interpreter's kernels, Triton's path
         self.supported = self.names is not None and hasattr(fn, "device_caches")
 
@@ -109,6 +129,13 @@ class FastKernel:
                 self.cache[key] = (kernel, tuple(tail))
             return kernel
         kernel, tail = hit
+        if VERIFY:
+            launched = self.fn[grid](*args, **kwargs)
+            if launched is not kernel:
+                raise KeyTooCoarse(f"{getattr(self.fn, '__name__', self.fn)}: key {key} cached one compiled "
+                                   "kernel, Triton launched another for this call")
+            self.verified += 1
+            return launched
         self.hits += 1
         grid = tuple(grid)
         stream = driver.active.get_current_stream(device)

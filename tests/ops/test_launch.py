@@ -115,3 +115,19 @@ def test_defaulted_parameters_and_unknown_argument_types_always_take_triton(kern
         kernel[(1,)](x, [5], False, B=16)  # a list: no key
         kernel[(1,)](x, 5, flag=False, B=torch.zeros(1))  # a tensor by keyword would key by identity
     assert paths(kernel) == ["triton"] * 6 and not kernel.cache
+
+
+def test_verify_mode_launches_triton_and_checks_its_kernel_is_the_cached_one(kernel, monkeypatch):
+    """VERIFY (GPU tests): a cached key takes Triton's path; the same compiled kernel back passes
+    (counted), another one raises KeyTooCoarse."""
+    x = torch.zeros(64)
+    same = FakeCompiled(kernel.fn.log)
+    monkeypatch.setattr(FakeJit, "__getitem__", lambda self, grid: lambda *a, **k: (self.log.append(("triton",)), same)[1])
+    kernel[(1,)](x, 5, False, B=16)
+    monkeypatch.setattr(_launch, "VERIFY", True)
+    kernel[(1,)](x, 5, False, B=16)
+    assert paths(kernel) == ["triton", "triton"] and kernel.verified == 1 and kernel.hits == 0
+    # Triton compiles another kernel for a call the key lumps in with a cached one
+    monkeypatch.setattr(FakeJit, "__getitem__", lambda self, grid: lambda *a, **k: FakeCompiled(self.log))
+    with pytest.raises(_launch.KeyTooCoarse, match="Triton launched another"):
+        kernel[(1,)](x, 5, False, B=16)

@@ -550,6 +550,7 @@ def test_fast_launch_gives_bitwise_the_same_results_gpu(op, case, monkeypatch):
                     device="cuda", seed=19)
     kernels = [getattr(triton_chunk, n) for n in dir(triton_chunk) if isinstance(getattr(triton_chunk, n), _launch.FastKernel)]
     assert len(kernels) == 6
+    monkeypatch.setattr(_launch, "VERIFY", False)
     for segment_chunks in (None, 8):
         monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
         monkeypatch.setattr(_launch, "ENABLED", False)

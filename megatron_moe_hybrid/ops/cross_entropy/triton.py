@@ -61,6 +61,7 @@ from .reference import (
     token_loss,
 )
 from .. import _cublaslt
+from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
 
 __all__ = ["auto_chunk_size", "triton_linear_cross_entropy"]
@@ -220,6 +221,12 @@ def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_r
     g_target = tl.exp(x_target - lse) * scale_softmax - uniform - target_weight
     tl.debug_barrier()
     tl.store(p_target, g_target.to(logits_ptr.dtype.element_ty), mask=has_target)
+
+
+# Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+_partial_stats_kernel = fast_launch(_partial_stats_kernel)
+_finish_kernel = fast_launch(_finish_kernel)
+_grad_logits_kernel = fast_launch(_grad_logits_kernel)
 
 
 def _splits(num_rows: int, num_cols: int, programs: int | None = None) -> tuple[int, int]:

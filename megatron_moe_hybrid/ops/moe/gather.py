@@ -94,6 +94,7 @@ def scatter_rows_reference(src: torch.Tensor, dest: torch.Tensor, unread: torch.
 
 
 if triton is not None:
+    from .._launch import fast_launch
 
     @triton.jit
     def _gather_sum_kernel(src, idx, weights, out, M, h, K: tl.constexpr, HAS_W: tl.constexpr,
@@ -167,6 +168,11 @@ if triton is not None:
                         mask=ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # [KP, BLOCK]
             acc += tl.sum(y * x[None, :], axis=1)
         tl.store(out + m * K + kk, tl.where(ok, acc, 0.0), mask=kk < K)
+
+    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+    _gather_sum_kernel = fast_launch(_gather_sum_kernel)
+    _scatter_rows_kernel = fast_launch(_scatter_rows_kernel)
+    _row_dot_kernel = fast_launch(_row_dot_kernel)
 
 
 # the tiles (elements per program, of GATHER_BLOCK_MAX columns at most), from

@@ -62,6 +62,7 @@ WGRAD_CONFIG = (128, 256, 64, 8, 3, 4)
 
 
 if triton is not None:
+    from .._launch import fast_launch
 
     @triton.jit
     def _find_expert(tile_bounds, t, E, LOG_E: tl.constexpr):
@@ -152,6 +153,10 @@ if triton is not None:
                 o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
                 tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
                 acc = tl.zeros((BK, BN), dtype=tl.float32)
+
+    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+    _grouped_mm_kernel = fast_launch(_grouped_mm_kernel)
+    _grouped_wgrad_kernel = fast_launch(_grouped_wgrad_kernel)
 
 
 def _check(x: torch.Tensor, bounds: torch.Tensor, n_experts: int) -> None:

@@ -178,6 +178,7 @@ COUNT_BLOCK = 128  # entries per block (one program of the count and the place k
 BASE_SCAN = 1024  # blocks scanned at once by the base kernel (one program per expert)
 
 if triton is not None:
+    from .._launch import fast_launch
 
     @triton.jit
     def _expert_count_kernel(keys, counts, totals, n, nblk, L, BLOCK: tl.constexpr, LB: tl.constexpr):
@@ -231,6 +232,11 @@ if triton is not None:
         tl.store(sorted_copy + pos, i, mask=keep)
         tl.store(sorted_row + pos, i // K, mask=keep)
         tl.store(copy_pos + i, tl.where(keep, pos, -1), mask=inb)
+
+    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+    _expert_count_kernel = fast_launch(_expert_count_kernel)
+    _expert_base_kernel = fast_launch(_expert_base_kernel)
+    _expert_place_kernel = fast_launch(_expert_place_kernel)
 
 
 def _expand_layout_triton(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> ExpandLayout:

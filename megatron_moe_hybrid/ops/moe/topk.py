@@ -34,6 +34,7 @@ MAX_PROGRAMS = 1024  # the forward's programs (each loops over token blocks): ro
 
 
 if triton is not None:
+    from .._launch import fast_launch
 
     @triton.jit
     def _router_fwd_kernel(logits, bias, scores, probs, idx, valid, lse, score_sums, counts, T, E, scale, BLOCKS,
@@ -167,6 +168,11 @@ if triton is not None:
         tl.store(base + off_hi0, hi, mask=mask)
         tl.store(base + off_hi1, hi, mask=mask)
         tl.store(base + off_lo, lo, mask=mask)
+
+    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+    _router_fwd_kernel = fast_launch(_router_fwd_kernel)
+    _router_bwd_kernel = fast_launch(_router_bwd_kernel)
+    _split_hi_lo_kernel = fast_launch(_split_hi_lo_kernel)
 
 
 SPLIT_BLOCK = 1024

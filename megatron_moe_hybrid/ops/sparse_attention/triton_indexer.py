@@ -47,6 +47,7 @@ from .reference import (
     _segment_ids,
 )
 from .triton_sparse import per_key_lists, sum_rows_per_key
+from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -347,6 +348,13 @@ def _sparse_scores_bwd_kernel(
     p_dq = dq + i_b * sq_b + i_t * sq_t + o_h[:, None] * sq_h + o_d[None, :]
     tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=(o_h < HI)[:, None] & (o_d < DI)[None, :])
     tl.store(dw + i_b * sw_b + i_t * sw_t + o_h, b_dw.to(dw.dtype.element_ty), mask=o_h < HI)
+
+
+# Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
+_score_keys_kernel = fast_launch(_score_keys_kernel)
+_compact_kernel = fast_launch(_compact_kernel)
+_sparse_scores_fwd_kernel = fast_launch(_sparse_scores_fwd_kernel)
+_sparse_scores_bwd_kernel = fast_launch(_sparse_scores_bwd_kernel)
 
 
 def _scores_meta(q_idx: Tensor) -> dict:
