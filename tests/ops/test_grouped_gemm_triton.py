@@ -101,6 +101,71 @@ def test_frozen_weight_skips_the_weight_gradient():
     assert not calls and xa.grad is not None
 
 
+def _micro_batches(n, counts, k, m, seed):
+    """n micro-batches' (x, dy) for one [E, k, m] weight: each a fresh draw of rows."""
+    torch.manual_seed(seed)
+    return [(c, x, dy) for c, x, _, dy in (_case(counts, 0, k, m) for _ in range(n))]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
+
+    monkeypatch.setattr(gt, "FWD_CONFIG", SMALL_FWD)
+    monkeypatch.setattr(gt, "WGRAD_CONFIG", SMALL_WGRAD)
+    return gt
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd-adds"])
+def test_gradient_accumulated_over_micro_batches_equals_the_sum(small_tiles, monkeypatch, fused):
+    """Three .backward() calls into one weight: w.grad is the sum of the three loop gradients.
+    Fused, the second and third backward add into w.grad themselves (no gradient returned)."""
+    monkeypatch.setattr(small_tiles, "ACCUMULATE_INTO_GRAD", fused)
+    counts = [5, 0, 23, 1, 16]  # an expert without rows keeps its accumulated gradient
+    w = (torch.randn(5, 40, 24, dtype=torch.float64) / 40**0.5).float().requires_grad_()
+    into = []
+    real = small_tiles.grouped_mm_wgrad
+    monkeypatch.setattr(small_tiles, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
+    want = torch.zeros(5, 40, 24, dtype=torch.float64)
+    bounds = row_bounds(torch.tensor(counts))
+    for counts_t, x, dy in _micro_batches(3, counts, 40, 24, seed=3):
+        GroupedMM.apply(x, w, bounds).backward(dy)
+        want += _ref_wgrad(x, dy, counts_t)
+    torch.testing.assert_close(w.grad.double(), want, rtol=1e-5, atol=1e-5)
+    assert into == ([False, True, True] if fused else [False, False, False])
+
+
+def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_tiles, monkeypatch):
+    """w.grad is only added to where autograd would add to it: not under autograd.grad (its
+    gradient is returned), not for .backward(inputs=[x]) (w's gradient is not wanted), and not
+    where a hook watches w's gradient (it runs, on the returned gradient)."""
+    counts = [4, 7, 2]
+    bounds = row_bounds(torch.tensor(counts))
+    (c1, x1, dy1), (c2, x2, dy2) = _micro_batches(2, counts, 16, 16, seed=4)
+    w = (torch.randn(3, 16, 16, dtype=torch.float64) / 4).float().requires_grad_()
+    GroupedMM.apply(x1, w, bounds).backward(dy1)
+    first = w.grad.clone()
+    (dw,) = torch.autograd.grad(GroupedMM.apply(x2, w, bounds), [w], dy2)
+    torch.testing.assert_close(dw.double(), _ref_wgrad(x2, dy2, c2), rtol=1e-5, atol=1e-5)
+    xa = x2.clone().requires_grad_()
+    GroupedMM.apply(xa, w, bounds).backward(dy2, inputs=[xa])
+    assert torch.equal(w.grad, first) and xa.grad is not None
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    GroupedMM.apply(x2, w, bounds).backward(dy2)
+    assert len(seen) == 1
+    torch.testing.assert_close(w.grad.double(), first.double() + _ref_wgrad(x2, dy2, c2), rtol=1e-5, atol=1e-5)
+
+
+def test_wgrad_accumulate_into_checks_its_target():
+    counts_t, x, w, dy = _case([3, 4], 0, 16, 16)
+    with pytest.raises(ValueError, match="accumulate_into"):
+        grouped_mm_wgrad(x, dy, row_bounds(counts_t), SMALL_WGRAD, accumulate_into=torch.zeros(2, 16, 8))
+    target = torch.randn(2, 16, 16)
+    out = grouped_mm_wgrad(x, dy, row_bounds(counts_t), SMALL_WGRAD, accumulate_into=target.clone())
+    torch.testing.assert_close(out.double(), target.double() + _ref_wgrad(x, dy, counts_t), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_name_the_argument():
     counts_t, x, w, dy = _case([3, 4], 0, 16, 16)
     with pytest.raises(ValueError, match="bounds"):
@@ -140,6 +205,37 @@ def test_bf16_on_the_gpu_matches_fp32(counts_kind, wgrad):
     assert rel(wa.grad, wr.grad) < 1e-2
     if counts_kind == "skewed":
         assert torch.equal(wa.grad[0], torch.zeros_like(wa.grad[0]))  # an expert without rows
+
+
+@pytest.mark.gpu
+def test_bf16_gradient_accumulation_on_the_gpu(monkeypatch):
+    """Three micro-batches into one bf16 weight on the H200: the fused accumulation (the second
+    and third add in the kernel, rounded once each) within bf16 of the fp32 sum, and of the
+    path where autograd adds (auto: torch._grouped_mm's gradient, then grad += it)."""
+    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
+
+    torch.manual_seed(0)
+    e, k, m = 16, 512, 384
+    counts = [200] * 8 + [0] + [150] * 7
+    bounds = row_bounds(torch.tensor(counts, device="cuda"))
+    batches = [_case(counts, 0, k, m, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    w0 = batches[0][2]
+    grads = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gt, "ACCUMULATE_INTO_GRAD", fused)
+        w = w0.clone().requires_grad_()
+        for _, x, _, dy in batches:
+            GroupedMM.apply(x, w, bounds).backward(dy)
+        grads[fused] = w.grad
+    want = sum(_ref_wgrad(x.float(), dy.float(), torch.tensor(counts)) for _, x, _, dy in batches).float()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(grads[True], want) < 1e-2 and rel(grads[False], want) < 1e-2
+    assert rel(grads[True], grads[False]) < 1e-2
+    assert rel(grads[True], want) <= rel(grads[False], want) * 1.05  # one rounding per add, not two
+    assert torch.equal(grads[True][8], torch.zeros_like(grads[True][8]))  # the expert without rows
 
 
 def test_swiglu_experts_on_the_triton_backend_equal_the_loop():

@@ -14,6 +14,12 @@ back, its column tiles outer and its row tiles inner, so the expert's rows (a fe
 weight column tile stay in L2 while they are reused.
 
 Offsets are int64 (tokens x hidden past 2^31). Accumulation is fp32, outputs in x's dtype.
+
+Gradient accumulation over micro-batches: where autograd would add the weight gradient into an
+existing w.grad (AccumulateGrad: a new [E, K, M] gradient, then grad += it, three passes over
+it), GroupedMM's backward adds it there itself with the weight-gradient kernel (ACCUMULATE:
+each tile read, added in fp32, rounded once) and returns None for w; autograd.grad, hooks on
+w and double backward keep the plain path (_grad_to_accumulate_into).
 Tried in H200 probe runs and dropped for want of a gain (no results file keeps them): TMA
 descriptors for the operands, a persistent weight gradient storing by TMA, a weight-gradient
 path holding an expert's rows in one tile. Measured: benchmarks/results/h200/grouped_gemm.json.
@@ -29,6 +35,7 @@ The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 try:
     import triton
@@ -119,13 +126,15 @@ if triton is not None:
     @triton.jit
     def _grouped_wgrad_kernel(x, dy, dw, bounds, K, M,
                               sxm, sxk, sdm, sdn, swe, swk, swm,
-                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr):
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, NT: tl.constexpr,
+                              ACCUMULATE: tl.constexpr):
         # one program: expert e, row tile kt of dw[e], NT column tiles in turn (the x^T tile it
         # reads is the same for each: L2 hits), each a reduction over the expert's rows in
         # chunks of BR. Column tiles and row chunks run as one loop (step i: chunk i % chunks of
         # column tile n0 + i // chunks), which Triton pipelines as one: the next tile's loads are
         # in flight while a tile finishes and stores. Nested loops started each tile's pipeline
         # afresh (H200, 128 rows per expert: fc1 8.52 -> 7.64 ms, fc2 4.30 -> 3.86).
+        # ACCUMULATE: dw += the product (read in fp32, added, rounded once) instead of dw =.
         pid = tl.program_id(0)
         num_k = tl.cdiv(K, BK)
         num_n = tl.cdiv(M, BN)
@@ -151,7 +160,10 @@ if triton is not None:
             acc = tl.dot(a, b, acc)  # [BK, BR] @ [BR, BN]
             if c == chunks - 1:
                 o_ptr = dw + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :] * swm
-                tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=(rk[:, None] < K) & (rn[None, :] < M))
+                o_ok = (rk[:, None] < K) & (rn[None, :] < M)
+                if ACCUMULATE:
+                    acc += tl.load(o_ptr, mask=o_ok, other=0.0).to(tl.float32)
+                tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=o_ok)
                 acc = tl.zeros((BK, BN), dtype=tl.float32)
 
     # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
@@ -204,31 +216,71 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, bounds: torch.Tensor, config=No
     return out
 
 
-def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, config=None) -> torch.Tensor:
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, config=None,
+                     accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K], dy [N, M] grouped by expert, bounds int32 [E + 1] -> dw [E, K, M] in x's dtype
-    (zero for an expert without rows)."""
+    (zero for an expert without rows). accumulate_into: an [E, K, M] tensor (any strides, a
+    float dtype) that gets dw added in place (each element read, added in fp32, rounded once)
+    and is returned: a gradient accumulated over micro-batches without a second [E, K, M]
+    buffer or a separate add."""
     E = bounds.shape[0] - 1
     _check(x, bounds, E)
     if dy.dim() != 2 or dy.shape[0] != x.shape[0] or dy.dtype != x.dtype or dy.device != x.device:
         raise ValueError(f"dy must be [N={x.shape[0]}, M] in {x.dtype} on {x.device}, got {dy.dtype} {tuple(dy.shape)}")
     BK, BN, BR, warps, stages, nt = config or WGRAD_CONFIG
     K, M = x.shape[1], dy.shape[1]
-    dw = torch.empty(E, K, M, dtype=x.dtype, device=x.device)
+    if accumulate_into is None:
+        dw = torch.empty(E, K, M, dtype=x.dtype, device=x.device)
+    else:
+        dw = accumulate_into
+        if tuple(dw.shape) != (E, K, M) or dw.device != x.device or not dw.is_floating_point():
+            raise ValueError(f"accumulate_into must be a float [E={E}, K={K}, M={M}] tensor on {x.device}, "
+                             f"got {dw.dtype} {tuple(dw.shape)} on {dw.device}")
     if dw.numel() == 0:
         return dw
     grid = (E * cdiv(K, BK) * cdiv(cdiv(M, BN), nt),)
     _grouped_wgrad_kernel[grid](
         x, dy, dw, bounds, K, M,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BK=BK, BN=BN, BR=BR, NT=nt, num_warps=warps, num_stages=stages,
+        BK=BK, BN=BN, BR=BR, NT=nt, ACCUMULATE=accumulate_into is not None, num_warps=warps, num_stages=stages,
     )
     return dw
+
+
+# GroupedMM's backward adds the weight gradient into weight.grad itself where autograd would only
+# add it there (AccumulateGrad: grad += dw), as Megatron's gradient_accumulation_fusion does for
+# its GEMMs: from the second micro-batch of a step on, no [E, K, M] gradient is made and none is
+# read back three times for the add (at 128 rows per expert, hidden 7168, 256 experts: 15 GB
+# for fc1). False: always return the gradient.
+ACCUMULATE_INTO_GRAD = True
+
+
+def _grad_to_accumulate_into(w: torch.Tensor, node) -> torch.Tensor | None:
+    """w.grad where GroupedMM's backward may add w's gradient into it in place and return None
+    for w: the engine will run w's AccumulateGrad (a .backward() whose inputs include w, not
+    autograd.grad), w.grad exists (not the first micro-batch) and nothing else watches w's
+    gradient (no tensor or post-accumulate hooks, no double backward). Otherwise None."""
+    if not ACCUMULATE_INTO_GRAD or node is None or torch.is_grad_enabled():
+        return None
+    grad = w.grad
+    if (grad is None or grad.requires_grad or grad.layout != torch.strided or grad.shape != w.shape
+            or grad.device != w.device or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)):
+        return None
+    try:
+        if not torch._C._will_engine_execute_node(node):
+            return None
+    except RuntimeError:  # autograd.grad() over a leaf: its gradient is returned, not accumulated
+        return None
+    return grad
 
 
 class GroupedMM(torch.autograd.Function):
     """x [N, K] @ w[e] [K, M] per expert; the input gradient by the same kernel, the weight
     gradient by `grouped_mm_wgrad` (wgrad="triton") or torch._grouped_mm (wgrad="torch"; "auto":
-    torch's where it runs, bf16 on CUDA, faster there at every shape measured). No host sync."""
+    torch's where it runs, bf16 on CUDA, faster there at every shape measured). No host sync.
+    Where w is a leaf whose .grad already holds a gradient that autograd would add this one to,
+    the backward adds it there itself (ACCUMULATE_INTO_GRAD, _grad_to_accumulate_into) with the
+    weight-gradient kernel, unless wgrad="torch"."""
 
     @staticmethod
     def forward(ctx, x, w, bounds, wgrad="auto"):
@@ -237,6 +289,9 @@ class GroupedMM(torch.autograd.Function):
         tiles = row_tile_bounds(bounds, FWD_CONFIG[0])  # the input gradient's kernel tiles rows alike
         ctx.save_for_backward(x, w, bounds, tiles)
         ctx.wgrad = wgrad
+        # w's AccumulateGrad node and w itself, for the fused accumulation (leaves only)
+        fusable = ACCUMULATE_INTO_GRAD and wgrad != "torch" and w.is_leaf and w.requires_grad
+        ctx.weight, ctx.grad_node = (w, get_gradient_edge(w).node) if fusable else (None, None)
         return grouped_mm(x, w, bounds, tiles=tiles)
 
     @staticmethod
@@ -246,7 +301,10 @@ class GroupedMM(torch.autograd.Function):
         dx = grouped_mm(dy, w.transpose(1, 2), bounds, tiles=tiles) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            if ctx.wgrad == "torch" or (ctx.wgrad == "auto" and uses_grouped_mm(x, dy)):
+            grad = None if ctx.weight is None else _grad_to_accumulate_into(ctx.weight, ctx.grad_node)
+            if grad is not None:
+                grouped_mm_wgrad(x, dy, bounds, accumulate_into=grad)  # added in place: none returned
+            elif ctx.wgrad == "torch" or (ctx.wgrad == "auto" and uses_grouped_mm(x, dy)):
                 dw = torch._grouped_mm(x.t(), dy, offs=bounds[1:])
             else:
                 dw = grouped_mm_wgrad(x, dy, bounds)
