@@ -259,11 +259,12 @@ def _grad_to_accumulate_into(w: torch.Tensor, node) -> torch.Tensor | None:
     """w.grad where GroupedMM's backward may add w's gradient into it in place and return None
     for w: the engine will run w's AccumulateGrad (a .backward() whose inputs include w, not
     autograd.grad), w.grad exists (not the first micro-batch) and nothing else watches w's
-    gradient (no tensor or post-accumulate hooks, no double backward). Otherwise None."""
+    gradient (no tensor or post-accumulate hooks, no double backward); a plain tensor (not a
+    DTensor or other subclass). Otherwise None."""
     if not ACCUMULATE_INTO_GRAD or node is None or torch.is_grad_enabled():
         return None
     grad = w.grad
-    if (grad is None or grad.requires_grad or grad.layout != torch.strided or grad.shape != w.shape
+    if (type(grad) is not torch.Tensor or grad.requires_grad or grad.layout != torch.strided or grad.shape != w.shape
             or grad.device != w.device or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)):
         return None
     try:
