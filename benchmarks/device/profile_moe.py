@@ -3,7 +3,7 @@ where the forward+backward and the dispatch+combine alone spend their time, and 
 gaps between kernels with the CPU ops that launched the kernel after each (the host falling
 behind a run of small kernels).
 
-    python benchmarks/device/profile_moe.py [--tokens 16384 --hidden 2048 --experts 64 --topk 8 --ffn 1408]
+    python benchmarks/device/profile_moe.py [--tokens 16384 --hidden 2048 --experts 64 --topk 8 --ffn 1408] [--accumulate]
     torchrun --nproc_per_node 2 benchmarks/device/profile_moe.py    (EP=2; rank 0 prints)
 """
 
@@ -49,6 +49,9 @@ def main():
     for name, default in (("tokens", 16384), ("hidden", 2048), ("experts", 64), ("topk", 8), ("ffn", 1408)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--chunks", type=int, default=1)
+    p.add_argument("--accumulate", action="store_true",
+                   help="keep the weights' .grad between calls (every call a micro-batch after the first: the "
+                        "gradients are added into .grad); by default each call starts without gradients")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
@@ -78,6 +81,9 @@ def main():
             return d.combine_postprocess(d.token_combine(d.combine_preprocess(xs)), probs)
 
     def step():
+        if not a.accumulate:  # a step's first micro-batch: no gradient to add into
+            for param in layer.parameters():
+                param.grad = None
         layer(x)[0].backward(g)
 
     for name, fn in (("dispatch+combine (forward)", dispatch_only), ("layer forward+backward", step)):
