@@ -137,24 +137,37 @@ def test_gradient_accumulated_over_micro_batches_equals_the_sum(small_tiles, mon
 
 def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_tiles, monkeypatch):
     """w.grad is only added to where autograd would add to it: not under autograd.grad (its
-    gradient is returned), not for .backward(inputs=[x]) (w's gradient is not wanted), and not
-    where a hook watches w's gradient (it runs, on the returned gradient)."""
+    gradient is returned), not for .backward(inputs=[x]) (w's gradient is not wanted), not
+    where a tensor hook would transform the gradient first (it runs on the returned one). A
+    post-accumulate hook (the trainer's NonFiniteTracker) keeps the fused add and still runs,
+    once, on the sum."""
     counts = [4, 7, 2]
     bounds = row_bounds(torch.tensor(counts))
     (c1, x1, dy1), (c2, x2, dy2) = _micro_batches(2, counts, 16, 16, seed=4)
+    dw2 = _ref_wgrad(x2, dy2, c2)
     w = (torch.randn(3, 16, 16, dtype=torch.float64) / 4).float().requires_grad_()
+    into = []
+    real = small_tiles.grouped_mm_wgrad
+    monkeypatch.setattr(small_tiles, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
     GroupedMM.apply(x1, w, bounds).backward(dy1)
     first = w.grad.clone()
     (dw,) = torch.autograd.grad(GroupedMM.apply(x2, w, bounds), [w], dy2)
-    torch.testing.assert_close(dw.double(), _ref_wgrad(x2, dy2, c2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dw2, rtol=1e-5, atol=1e-5)
     xa = x2.clone().requires_grad_()
     GroupedMM.apply(xa, w, bounds).backward(dy2, inputs=[xa])
     assert torch.equal(w.grad, first) and xa.grad is not None
+    # the first micro-batch, autograd.grad's, and inputs=[xa]'s (made, as autograd asks, and dropped)
+    assert into == [False, False, False]
     seen = []
     w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     GroupedMM.apply(x2, w, bounds).backward(dy2)
-    assert len(seen) == 1
-    torch.testing.assert_close(w.grad.double(), first.double() + _ref_wgrad(x2, dy2, c2), rtol=1e-5, atol=1e-5)
+    assert into[-1] and len(seen) == 1
+    torch.testing.assert_close(seen[0].double(), first.double() + dw2, rtol=1e-5, atol=1e-5)
+    handle = w.register_hook(lambda g: 2 * g)  # transforms the gradient before it is accumulated
+    GroupedMM.apply(x2, w, bounds).backward(dy2)
+    handle.remove()
+    assert not into[-1] and len(seen) == 2
+    torch.testing.assert_close(w.grad.double(), first.double() + 3 * dw2, rtol=1e-5, atol=1e-5)
 
 
 def test_wgrad_accumulate_into_checks_its_target():
@@ -220,13 +233,21 @@ def test_bf16_gradient_accumulation_on_the_gpu(monkeypatch):
     bounds = row_bounds(torch.tensor(counts, device="cuda"))
     batches = [_case(counts, 0, k, m, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     w0 = batches[0][2]
-    grads = {}
+    grads, into = {}, []
+    real = gt.grouped_mm_wgrad
+    monkeypatch.setattr(gt, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
     for fused in (True, False):
         monkeypatch.setattr(gt, "ACCUMULATE_INTO_GRAD", fused)
         w = w0.clone().requires_grad_()
+        hooked = []  # a post-accumulate hook, as the trainer's NonFiniteTracker sets: it runs each time
+        w.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.float().norm()))
         for _, x, _, dy in batches:
             GroupedMM.apply(x, w, bounds).backward(dy)
         grads[fused] = w.grad
+        assert len(hooked) == 3 and torch.equal(hooked[-1], w.grad.float().norm())
+    # the kernel ran for the fused run's 2nd and 3rd micro-batches only: every other weight
+    # gradient was torch._grouped_mm's (auto)
+    assert into == [True, True]
     want = sum(_ref_wgrad(x.float(), dy.float(), torch.tensor(counts)) for _, x, _, dy in batches).float()
 
     def rel(a, b):

@@ -239,3 +239,38 @@ def test_cp2_equals_cp1(corpus, cache_dir, tmp_path, raw_config):
         for a, b in zip(cp1["losses"], cp2[0]["losses"], strict=True):
             assert abs(a - b) <= 1e-5, (fsdp, ep, cp1["losses"], cp2[0]["losses"])
     assert cp1["losses"][0] != cp1["losses"][2]
+
+
+def _train_counting_fused(rank, world_size, raw, overrides, fused):
+    """_train with grouped_triton.ACCUMULATE_INTO_GRAD set, counting the weight gradients the
+    experts' backward added into .grad itself."""
+    from megatron_moe_hybrid.ops.moe import grouped_triton as gt
+
+    gt.ACCUMULATE_INTO_GRAD = fused
+    added, real = [], gt.grouped_mm_wgrad
+
+    def counting(*args, **kwargs):
+        added.append(kwargs.get("accumulate_into") is not None)
+        return real(*args, **kwargs)
+
+    gt.grouped_mm_wgrad = counting
+    result = _train(rank, world_size, raw, overrides)
+    return dict(result, added=sum(added), wgrads=len(added))
+
+
+@pytest.mark.slow
+def test_micro_batches_with_the_experts_gradient_added_in_place_equal_autograd(corpus, cache_dir, tmp_path, raw_config):
+    """Two micro-batches per step through the Triton grouped GEMM (the interpreter, fp32): the
+    second adds the experts' weight gradients into .grad in the kernel. In fp32 that is the same
+    sum autograd makes (the gradient is not rounded before the add), so the losses are bitwise
+    those of the run where autograd adds."""
+    steps = {"training.train_steps": 2, "moe.grouped_gemm_backend": "triton"}
+    runs = {}
+    for fused in (True, False):
+        raw, ov = raw_config(corpus, cache_dir, str(tmp_path / f"fused{fused}"), **steps)
+        (runs[fused],) = spawn(_train_counting_fused, 1, raw, ov, fused)
+    # 4 layers x 2 expert weights x 2 steps x 2 micro-batches: the second micro-batch's are
+    # added in place (with the trainer's post-accumulate hooks, NonFiniteTracker, on every weight)
+    assert runs[True]["added"] == 16 and runs[True]["wgrads"] == 32
+    assert runs[False]["added"] == 0 and runs[False]["wgrads"] == 32
+    assert runs[True]["losses"] == runs[False]["losses"]

@@ -18,8 +18,8 @@ Offsets are int64 (tokens x hidden past 2^31). Accumulation is fp32, outputs in 
 Gradient accumulation over micro-batches: where autograd would add the weight gradient into an
 existing w.grad (AccumulateGrad: a new [E, K, M] gradient, then grad += it, three passes over
 it), GroupedMM's backward adds it there itself with the weight-gradient kernel (ACCUMULATE:
-each tile read, added in fp32, rounded once) and returns None for w; autograd.grad, hooks on
-w and double backward keep the plain path (_grad_to_accumulate_into).
+each tile read, added in fp32, rounded once) and returns None for w; autograd.grad, tensor
+hooks on w and double backward keep the plain path (_grad_to_accumulate_into).
 Tried in H200 probe runs and dropped for want of a gain (no results file keeps them): TMA
 descriptors for the operands, a persistent weight gradient storing by TMA, a weight-gradient
 path holding an expert's rows in one tile. Measured: benchmarks/results/h200/grouped_gemm.json.
@@ -258,14 +258,15 @@ ACCUMULATE_INTO_GRAD = True
 def _grad_to_accumulate_into(w: torch.Tensor, node) -> torch.Tensor | None:
     """w.grad where GroupedMM's backward may add w's gradient into it in place and return None
     for w: the engine will run w's AccumulateGrad (a .backward() whose inputs include w, not
-    autograd.grad), w.grad exists (not the first micro-batch) and nothing else watches w's
-    gradient (no tensor or post-accumulate hooks, no double backward); a plain tensor (not a
-    DTensor or other subclass). Otherwise None."""
+    autograd.grad), w.grad exists (not the first micro-batch), no tensor hook would transform
+    the gradient first, no double backward; a plain tensor (not a DTensor or other subclass).
+    Otherwise None. Post-accumulate hooks (the trainer's NonFiniteTracker) still run: the
+    engine runs w's AccumulateGrad with no gradient to add, and its hooks see the sum."""
     if not ACCUMULATE_INTO_GRAD or node is None or torch.is_grad_enabled():
         return None
     grad = w.grad
     if (type(grad) is not torch.Tensor or grad.requires_grad or grad.layout != torch.strided or grad.shape != w.shape
-            or grad.device != w.device or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)):
+            or grad.device != w.device or w._backward_hooks):
         return None
     try:
         if not torch._C._will_engine_execute_node(node):
