@@ -14,15 +14,34 @@ from importlib import metadata
 import torch
 
 
-def time_and_peak(fn, warmup: int, reps: int) -> tuple[float, int]:
-    """(median ms over reps, peak bytes allocated above what was live before the first call)."""
+def peak_above(fn) -> int:
+    """Peak bytes allocated while fn ran, above what was allocated when it began."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def mean_event_ms(fn, warmup: int = 3, calls: int = 5) -> float:
+    """ms per call of fn: `calls` calls launched back to back after `warmup`, between two CUDA
+    events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def time_and_peak(fn, warmup: int, reps: int) -> tuple[float, int]:
+    """(median ms over reps, peak bytes allocated above what was live before the first call)."""
+    peak = peak_above(lambda: [fn() for _ in range(warmup)])
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

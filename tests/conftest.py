@@ -55,4 +55,3 @@ def _verify_fast_launch_keys(request, monkeypatch):
         from megatron_moe_hybrid.ops import _launch
 
         monkeypatch.setattr(_launch, "VERIFY", True)
-    yield

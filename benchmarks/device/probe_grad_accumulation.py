@@ -25,18 +25,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import moe as bench_moe  # noqa: E402
-from common import write_results  # noqa: E402
+from common import mean_event_ms, peak_above, write_results  # noqa: E402
 from megatron_moe_hybrid.ops.moe import grouped_triton as gt  # noqa: E402
-
-
-def peak_above(fn):
-    """(peak bytes allocated above the current allocation during fn)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def kernel_rows(key, spec):
@@ -87,16 +77,7 @@ def layer_row(key, spec, routing="balanced"):
     res = {}
     for fused in (False, True, False, True):
         gt.ACCUMULATE_INTO_GRAD = fused
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            step()
-        end.record()
-        end.synchronize()
-        res.setdefault(fused, []).append((start.elapsed_time(end) / 5, peak_above(step)))
+        res.setdefault(fused, []).append((mean_event_ms(step, 3, 5), peak_above(step)))
     gt.ACCUMULATE_INTO_GRAD = True
     ms = {k: min(v[0] for v in r) for k, r in res.items()}
     peak = {k: max(v[1] for v in r) for k, r in res.items()}

@@ -10,6 +10,7 @@ behind a run of small kernels).
 import argparse
 import json
 import os
+import sys
 import tempfile
 import types
 
@@ -19,6 +20,9 @@ from megatron.core.transformer import TransformerConfig
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_moe_hybrid.layers.moe import MoELayer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import mean_event_ms  # noqa: E402
 
 
 def idle_gaps(trace_path, min_us=15):
@@ -87,21 +91,13 @@ def main():
         layer(x)[0].backward(g)
 
     for name, fn in (("dispatch+combine (forward)", dispatch_only), ("layer forward+backward", step)):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
+        ms = mean_event_ms(fn, 3, 5)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
         if rank == 0:
-            print(f"\n== {name} (EP={world}): {start.elapsed_time(end) / 5:.3f} ms per call; kernel times over 5 calls")
+            print(f"\n== {name} (EP={world}): {ms:.3f} ms per call; kernel times over 5 calls")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
             # where the GPU waits for the host (over the 5 calls; small kernels launched back to back)
             with tempfile.TemporaryDirectory() as tmp:

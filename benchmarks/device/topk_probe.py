@@ -6,22 +6,16 @@ indexer shape. Prints ms; checks the two selections are equal.
     python benchmarks/device/topk_probe.py
 """
 
+import os
+import sys
+
 import torch
 
 from megatron_moe_hybrid.ops.sparse_attention import lightning_indexer_topk
 from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
 
-
-def timed(fn, n=5):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import mean_event_ms  # noqa: E402
 
 
 def main():
@@ -44,7 +38,7 @@ def main():
             ("  int32 topk sorted", lambda: ords.topk(K, dim=-1)),
             ("  sort [rows, K] int32 stable", lambda: torch.sort(old, dim=-1, descending=True, stable=True)),
         ):
-            ms = timed(fn)
+            ms = mean_event_ms(fn, warmup=1)
             print(f"  {name:32s} {ms:7.3f} ms  {ms * 1e3 / rows:6.2f} us/row", flush=True)
         # the compaction pass alone, per launch config
         best = ords.topk(K, dim=-1, sorted=False).values
@@ -55,7 +49,7 @@ def main():
             for warps in (4, 8, 16):
                 def compact(block=block, warps=warps):
                     ti._compact_kernel[(rows,)](ords, kth, above, cols, S, K, BLOCK=block, num_warps=warps)
-                ms = timed(compact)
+                ms = mean_event_ms(compact, warmup=1)
                 print(f"  compact BLOCK {block:5d} warps {warps:2d}   {ms:7.3f} ms  {ms * 1e3 / rows:6.2f} us/row", flush=True)
     for S in (32768, 131072):
         T, HI, DI = 4096, 64, 128
@@ -63,7 +57,7 @@ def main():
         k = (torch.randn(1, S, DI, device="cuda") / 4).bfloat16()
         w = (torch.randn(1, T, HI, device="cuda") / 4).bfloat16()
         pos = torch.arange(S - T, S, device="cuda")
-        ms = timed(lambda: lightning_indexer_topk(q, k, w, K, q_positions=pos))
+        ms = mean_event_ms(lambda: lightning_indexer_topk(q, k, w, K, q_positions=pos), warmup=1)
         print(f"lightning_indexer_topk T{T} S{S} HI{HI} DI{DI}: {ms:.2f} ms", flush=True)
 
 

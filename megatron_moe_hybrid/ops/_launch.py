@@ -10,10 +10,10 @@ launched as below its host time went 1.33 -> 1.08 ms (about 20 us a launch), Gat
 
 Every Triton kernel of the package launches through it: the linear-attention chunk kernels,
 norms and short conv, the MoE router, layout, gathers, SwiGLU and grouped GEMM, sparse attention
-and its indexer, the cross-entropy passes. Small steps are host-bound, so this is their speed:
-benchmarks/device/probe_fast_launch.py times both paths (results/h200/fast_launch.json).
+and its indexer, the cross-entropy passes. It counts where a step is host-bound (small
+shapes); benchmarks/device/probe_fast_launch.py times both paths (results/h200/fast_launch.json).
 
-``fast_launch(kernel)`` wraps a ``@triton.jit`` function. ``wrapped[grid](*args, **kwargs)``
+``@fast_launch``, above ``@triton.jit``, wraps the kernel. ``wrapped[grid](*args, **kwargs)``
 takes the same arguments as the kernel, runtime arguments positionally and constexprs and
 launch options (num_warps, num_stages) by keyword. The first call with a new key goes through
 Triton's own path, which compiles (or finds) the kernel and launches it; the compiled kernel is
@@ -146,4 +146,4 @@ class FastKernel:
         return kernel
 
 
-fast_launch = FastKernel  # kernel = fast_launch(kernel)
+fast_launch = FastKernel  # the decorator: @fast_launch over @triton.jit

@@ -65,48 +65,6 @@ def test_padding_tail_rows_are_not_written():
     assert torch.isnan(out[10:]).all()
 
 
-def test_autograd_function_equals_the_loop_gradients():
-    counts_t, x, w, dy = _case([9, 0, 14, 3], 2, 40, 24)
-    bounds = row_bounds(counts_t)
-    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
-
-    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    saved = gt.FWD_CONFIG, gt.WGRAD_CONFIG
-    gt.FWD_CONFIG, gt.WGRAD_CONFIG = SMALL_FWD, SMALL_WGRAD
-    try:
-        out = GroupedMM.apply(xa, wa, bounds)
-        out[:26].backward(dy[:26])
-    finally:
-        gt.FWD_CONFIG, gt.WGRAD_CONFIG = saved
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    ref = grouped_matmul(xr, wr, [9, 0, 14, 3])
-    ref[:26].backward(dy[:26].double())
-    torch.testing.assert_close(out[:26].double(), ref[:26].detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(xa.grad[:26].double(), xr.grad[:26], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(wa.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_frozen_weight_skips_the_weight_gradient():
-    counts_t, x, w, dy = _case([5, 6], 0, 16, 16)
-    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
-
-    calls = []
-    real = gt.grouped_mm_wgrad
-    gt.grouped_mm_wgrad = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        xa = x.clone().requires_grad_()
-        GroupedMM.apply(xa, w, row_bounds(counts_t)).backward(dy)
-    finally:
-        gt.grouped_mm_wgrad = real
-    assert not calls and xa.grad is not None
-
-
-def _micro_batches(n, counts, k, m, seed):
-    """n micro-batches' (x, dy) for one [E, k, m] weight: each a fresh draw of rows."""
-    torch.manual_seed(seed)
-    return [(c, x, dy) for c, x, _, dy in (_case(counts, 0, k, m) for _ in range(n))]
-
-
 @pytest.fixture
 def small_tiles(monkeypatch):
     import megatron_moe_hybrid.ops.moe.grouped_triton as gt
@@ -116,26 +74,66 @@ def small_tiles(monkeypatch):
     return gt
 
 
+def test_autograd_function_equals_the_loop_gradients(small_tiles):
+    counts_t, x, w, dy = _case([9, 0, 14, 3], 2, 40, 24)
+    bounds = row_bounds(counts_t)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = GroupedMM.apply(xa, wa, bounds)
+    out[:26].backward(dy[:26])
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = grouped_matmul(xr, wr, [9, 0, 14, 3])
+    ref[:26].backward(dy[:26].double())
+    torch.testing.assert_close(out[:26].double(), ref[:26].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xa.grad[:26].double(), xr.grad[:26], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wa.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def wgrad_calls(monkeypatch):
+    """The calls of grouped_triton.grouped_mm_wgrad from here on, in order: True for those that
+    add into a given tensor (accumulate_into), False for those that return a new gradient."""
+    import megatron_moe_hybrid.ops.moe.grouped_triton as gt
+
+    calls, real = [], gt.grouped_mm_wgrad
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("accumulate_into") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gt, "grouped_mm_wgrad", spy)
+    return calls
+
+
+def test_frozen_weight_skips_the_weight_gradient(wgrad_calls):
+    counts_t, x, w, dy = _case([5, 6], 0, 16, 16)
+    xa = x.clone().requires_grad_()
+    GroupedMM.apply(xa, w, row_bounds(counts_t)).backward(dy)
+    assert not wgrad_calls and xa.grad is not None
+
+
+def _micro_batches(n, counts, k, m, seed):
+    """n micro-batches' (x, dy) for one [E, k, m] weight: each a fresh draw of rows."""
+    torch.manual_seed(seed)
+    return [(c, x, dy) for c, x, _, dy in (_case(counts, 0, k, m) for _ in range(n))]
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd-adds"])
-def test_gradient_accumulated_over_micro_batches_equals_the_sum(small_tiles, monkeypatch, fused):
+def test_gradient_accumulated_over_micro_batches_equals_the_sum(small_tiles, wgrad_calls, monkeypatch, fused):
     """Three .backward() calls into one weight: w.grad is the sum of the three loop gradients.
     Fused, the second and third backward add into w.grad themselves (no gradient returned)."""
     monkeypatch.setattr(small_tiles, "ACCUMULATE_INTO_GRAD", fused)
     counts = [5, 0, 23, 1, 16]  # an expert without rows keeps its accumulated gradient
     w = (torch.randn(5, 40, 24, dtype=torch.float64) / 40**0.5).float().requires_grad_()
-    into = []
-    real = small_tiles.grouped_mm_wgrad
-    monkeypatch.setattr(small_tiles, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
     want = torch.zeros(5, 40, 24, dtype=torch.float64)
     bounds = row_bounds(torch.tensor(counts))
     for counts_t, x, dy in _micro_batches(3, counts, 40, 24, seed=3):
         GroupedMM.apply(x, w, bounds).backward(dy)
         want += _ref_wgrad(x, dy, counts_t)
     torch.testing.assert_close(w.grad.double(), want, rtol=1e-5, atol=1e-5)
-    assert into == ([False, True, True] if fused else [False, False, False])
+    assert wgrad_calls == ([False, True, True] if fused else [False, False, False])
 
 
-def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_tiles, monkeypatch):
+def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_tiles, wgrad_calls):
     """w.grad is only added to where autograd would add to it: not under autograd.grad (its
     gradient is returned), not for .backward(inputs=[x]) (w's gradient is not wanted), not
     where a tensor hook would transform the gradient first (it runs on the returned one). A
@@ -146,9 +144,6 @@ def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_ti
     (c1, x1, dy1), (c2, x2, dy2) = _micro_batches(2, counts, 16, 16, seed=4)
     dw2 = _ref_wgrad(x2, dy2, c2)
     w = (torch.randn(3, 16, 16, dtype=torch.float64) / 4).float().requires_grad_()
-    into = []
-    real = small_tiles.grouped_mm_wgrad
-    monkeypatch.setattr(small_tiles, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
     GroupedMM.apply(x1, w, bounds).backward(dy1)
     first = w.grad.clone()
     (dw,) = torch.autograd.grad(GroupedMM.apply(x2, w, bounds), [w], dy2)
@@ -157,16 +152,16 @@ def test_accumulation_leaves_autograd_grad_hooks_and_other_inputs_alone(small_ti
     GroupedMM.apply(xa, w, bounds).backward(dy2, inputs=[xa])
     assert torch.equal(w.grad, first) and xa.grad is not None
     # the first micro-batch, autograd.grad's, and inputs=[xa]'s (made, as autograd asks, and dropped)
-    assert into == [False, False, False]
+    assert wgrad_calls == [False, False, False]
     seen = []
     w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     GroupedMM.apply(x2, w, bounds).backward(dy2)
-    assert into[-1] and len(seen) == 1
+    assert wgrad_calls[-1] and len(seen) == 1
     torch.testing.assert_close(seen[0].double(), first.double() + dw2, rtol=1e-5, atol=1e-5)
     handle = w.register_hook(lambda g: 2 * g)  # transforms the gradient before it is accumulated
     GroupedMM.apply(x2, w, bounds).backward(dy2)
     handle.remove()
-    assert not into[-1] and len(seen) == 2
+    assert not wgrad_calls[-1] and len(seen) == 2
     torch.testing.assert_close(w.grad.double(), first.double() + 3 * dw2, rtol=1e-5, atol=1e-5)
 
 
@@ -221,7 +216,7 @@ def test_bf16_on_the_gpu_matches_fp32(counts_kind, wgrad):
 
 
 @pytest.mark.gpu
-def test_bf16_gradient_accumulation_on_the_gpu(monkeypatch):
+def test_bf16_gradient_accumulation_on_the_gpu(wgrad_calls, monkeypatch):
     """Three micro-batches into one bf16 weight on the H200: the fused accumulation (the second
     and third add in the kernel, rounded once each) within bf16 of the fp32 sum, and of the
     path where autograd adds (auto: torch._grouped_mm's gradient, then grad += it)."""
@@ -233,9 +228,7 @@ def test_bf16_gradient_accumulation_on_the_gpu(monkeypatch):
     bounds = row_bounds(torch.tensor(counts, device="cuda"))
     batches = [_case(counts, 0, k, m, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     w0 = batches[0][2]
-    grads, into = {}, []
-    real = gt.grouped_mm_wgrad
-    monkeypatch.setattr(gt, "grouped_mm_wgrad", lambda *a, **kw: into.append(kw.get("accumulate_into") is not None) or real(*a, **kw))
+    grads = {}
     for fused in (True, False):
         monkeypatch.setattr(gt, "ACCUMULATE_INTO_GRAD", fused)
         w = w0.clone().requires_grad_()
@@ -247,7 +240,7 @@ def test_bf16_gradient_accumulation_on_the_gpu(monkeypatch):
         assert len(hooked) == 3 and torch.equal(hooked[-1], w.grad.float().norm())
     # the kernel ran for the fused run's 2nd and 3rd micro-batches only: every other weight
     # gradient was torch._grouped_mm's (auto)
-    assert into == [True, True]
+    assert wgrad_calls == [True, True]
     want = sum(_ref_wgrad(x.float(), dy.float(), torch.tensor(counts)) for _, x, _, dy in batches).float()
 
     def rel(a, b):

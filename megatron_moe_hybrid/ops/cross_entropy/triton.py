@@ -119,6 +119,7 @@ def _online_block(b_x, row_max, row_sum, FAST_EXP: tl.constexpr):
     return new_max, row_sum
 
 
+@fast_launch
 @triton.jit
 def _partial_stats_kernel(logits_ptr, local_ptr, part_ptr, stride_row, num_rows, num_cols, cols_per_split,
                           BLOCK_V: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FAST_EXP: tl.constexpr):
@@ -159,6 +160,7 @@ def _partial_stats_kernel(logits_ptr, local_ptr, part_ptr, stride_row, num_rows,
     tl.store(p_out + 3 * num_splits * num_rows, tl.sum(b_logit_sum, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _finish_kernel(part_ptr, local_ptr, lse_ptr, loss_ptr, num_rows, num_splits, z_loss_weight, label_smoothing,
                    inv_num_classes, BLOCK_S: tl.constexpr):
@@ -180,6 +182,7 @@ def _finish_kernel(part_ptr, local_ptr, lse_ptr, loss_ptr, num_rows, num_splits,
     tl.store(loss_ptr + i_row, tl.where(valid, loss, 0.0))
 
 
+@fast_launch
 @triton.jit
 def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_row, num_cols, cols_per_split,
                         z_loss_weight, label_smoothing, inv_num_classes, BLOCK_V: tl.constexpr,
@@ -221,12 +224,6 @@ def _grad_logits_kernel(logits_ptr, local_ptr, lse_ptr, grad_token_ptr, stride_r
     g_target = tl.exp(x_target - lse) * scale_softmax - uniform - target_weight
     tl.debug_barrier()
     tl.store(p_target, g_target.to(logits_ptr.dtype.element_ty), mask=has_target)
-
-
-# Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-_partial_stats_kernel = fast_launch(_partial_stats_kernel)
-_finish_kernel = fast_launch(_finish_kernel)
-_grad_logits_kernel = fast_launch(_grad_logits_kernel)
 
 
 def _splits(num_rows: int, num_cols: int, programs: int | None = None) -> tuple[int, int]:

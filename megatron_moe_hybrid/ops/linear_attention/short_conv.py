@@ -68,6 +68,7 @@ def causal_conv1d_reference(
 if triton is not None:
     from .._launch import fast_launch
 
+    @fast_launch
     @triton.jit
     def _causal_conv1d_fwd_kernel(
         x, w, y, pos, T, C, stride_xb, stride_xt,
@@ -99,6 +100,7 @@ if triton is not None:
         p_y = y + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
         tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
+    @fast_launch
     @triton.jit
     def _causal_conv1d_dpre_kernel(
         x, w, dy, dpre, pos, T, C, stride_xb, stride_xt,
@@ -131,6 +133,7 @@ if triton is not None:
         b_sig = tl.sigmoid(b_pre)
         tl.store(dpre + o_out, (b_dy * b_sig * (1.0 + b_pre * (1.0 - b_sig))).to(dpre.dtype.element_ty), mask=m)
 
+    @fast_launch
     @triton.jit
     def _causal_conv1d_bwd_kernel(
         x, w, dpre, dx, dw, pos, T, C, stride_xb, stride_xt,
@@ -169,11 +172,6 @@ if triton is not None:
             tl.store(dw + (i_bt.to(tl.int64) * C + o_c) * W + (W - 1 - s), b_dws, mask=m_c)
         p_dx = dx + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * C + o_c[None, :]
         tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _causal_conv1d_fwd_kernel = fast_launch(_causal_conv1d_fwd_kernel)
-    _causal_conv1d_dpre_kernel = fast_launch(_causal_conv1d_dpre_kernel)
-    _causal_conv1d_bwd_kernel = fast_launch(_causal_conv1d_bwd_kernel)
 
 
 def _alloc(shape, dtype, device) -> Tensor:

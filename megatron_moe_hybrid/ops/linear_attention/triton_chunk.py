@@ -117,6 +117,7 @@ def _unit_lower_inverse(b_M, BT: tl.constexpr):
     return tl.dot(b_T, b_Dinv)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _prep_kernel(
     q, k, v, g, beta, gam, P, A, w, u, cu_seqlens, chunk_indices, scale, T,
@@ -179,6 +180,7 @@ def _prep_kernel(
             tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _recurrence_fwd_kernel(
     q, k, w, u, gam, P, o, h0, ht, h, U, gt, cu_seqlens, chunk_offsets, scale, T,
@@ -264,6 +266,7 @@ def _recurrence_fwd_kernel(
             tl.store(gt + i_nh, b_G)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _recurrence_bwd_kernel(
     q, k, w, gam, P, do, dU, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
@@ -326,6 +329,7 @@ def _recurrence_bwd_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["rows"])
 def _group_sum_kernel(x, out, rows, R: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     """out[r] = sum_j x[r, j] over rows r of [rows, R, K] -> [rows, K], fp32 sums rounded once."""
@@ -338,6 +342,7 @@ def _group_sum_kernel(x, out, rows, R: tl.constexpr, K: tl.constexpr, BR: tl.con
     tl.store(out + o_r[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["HV"])
 def _segment_scan_kernel(
     L, G, M, s0, S_in, st, seq_first, HV, K: tl.constexpr, V: tl.constexpr,
@@ -387,6 +392,7 @@ def _segment_scan_kernel(
         tl.store(st + i_nh.to(tl.int64) * K * V + o_kv, b_S, mask=m_kv)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _bwd_chunk_kernel(
     q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
@@ -502,15 +508,6 @@ def _bwd_chunk_kernel(
     p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
     tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-
-
-# Launched through their cached compiled kernels (ops/_launch.py: about 20 us less host time per launch).
-_prep_kernel = fast_launch(_prep_kernel)
-_recurrence_fwd_kernel = fast_launch(_recurrence_fwd_kernel)
-_recurrence_bwd_kernel = fast_launch(_recurrence_bwd_kernel)
-_group_sum_kernel = fast_launch(_group_sum_kernel)
-_segment_scan_kernel = fast_launch(_segment_scan_kernel)
-_bwd_chunk_kernel = fast_launch(_bwd_chunk_kernel)
 
 
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":

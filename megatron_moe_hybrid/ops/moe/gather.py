@@ -96,6 +96,7 @@ def scatter_rows_reference(src: torch.Tensor, dest: torch.Tensor, unread: torch.
 if triton is not None:
     from .._launch import fast_launch
 
+    @fast_launch
     @triton.jit
     def _gather_sum_kernel(src, idx, weights, out, M, h, K: tl.constexpr, HAS_W: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -117,6 +118,7 @@ if triton is not None:
             acc += tl.where(ok[:, None], w[:, None] * vals.to(tl.float32), 0.0)
         tl.store(out + m[:, None] * h + cols[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
+    @fast_launch
     @triton.jit
     def _scatter_rows_kernel(src, dest, weights, unread, out, S, M, h, K: tl.constexpr, HAS_W: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK: tl.constexpr, ZERO_TILES: tl.constexpr, SRC_PROGS):
@@ -152,6 +154,7 @@ if triton is not None:
                              tl.zeros((ROWS, BLOCK), dtype=out.dtype.element_ty),
                              mask=zero[:, None] & c_ok[None, :])
 
+    @fast_launch
     @triton.jit
     def _row_dot_kernel(a, src, idx, out, h, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
         """Row m: its K source rows against a[m], a read once per column block."""
@@ -168,11 +171,6 @@ if triton is not None:
                         mask=ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # [KP, BLOCK]
             acc += tl.sum(y * x[None, :], axis=1)
         tl.store(out + m * K + kk, tl.where(ok, acc, 0.0), mask=kk < K)
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _gather_sum_kernel = fast_launch(_gather_sum_kernel)
-    _scatter_rows_kernel = fast_launch(_scatter_rows_kernel)
-    _row_dot_kernel = fast_launch(_row_dot_kernel)
 
 
 # the tiles (elements per program, of GATHER_BLOCK_MAX columns at most), from

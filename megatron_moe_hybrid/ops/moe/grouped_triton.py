@@ -20,6 +20,7 @@ existing w.grad (AccumulateGrad: a new [E, K, M] gradient, then grad += it, thre
 it), GroupedMM's backward adds it there itself with the weight-gradient kernel (ACCUMULATE:
 each tile read, added in fp32, rounded once) and returns None for w; autograd.grad, tensor
 hooks on w and double backward keep the plain path (_grad_to_accumulate_into).
+
 Tried in H200 probe runs and dropped for want of a gain (no results file keeps them): TMA
 descriptors for the operands, a persistent weight gradient storing by TMA, a weight-gradient
 path holding an expert's rows in one tile. Measured: benchmarks/results/h200/grouped_gemm.json.
@@ -84,6 +85,7 @@ if triton is not None:
             hi = tl.where(go, hi, mid - 1)
         return lo
 
+    @fast_launch
     @triton.jit
     def _grouped_mm_kernel(x, w, out, bounds, tile_bounds, E, M, K,
                            sxm, sxk, swe, swk, swm, som, som_col,
@@ -123,6 +125,7 @@ if triton is not None:
         o_ptr = out + rm[:, None] * som + rn[None, :] * som_col
         tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < M))
 
+    @fast_launch
     @triton.jit
     def _grouped_wgrad_kernel(x, dy, dw, bounds, K, M,
                               sxm, sxk, sdm, sdn, swe, swk, swm,
@@ -165,10 +168,6 @@ if triton is not None:
                     acc += tl.load(o_ptr, mask=o_ok, other=0.0).to(tl.float32)
                 tl.store(o_ptr, acc.to(dw.dtype.element_ty), mask=o_ok)
                 acc = tl.zeros((BK, BN), dtype=tl.float32)
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _grouped_mm_kernel = fast_launch(_grouped_mm_kernel)
-    _grouped_wgrad_kernel = fast_launch(_grouped_wgrad_kernel)
 
 
 def _check(x: torch.Tensor, bounds: torch.Tensor, n_experts: int) -> None:
@@ -255,21 +254,21 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, bounds: torch.Tensor, co
 ACCUMULATE_INTO_GRAD = True
 
 
-def _grad_to_accumulate_into(w: torch.Tensor, node) -> torch.Tensor | None:
+def _grad_to_accumulate_into(w: torch.Tensor) -> torch.Tensor | None:
     """w.grad where GroupedMM's backward may add w's gradient into it in place and return None
-    for w: the engine will run w's AccumulateGrad (a .backward() whose inputs include w, not
-    autograd.grad), w.grad exists (not the first micro-batch), no tensor hook would transform
-    the gradient first, no double backward; a plain tensor (not a DTensor or other subclass).
-    Otherwise None. Post-accumulate hooks (the trainer's NonFiniteTracker) still run: the
+    for w: w is a leaf, the engine will run its AccumulateGrad (a .backward() whose inputs
+    include w, not autograd.grad), w.grad exists (not the first micro-batch), no tensor hook
+    would transform the gradient first, no double backward; a plain tensor (not a DTensor or
+    other subclass). Otherwise None. Post-accumulate hooks (the trainer's NonFiniteTracker) still run: the
     engine runs w's AccumulateGrad with no gradient to add, and its hooks see the sum."""
-    if not ACCUMULATE_INTO_GRAD or node is None or torch.is_grad_enabled():
+    if not ACCUMULATE_INTO_GRAD or not (w.is_leaf and w.requires_grad) or torch.is_grad_enabled():
         return None
     grad = w.grad
     if (type(grad) is not torch.Tensor or grad.requires_grad or grad.layout != torch.strided or grad.shape != w.shape
             or grad.device != w.device or w._backward_hooks):
         return None
-    try:
-        if not torch._C._will_engine_execute_node(node):
+    try:  # the graph holds w's AccumulateGrad, and w's (weak) reference to it gives that node back
+        if not torch._C._will_engine_execute_node(get_gradient_edge(w).node):
             return None
     except RuntimeError:  # autograd.grad() over a leaf: its gradient is returned, not accumulated
         return None
@@ -289,11 +288,8 @@ class GroupedMM(torch.autograd.Function):
         if wgrad not in ("auto", "torch", "triton"):
             raise ValueError(f"wgrad must be auto, torch or triton, got {wgrad!r}")
         tiles = row_tile_bounds(bounds, FWD_CONFIG[0])  # the input gradient's kernel tiles rows alike
-        ctx.save_for_backward(x, w, bounds, tiles)
+        ctx.save_for_backward(x, w, bounds, tiles)  # a saved leaf unpacks as w itself, .grad and all
         ctx.wgrad = wgrad
-        # w's AccumulateGrad node and w itself, for the fused accumulation (leaves only)
-        fusable = ACCUMULATE_INTO_GRAD and wgrad != "torch" and w.is_leaf and w.requires_grad
-        ctx.weight, ctx.grad_node = (w, get_gradient_edge(w).node) if fusable else (None, None)
         return grouped_mm(x, w, bounds, tiles=tiles)
 
     @staticmethod
@@ -303,7 +299,7 @@ class GroupedMM(torch.autograd.Function):
         dx = grouped_mm(dy, w.transpose(1, 2), bounds, tiles=tiles) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            grad = None if ctx.weight is None else _grad_to_accumulate_into(ctx.weight, ctx.grad_node)
+            grad = None if ctx.wgrad == "torch" else _grad_to_accumulate_into(w)
             if grad is not None:
                 grouped_mm_wgrad(x, dy, bounds, accumulate_into=grad)  # added in place: none returned
             elif ctx.wgrad == "torch" or (ctx.wgrad == "auto" and uses_grouped_mm(x, dy)):

@@ -180,6 +180,7 @@ BASE_SCAN = 1024  # blocks scanned at once by the base kernel (one program per e
 if triton is not None:
     from .._launch import fast_launch
 
+    @fast_launch
     @triton.jit
     def _expert_count_kernel(keys, counts, totals, n, nblk, L, BLOCK: tl.constexpr, LB: tl.constexpr):
         """counts[e, b] += entries of block b with key e (zeroed before; keys outside [0, L)
@@ -195,6 +196,7 @@ if triton is not None:
         c = tl.load(counts + e.to(tl.int64) * nblk + b, mask=e < L, other=0, volatile=True)
         tl.atomic_add(totals + e, c, mask=(e < L) & (c > 0))
 
+    @fast_launch
     @triton.jit
     def _expert_base_kernel(counts, totals, base, kept, overflow, nblk, L, R, LB: tl.constexpr, BB: tl.constexpr):
         """Expert e = program: base[e, b] = start of e (the totals of the experts before it) +
@@ -216,6 +218,7 @@ if triton is not None:
             tl.store(base + row + blk, run + (tl.cumsum(c, axis=0) - c).to(tl.int64), mask=blk < nblk)
             run += tl.sum(c, axis=0).to(tl.int64)
 
+    @fast_launch
     @triton.jit
     def _expert_place_kernel(keys, base, sorted_copy, sorted_row, copy_pos, n, nblk, L, R, K, BLOCK: tl.constexpr):
         """Entries of block b: row = base[key, b] + the earlier entries of the key in the block
@@ -232,11 +235,6 @@ if triton is not None:
         tl.store(sorted_copy + pos, i, mask=keep)
         tl.store(sorted_row + pos, i // K, mask=keep)
         tl.store(copy_pos + i, tl.where(keep, pos, -1), mask=inb)
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _expert_count_kernel = fast_launch(_expert_count_kernel)
-    _expert_base_kernel = fast_launch(_expert_base_kernel)
-    _expert_place_kernel = fast_launch(_expert_place_kernel)
 
 
 def _expand_layout_triton(recv_expert: torch.Tensor, num_local: int, num_rows: int) -> ExpandLayout:

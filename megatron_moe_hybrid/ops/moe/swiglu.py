@@ -25,6 +25,7 @@ def swiglu_reference(h1: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from .._launch import fast_launch
 
+    @fast_launch
     @triton.jit
     def _swiglu_fwd_kernel(h1, act, ffn, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -35,6 +36,7 @@ if triton is not None:
         out = gate * tl.sigmoid(gate) * up
         tl.store(act + row * ffn + cols, out.to(act.dtype.element_ty), mask=mask)
 
+    @fast_launch
     @triton.jit
     def _swiglu_bwd_kernel(h1, grad_act, grad_h1, ffn, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -48,10 +50,6 @@ if triton is not None:
         d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(grad_h1 + row * 2 * ffn + cols, d_gate.to(grad_h1.dtype.element_ty), mask=mask)
         tl.store(grad_h1 + row * 2 * ffn + ffn + cols, (g * silu).to(grad_h1.dtype.element_ty), mask=mask)
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _swiglu_fwd_kernel = fast_launch(_swiglu_fwd_kernel)
-    _swiglu_bwd_kernel = fast_launch(_swiglu_bwd_kernel)
 
 
 def _launch(kernel, h1, *tensors):

@@ -36,6 +36,7 @@ MAX_PROGRAMS = 1024  # the forward's programs (each loops over token blocks): ro
 if triton is not None:
     from .._launch import fast_launch
 
+    @fast_launch
     @triton.jit
     def _router_fwd_kernel(logits, bias, scores, probs, idx, valid, lse, score_sums, counts, T, E, scale, BLOCKS,
                            K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
@@ -104,6 +105,7 @@ if triton is not None:
             tl.store(score_sums + tl.program_id(0) * E + cols, sums_acc, mask=cmask)
             tl.store(counts + tl.program_id(0) * E + cols, count, mask=cmask)
 
+    @fast_launch
     @triton.jit
     def _router_bwd_kernel(scores, idx, grad_probs, grad_scores, valid, grad_lse, grad_sums, grad_logits, T, E, scale,
                            BLOCKS,
@@ -157,6 +159,7 @@ if triton is not None:
         tl.store(grad_logits + offs, dx.to(grad_logits.dtype.element_ty), mask=mask)
 
 
+    @fast_launch
     @triton.jit
     def _split_hi_lo_kernel(a, out, total, n_cols, out_row_stride, off_hi0, off_hi1, off_lo, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -168,11 +171,6 @@ if triton is not None:
         tl.store(base + off_hi0, hi, mask=mask)
         tl.store(base + off_hi1, hi, mask=mask)
         tl.store(base + off_lo, lo, mask=mask)
-
-    # Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-    _router_fwd_kernel = fast_launch(_router_fwd_kernel)
-    _router_bwd_kernel = fast_launch(_router_bwd_kernel)
-    _split_hi_lo_kernel = fast_launch(_split_hi_lo_kernel)
 
 
 SPLIT_BLOCK = 1024

@@ -64,6 +64,7 @@ COMPACT_BLOCK, COMPACT_WARPS = 2048, 4  # _compact_kernel's columns per step and
 CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
 
 
+@fast_launch
 @triton.jit
 def _score_keys_kernel(
     q, k, w, lo, hi, out,
@@ -103,6 +104,7 @@ def _score_keys_kernel(
     tl.store(p_o, b_ord, mask=m_t[:, None] & (o_s < S_out)[None, :])
 
 
+@fast_launch
 @triton.jit
 def _compact_kernel(keys, kth, num_above, out, num_cols, K, BLOCK: tl.constexpr):
     """One row of int32 order keys [num_cols]: out[row, :K] = the columns, in increasing order,
@@ -306,6 +308,7 @@ def _load_selected(k, idx, i_b, i_t, k0, K, sk_b, sk_s, si_b, si_t,
     return o_k, m_k, b_k
 
 
+@fast_launch
 @triton.jit
 def _sparse_scores_fwd_kernel(
     q, k, w, idx, out,
@@ -321,6 +324,7 @@ def _sparse_scores_fwd_kernel(
         tl.store(out + i_b * so_b + i_t * so_t + o_k, tl.where(m_k, b_i, float("-inf")), mask=o_k < K)
 
 
+@fast_launch
 @triton.jit
 def _sparse_scores_bwd_kernel(
     q, k, w, idx, ds, dq, dw, dkc,
@@ -348,13 +352,6 @@ def _sparse_scores_bwd_kernel(
     p_dq = dq + i_b * sq_b + i_t * sq_t + o_h[:, None] * sq_h + o_d[None, :]
     tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=(o_h < HI)[:, None] & (o_d < DI)[None, :])
     tl.store(dw + i_b * sw_b + i_t * sw_t + o_h, b_dw.to(dw.dtype.element_ty), mask=o_h < HI)
-
-
-# Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-_score_keys_kernel = fast_launch(_score_keys_kernel)
-_compact_kernel = fast_launch(_compact_kernel)
-_sparse_scores_fwd_kernel = fast_launch(_sparse_scores_fwd_kernel)
-_sparse_scores_bwd_kernel = fast_launch(_sparse_scores_bwd_kernel)
 
 
 def _scores_meta(q_idx: Tensor) -> dict:

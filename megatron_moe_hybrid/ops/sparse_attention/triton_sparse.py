@@ -132,6 +132,7 @@ def _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2: tl.constexpr):
     return b_s
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "K"])
 def _fwd_kernel(
     q, k, v, idx, o, lse,
@@ -175,6 +176,7 @@ def _fwd_kernel(
     tl.store(lse + r_th, b_lse, mask=m_r)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "K"])
 def _bwd_dq_kernel(
     q, k, v, idx, do, lse2, delta, dq,
@@ -220,6 +222,7 @@ def _bwd_dq_kernel(
         tl.store(p_dq + o_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d2 < D)[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "K", "t0", "Tc"])
 def _bwd_dkv_kernel(
     q, k, v, idx, do, lse2, delta, C,
@@ -280,6 +283,7 @@ def _bwd_dkv_kernel(
     tl.store(p_c + D + o_dv[None, :], b_dv.to(dt), mask=m_k[:, None] & (o_dv < DV)[None, :])
 
 
+@fast_launch
 @triton.jit
 def _bwd_reduce_kernel(C, order, offsets, acc, W, SLOTS, st_t, st_k, st_acc, FIRST, BW: tl.constexpr,
                        BL: tl.constexpr):
@@ -505,6 +509,7 @@ def _lse_of(b_m, b_l):
     return tl.where(b_l > 0, (b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["K"])
 def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ONE_PASS: tl.constexpr,
                     PSUM: tl.constexpr):
@@ -602,6 +607,7 @@ def _fwd_products(sh: "_Shape", q, k, v, indices, scale: float, with_target: boo
     return o, lse, target
 
 
+@fast_launch
 @triton.jit
 def _row_dot_kernel(a, b, out, N, W, BR: tl.constexpr, BW: tl.constexpr):
     """out[r] = sum over the W columns of a[r] b[r] in fp32, BR rows of a, b [N, W] per program."""
@@ -700,6 +706,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
     return dq, dk, dv
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["K"])
 def _probs_grads_kernel(s, dp, lse2, delta, idx, ps, K, R, G, scale, scale_log2, BK: tl.constexpr):
     """Row i_row = i R + r of s, dp [n G R, K] fp32 (i: a (query, group), r: its head), BK
@@ -923,6 +930,7 @@ def _view_of(v: Tensor, k: Tensor) -> bool:
 # --- the indexer KL loss's sparse-stage target from the attention's lse ----------------------
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T", "K"])
 def _target_kernel(
     q, k, idx, lse, out,
@@ -958,17 +966,6 @@ def _target_kernel(
                 b_p = tl.exp2(b_s - b_l[:, None])
                 b_acc += tl.sum(tl.where(m_r[:, None] & m_s[None, :], b_p, 0.0), 0)
         tl.store(out + i_b * so_b + i_t * so_t + o_k, b_acc, mask=o_k < K)
-
-
-# Launched through their cached compiled kernels (ops/_launch.py: less host time per launch).
-_fwd_kernel = fast_launch(_fwd_kernel)
-_bwd_dq_kernel = fast_launch(_bwd_dq_kernel)
-_bwd_dkv_kernel = fast_launch(_bwd_dkv_kernel)
-_bwd_reduce_kernel = fast_launch(_bwd_reduce_kernel)
-_softmax_kernel = fast_launch(_softmax_kernel)
-_row_dot_kernel = fast_launch(_row_dot_kernel)
-_probs_grads_kernel = fast_launch(_probs_grads_kernel)
-_target_kernel = fast_launch(_target_kernel)
 
 
 def sparse_probs_target_triton(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, scale: float | None = None) -> Tensor:
