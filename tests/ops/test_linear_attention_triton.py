@@ -247,7 +247,9 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
-    assert configs == [(32, 4), (32, 4)]  # forward, and the backward's recompute
+    # the forward, and the backward's recompute of the chunk states (simple GLA's fused
+    # backward recomputes none: its sweeps hold whole states)
+    assert configs == [(32, 4)] * (1 if op == "simple_gla" and triton_chunk.FUSED_GLA_BWD else 2)
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
@@ -475,7 +477,7 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
 
     monkeypatch.setattr(triton_chunk, "_alloc", counted)
     for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
-                 "_segment_scan_kernel", "_group_sum_kernel"):
+                 "_segment_scan_kernel", "_group_sum_kernel", "_gla_dq_kernel", "_gla_dkv_kernel"):
         monkeypatch.setattr(triton_chunk, name, Stub())
     # the kernels are stubbed: values do not matter, only shapes and dtypes
     args = [torch.empty(1, T, HQK, 128, dtype=torch.bfloat16) for _ in "qk"] + [
@@ -486,6 +488,7 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
     o, _ = getattr(la, op)(*args, backend="triton")
     torch.autograd.grad(o, args, torch.ones_like(o))
     del o  # and with it the graph and what the forward kept
+    print(f"\n{op} HQK{HQK} HV{HV} T{T}: peak {peak[0]} bytes")
     assert 0 < peak[0] <= bound and live[0] == 0
 
 

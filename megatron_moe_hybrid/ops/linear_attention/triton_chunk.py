@@ -59,7 +59,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
 # "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
 CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "chunk_bwd": (64, 8), "split": (128, 8),
-           "split_gdn": (32, 4)}
+           "split_gdn": (32, 4), "gla_dq": (None, 8, 3), "gla_dkv": (None, 8, 2)}
+# Simple GLA's backward as two sweeps holding whole states, dq forward in time, dk, dv, dg in
+# reverse, with no chunk states h, dh in HBM and no chunk kernel (_gla_bwd_fused; K, V <= 128).
+FUSED_GLA_BWD = False  # measured 0.73-0.82x (benchmarks/device/probe_gla_fused_bwd.py); kept off
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, their length the one
@@ -510,6 +513,140 @@ def _bwd_chunk_kernel(
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
+@fast_launch
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _gla_dq_kernel(
+    q, k, v, gam, do, dq, qdq, h0, dst, carry, cu_seqlens, scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, USE_DST: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Simple GLA's fused backward, forward in time (FUSED_GLA_BWD): one sequence-head (or
+    segment-head) with its whole [K, V] state S on chip, from h0, chunk after chunk:
+        dq = scale e^gam . (do S^T) + (scale (do v^T) . D) k,   qdq = rowsum(q . dq),
+        S' = e^gC S + (k . e^(gC - gam))^T v.
+    USE_DST: at the end carry = <dst, S>, the gradient of the state leaving the sequence (or
+    segment) dotted with that state: every dg before it includes it (README.md, "Simple GLA's
+    fused backward")."""
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * T
+    NT = tl.cdiv(T, BT)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    o_c = tl.arange(0, BT)
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for i_t in range(NT):
+        o_t = i_t * BT + o_c
+        m_t = o_t < T
+        r_t = bos + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
+        b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+        b_dA = tl.dot(b_do, tl.trans(b_v)) * b_D * scale
+        b_dq = tl.dot(b_do, tl.trans(b_S.to(dt))) * (scale * tl.exp(b_gam))[:, None]
+        b_dq += tl.dot(b_dA.to(dt), b_k)
+        tl.store(dq + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(qdq + r_t * HV + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)
+        b_kp = (b_k * tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)[:, None]).to(dt)
+        b_S = b_S * tl.exp(b_glast) + tl.dot(tl.trans(b_kp), b_v)
+    if USE_DST:
+        b_dS = tl.load(dst + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        tl.store(carry + i_nh, tl.sum(tl.sum(b_S * b_dS, axis=1), axis=0))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _gla_dkv_kernel(
+    q, k, v, gam, P, do, qdq, dk, dv, dg, dht, dh0, carry, cu_seqlens, scale, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, USE_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Simple GLA's fused backward, reverse in time: one sequence-head (or segment-head) with
+    the whole gradient dS' of the state leaving each chunk on chip, from dht, chunks in reverse:
+        dv = P^T do + k' dS',  dk = (scale (do v^T) . D)^T q + e^(gC - gam) . (v dS'^T),
+        dg = reverse cumsum of qdq - rowsum(k . dk), plus carry (the sum of every later chunk's,
+             and <dht, final state>: _gla_dq_kernel's carry),
+        dS = e^gC dS' + (scale e^gam q)^T do;  USE_DH0: dh0 = the last dS."""
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * T
+    NT = tl.cdiv(T, BT)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    o_c = tl.arange(0, BT)
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    b_c = tl.sum(tl.zeros([1], dtype=tl.float32), axis=0)
+    if USE_CARRY:
+        b_c += tl.load(carry + i_nh)
+    for i_t in range(NT - 1, -1, -1):
+        o_t = i_t * BT + o_c
+        m_t = o_t < T
+        r_t = bos + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        b_e = tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dSd = b_dS.to(dt)
+        b_dv = tl.dot(tl.trans(b_P), b_do) + tl.dot((b_k * b_e[:, None]).to(dt), b_dSd)
+        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
+        b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+        b_dA = tl.dot(b_do, tl.trans(b_v)) * b_D * scale
+        b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk = tl.dot(b_v, tl.trans(b_dSd)) * b_e[:, None] + tl.dot(tl.trans(b_dA).to(dt), b_q)
+        tl.store(dk + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_x = tl.load(qdq + r_t * HV + i_h, mask=m_t, other=0.0) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        b_x = tl.where(m_t, b_x, 0.0)
+        tl.store(dg + r_t * HV + i_h, tl.cumsum(b_x, axis=0, reverse=True) + b_c, mask=m_t)
+        b_c += tl.sum(b_x, axis=0)
+        b_qs = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
+        b_dS = b_dS * tl.exp(b_glast) + tl.dot(tl.trans(b_qs), b_do)
+    if USE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
+
+
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
     """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py):
     the linear-attention layers of one step share their batch's cu_seqlens."""
@@ -811,11 +948,65 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     return o, ht, (seg, S_in, trans), A
 
 
+def _fused_gla_bwd_fits(K: int, V: int) -> bool:
+    """Whether simple GLA's fused backward runs at head dims K, V: each program holds a whole
+    [K, V] state (not at K 256)."""
+    return FUSED_GLA_BWD and _blocks(K, V)[0] <= 128 and next_power_of_2(V) <= 128
+
+
+def _gla_bwd_fused(q, k, v, scale, h0, do, dht, chunks: _Chunks, split, gam, P):
+    """Simple GLA's backward without chunk states in HBM (README.md, "Simple GLA's fused
+    backward"): _gla_dq_kernel forward in time, then _gla_dkv_kernel in reverse, per sequence
+    or, under the split, per segment from its true entering state (the forward's S_in) and the
+    true gradient of its leaving state (the segments' first reverse pass and the scan)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    dq = _alloc((B, T, HV, K), q.dtype, dev)
+    dk = _alloc((B, T, HV, K), q.dtype, dev)
+    dv = _alloc(v.shape, v.dtype, dev)
+    dg = _alloc((B, T, HV), torch.float32, dev)
+    qdq = _alloc((B, T, HV), torch.float32, dev)
+    if split is None:
+        layout, s_in, dst = _layout(chunks), h0, dht
+        dh0 = _alloc((chunks.N, HV, K, V), torch.float32, dev) if h0 is not None else None
+    else:
+        seg, s_in, trans = split
+        layout = seg.layout
+        L = _alloc((seg.layout.N, HV, K, V), torch.float32, dev)
+        _sweep_bwd(seg.layout, _split_config(K, V, False), q, k, None, gam, P, do, scale, dh0=L)
+        dst, dh0 = _scan(seg, L, trans, dht, reverse=True, want_end=h0 is not None)
+        del L
+    carry = _alloc((layout.N, HV), torch.float32, dev) if dst is not None else None
+    common = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=max(16, next_power_of_2(V)),
+                  IS_VARLEN=layout.varlen)
+    _, num_warps, num_stages = CONFIGS["gla_dq"]
+    _gla_dq_kernel[(layout.N * HV,)](
+        q, k, v, gam, do, dq, qdq, s_in, dst, carry, layout.cu, scale, T,
+        USE_H0=s_in is not None, USE_DST=dst is not None, num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    # 3 stages need 243 KB of shared memory at K = V = 128 (the H200 has 227 KB)
+    _, num_warps, num_stages = CONFIGS["gla_dkv"]
+    _gla_dkv_kernel[(layout.N * HV,)](
+        q, k, v, gam, P, do, qdq, dk, dv, dg, dst, dh0 if split is None else None, carry, layout.cu, scale, T,
+        USE_DHT=dst is not None, USE_DH0=split is None and dh0 is not None, USE_CARRY=carry is not None,
+        num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    return dq, dk, dv, dg, dh0
+
+
 def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     """A: the forward's (None: computed again here)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
+    if not gdn and _fused_gla_bwd_fits(K, V):
+        gam, P, _, _, _ = _prep(q, k, v, g, None, scale, chunks, store_A=False)
+        dq, dk, dv, dg, dh0 = _gla_bwd_fused(q, k, v, scale, h0, do, dht, chunks, split, gam, P)
+        del gam, P
+        if HV != H:
+            dq, dk = _group_sum(dq, H), _group_sum(dk, H)
+        return dq, dk, dv, dg, None, dh0
     varlen = chunks.indices is not None
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
