@@ -296,13 +296,14 @@ def breakdown(op, x, cu, do):
                 STORE_HT=False, num_warps=nw, **common)
         return run
 
-    def rec_bwd(bv, nw):
+    def rec_bwd(bv, nw):  # simple GLA's sweep forms no dU (the chunk kernel forms dv from dh)
         tc._recurrence_bwd_kernel[(triton.cdiv(V, bv), chunks.N * HV)](
-            q, k, w, gam, P, do, dU, dh, None, None, chunks.cu_seqlens, chunks.offsets, scale, T,
-            BV=bv, IS_GDN=gdn, USE_DHT=False, USE_DH0=False, num_warps=nw, **common)
+            q, k, w, gam, P, do, dU if gdn else None, dh, None, None, chunks.cu_seqlens, chunks.offsets, scale, T,
+            BV=bv, IS_GDN=gdn, USE_DHT=False, USE_DH0=False, STORE_DU=gdn, num_warps=nw, **common)
 
     def chunk_bwd(bv, nw):
-        tc._chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, db, scale, config=(bv, nw))
+        tc._chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU if gdn else None, do, dq, dk, dv, dg, db, scale,
+                      config=(bv, nw), P=P)
 
     seq = [(16, 4), (32, 4), (64, 4), (32, 8)]
     stages = [  # in order: each stage fills what the next reads

@@ -32,7 +32,7 @@ def captured_args(op, key):
     kept, original = [], tc._chunk_bwd
 
     def keep(*args, **kwargs):
-        kept.append(args)
+        kept.append((args, kwargs))
         return original(*args, **kwargs)
 
     tc._chunk_bwd = keep
@@ -41,7 +41,7 @@ def captured_args(op, key):
     finally:
         tc._chunk_bwd = original
     torch.cuda.synchronize()
-    return name, list(kept[0])
+    return name, list(kept[0][0]), kept[0][1]
 
 
 def main():
@@ -53,10 +53,10 @@ def main():
     rows = []
     for case in a.cases.split(","):
         op, key = case.split(":")
-        name, args = captured_args(op, key)
+        name, args, kwargs = captured_args(op, key)
         K, V = args[1].shape[3], args[3].shape[3]
         default = tc._chunk_bwd_config(K, V)
-        outs = {n: i for n, i in OUTS.items() if args[i] is not None and not (op == "gla" and n == "dv")}
+        outs = {n: i for n, i in OUTS.items() if args[i] is not None}
         ref = None
         for label in [f"{default[0]}x{default[1]}"] + a.configs.split(","):
             config = tuple(int(n) for n in label.split("x"))
@@ -64,9 +64,9 @@ def main():
             for n, i in outs.items():
                 run_args[i] = torch.full_like(args[i], float("nan"))
             try:
-                tc._chunk_bwd(*run_args, config=config)
+                tc._chunk_bwd(*run_args, config=config, **kwargs)
                 torch.cuda.synchronize()
-                ms = triton.testing.do_bench(lambda: tc._chunk_bwd(*run_args, config=config), warmup=20, rep=200,
+                ms = triton.testing.do_bench(lambda: tc._chunk_bwd(*run_args, config=config, **kwargs), warmup=20, rep=200,
                                              return_mode="median")
             except Exception as e:  # noqa: BLE001 (a config that does not fit: report, go on)
                 print(json.dumps(dict(op=op, shape=name, config=label, error=f"{type(e).__name__}: {e}"[:200])))

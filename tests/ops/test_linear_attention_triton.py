@@ -209,6 +209,31 @@ def test_sequence_split_matches_reference_cpu(op, case, segment_chunks, monkeypa
 
 
 @interpreter
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("form", [True, False, "unsplit"])
+def test_simple_gla_dv_from_the_chunk_kernel_is_bitwise_the_sweeps_cpu(form, split, monkeypatch):
+    """GLA_DV_FROM_DH: simple GLA's dv formed by the chunk kernel from P and dh, or by the reverse
+    sweep (unsplit and split, packed, with both states): every result bitwise the same, and the
+    form that ran is the one asked for ("unsplit": the chunk kernel only without the split)."""
+    cu = torch.tensor([0, 70, 75, 200])
+    x = make_inputs(1, 200, 1, 16, 32, HV=2, N=3, seed=21)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 256 if split else 0, "gdn": 0})
+    forms = []
+    real = triton_chunk._chunk_bwd
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: forms.append(kw["P"] is not None) or real(*a, **kw))
+    monkeypatch.setattr(triton_chunk, "GLA_DV_FROM_DH", form)
+    got = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+    assert forms == [form is True or (form == "unsplit" and not split)]
+    monkeypatch.setattr(triton_chunk, "GLA_DV_FROM_DH", not forms[0])
+    other = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+    assert forms == [forms[0], not forms[0]]
+    for name in got:
+        assert torch.equal(got[name], other[name]), name
+    assert_rel_rms(got, outputs_and_grads("simple_gla", x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
+
+
+@interpreter
 @pytest.mark.parametrize("op", OPS)
 def test_sequence_split_without_initial_or_final_state_cpu(op, monkeypatch):
     """The split's scans with no state to start from and no final state to return."""
@@ -247,9 +272,7 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
-    # the forward, and the backward's recompute of the chunk states (simple GLA's fused
-    # backward recomputes none: its sweeps hold whole states)
-    assert configs == [(32, 4)] * (1 if op == "simple_gla" and triton_chunk.FUSED_GLA_BWD else 2)
+    assert configs == [(32, 4), (32, 4)]  # forward, and the backward's recompute
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
@@ -477,7 +500,7 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
 
     monkeypatch.setattr(triton_chunk, "_alloc", counted)
     for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
-                 "_segment_scan_kernel", "_group_sum_kernel", "_gla_dq_kernel", "_gla_dkv_kernel"):
+                 "_segment_scan_kernel", "_group_sum_kernel"):
         monkeypatch.setattr(triton_chunk, name, Stub())
     # the kernels are stubbed: values do not matter, only shapes and dtypes
     args = [torch.empty(1, T, HQK, 128, dtype=torch.bfloat16) for _ in "qk"] + [
@@ -488,7 +511,6 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
     o, _ = getattr(la, op)(*args, backend="triton")
     torch.autograd.grad(o, args, torch.ones_like(o))
     del o  # and with it the graph and what the forward kept
-    print(f"\n{op} HQK{HQK} HV{HV} T{T}: peak {peak[0]} bytes")
     assert 0 < peak[0] <= bound and live[0] == 0
 
 
@@ -524,6 +546,26 @@ def test_sequence_split_bf16_matches_fp32_reference_gpu(op, case, monkeypatch):
     ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\n{op} {case} split relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["B2-T1000-H4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128"])
+def test_simple_gla_dv_from_the_chunk_kernel_bf16_gpu(case, monkeypatch):
+    """Both forms of simple GLA's dv (GLA_DV_FROM_DH) compiled for the GPU, unsplit: bf16
+    against the fp32 reference, and bitwise the same results."""
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=17)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    got = {}
+    for form in (True, False):
+        monkeypatch.setattr(triton_chunk, "GLA_DV_FROM_DH", form)
+        got[form] = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+    for name in got[True]:
+        assert torch.equal(got[True][name], got[False][name]), name
+    ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    assert_rel_rms(got[True], ref, 5e-3, 1e-2)
 
 
 @pytest.mark.gpu

@@ -18,9 +18,10 @@ Kernels (each program one chunk of one value head, or one V block of one sequenc
     backward: _prep_kernel again (reading the forward's A: gam, P, w, u only), _recurrence_fwd_kernel
               again writing the chunk states h and U
               (bf16 for bf16 inputs, freed at the end of the backward), _recurrence_bwd_kernel
-              (state gradient on chip, reverse over chunks, writes dh and dU), _bwd_chunk_kernel
-              (every input gradient of one chunk, including the WY backward and the reverse
-              cumsum of dg inside the chunk).
+              (state gradient on chip, reverse over chunks, writes dh and, for the delta rule,
+              dU), _bwd_chunk_kernel (every input gradient of one chunk, including the WY
+              backward, the reverse cumsum of dg inside the chunk and simple GLA's
+              dv = P^T do + k' dS', formed there from P and dh rather than in the sweep).
     sequence split (_Segments; simple GLA with few sequence-heads, README.md): the recurrences
               run per segment, first from a zero state, then, after _segment_scan_kernel joins
               the segments, from each segment's true entering state.
@@ -59,10 +60,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
 # "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
 CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "chunk_bwd": (64, 8), "split": (128, 8),
-           "split_gdn": (32, 4), "gla_dq": (None, 8, 3), "gla_dkv": (None, 8, 2)}
-# Simple GLA's backward as two sweeps holding whole states, dq forward in time, dk, dv, dg in
-# reverse, with no chunk states h, dh in HBM and no chunk kernel (_gla_bwd_fused; K, V <= 128).
-FUSED_GLA_BWD = False  # measured 0.73-0.82x (benchmarks/device/probe_gla_fused_bwd.py); kept off
+           "split_gdn": (32, 4)}
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, their length the one
@@ -86,6 +84,13 @@ SPLIT_PROGRAMS_PER_SM = 1
 MIN_SEGMENT_CHUNKS = 4
 SEGMENT_CHUNKS: int | None = None
 SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, store), in chunk steps
+# Simple GLA's dv: formed by _bwd_chunk_kernel from P and dh (DV_FROM_DH), its reverse sweep then
+# forming only the state gradient, where the sweep runs unsplit ("unsplit"); True / False: always /
+# never (probes). H200, fwd+bwd, both forms in one process (linear_attention.json, the rows "gla
+# fwd+bwd, dv from the chunk kernel (A/B)"): 2.73 -> 2.57 ms at B1-T8192-H96 (unsplit: BV 64 blocks,
+# each formed its own slice of dU), but 1.5-1.7% slower at the split shapes, whose sweeps hold
+# whole states (BV 128, 8 warps) and lost less than the chunk kernel gained.
+GLA_DV_FROM_DH: bool | str = "unsplit"
 
 
 @triton.jit
@@ -276,12 +281,14 @@ def _recurrence_bwd_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STORE: tl.constexpr = True,
+    STORE: tl.constexpr = True, STORE_DU: tl.constexpr = True,
 ):
     """One V block of one sequence-head, chunks in reverse: dU = P^T do + k' dS',
     dS = e^gC dS' + q^T do - w^T dU. Writes dh (the gradient of the state leaving each chunk)
-    and dU (for simple GLA that is dv itself); with STORE False only dh0 (the sequence split's
-    first pass: each segment's own contribution to the gradient of the state entering it)."""
+    and, with STORE_DU, dU; with STORE False only dh0 (the sequence split's first pass: each
+    segment's own contribution to the gradient of the state entering it). Simple GLA's dS does
+    not involve dU, so without STORE_DU its sweep forms none (_bwd_chunk_kernel's DV_FROM_DH
+    forms dv = dU from dh instead: one product per step, not three)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -316,12 +323,14 @@ def _recurrence_bwd_kernel(
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_kp = (b_k * tl.exp(b_glast - b_gam)[:, None]).to(dt)
-        b_dU = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, b_dS.to(dt))
-        if STORE:
-            tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
+        if IS_GDN or STORE_DU:
+            b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+            b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0)
+            b_kp = (b_k * tl.exp(b_glast - b_gam)[:, None]).to(dt)
+            b_dU = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, b_dS.to(dt))
+            if STORE_DU:
+                tl.store(dU + p_tv, b_dU.to(dU.dtype.element_ty), mask=m_tv)
         b_qT = tl.load(q + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_qT = (b_qT * (scale * tl.exp(b_gam))[None, :]).to(dt)
         b_dS = b_dS * tl.exp(b_glast) + tl.dot(b_qT, b_do)
@@ -398,14 +407,16 @@ def _segment_scan_kernel(
 @fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _bwd_chunk_kernel(
-    q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+    q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
     scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr, DV_FROM_DH: tl.constexpr = False,
 ):
     """Every input gradient of one chunk of one value head, given the state S entering it (h),
-    the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms."""
+    the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms.
+    DV_FROM_DH (simple GLA): dv = P^T do + k' dS' here, from P and dh, rather than the reverse
+    sweep's dU (the sweep then forms only the state gradient)."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     if IS_VARLEN:
@@ -445,6 +456,10 @@ def _bwd_chunk_kernel(
     b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S . dS') by rows of S
     p_h = h + (i_tg * HV + i_h) * K * V
     p_dh = dh + (i_tg * HV + i_h) * K * V
+    if DV_FROM_DH:  # as _recurrence_bwd_kernel forms dU, with dS' rounded to the input dtype as dh is
+        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_kc = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_kp = (b_kc * tl.exp(b_glast - b_gam)[:, None]).to(dt)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -455,11 +470,14 @@ def _bwd_chunk_kernel(
         b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
         b_dST = tl.load(p_dh + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
         if IS_GDN:
+            b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
             b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
         else:
             b_U = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+        if DV_FROM_DH:
+            b_dv = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, tl.trans(b_dST.to(dt)))
+            tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_acc_q = tl.dot(b_do, b_ST.to(dt), b_acc_q)
         b_dP = tl.dot(b_do, tl.trans(b_U), b_dP)
         b_acc_ks = tl.dot(b_U, b_dST.to(dt), b_acc_ks)
@@ -511,140 +529,6 @@ def _bwd_chunk_kernel(
     p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
     tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["T", "H", "HV"])
-def _gla_dq_kernel(
-    q, k, v, gam, do, dq, qdq, h0, dst, carry, cu_seqlens, scale, T,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, USE_DST: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """Simple GLA's fused backward, forward in time (FUSED_GLA_BWD): one sequence-head (or
-    segment-head) with its whole [K, V] state S on chip, from h0, chunk after chunk:
-        dq = scale e^gam . (do S^T) + (scale (do v^T) . D) k,   qdq = rowsum(q . dq),
-        S' = e^gC S + (k . e^(gC - gam))^T v.
-    USE_DST: at the end carry = <dst, S>, the gradient of the state leaving the sequence (or
-    segment) dotted with that state: every dg before it includes it (README.md, "Simple GLA's
-    fused backward")."""
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-    NT = tl.cdiv(T, BT)
-    i_hk = i_h // (HV // H)
-    dt = k.dtype.element_ty
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
-    o_c = tl.arange(0, BT)
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
-    for i_t in range(NT):
-        o_t = i_t * BT + o_c
-        m_t = o_t < T
-        r_t = bos + o_t
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
-        b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
-        b_dA = tl.dot(b_do, tl.trans(b_v)) * b_D * scale
-        b_dq = tl.dot(b_do, tl.trans(b_S.to(dt))) * (scale * tl.exp(b_gam))[:, None]
-        b_dq += tl.dot(b_dA.to(dt), b_k)
-        tl.store(dq + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        tl.store(qdq + r_t * HV + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)
-        b_kp = (b_k * tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)[:, None]).to(dt)
-        b_S = b_S * tl.exp(b_glast) + tl.dot(tl.trans(b_kp), b_v)
-    if USE_DST:
-        b_dS = tl.load(dst + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
-        tl.store(carry + i_nh, tl.sum(tl.sum(b_S * b_dS, axis=1), axis=0))
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["T", "H", "HV"])
-def _gla_dkv_kernel(
-    q, k, v, gam, P, do, qdq, dk, dv, dg, dht, dh0, carry, cu_seqlens, scale, T,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, USE_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """Simple GLA's fused backward, reverse in time: one sequence-head (or segment-head) with
-    the whole gradient dS' of the state leaving each chunk on chip, from dht, chunks in reverse:
-        dv = P^T do + k' dS',  dk = (scale (do v^T) . D)^T q + e^(gC - gam) . (v dS'^T),
-        dg = reverse cumsum of qdq - rowsum(k . dk), plus carry (the sum of every later chunk's,
-             and <dht, final state>: _gla_dq_kernel's carry),
-        dS = e^gC dS' + (scale e^gam q)^T do;  USE_DH0: dh0 = the last dS."""
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-    NT = tl.cdiv(T, BT)
-    i_hk = i_h // (HV // H)
-    dt = k.dtype.element_ty
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
-    o_c = tl.arange(0, BT)
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-
-    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
-    b_c = tl.sum(tl.zeros([1], dtype=tl.float32), axis=0)
-    if USE_CARRY:
-        b_c += tl.load(carry + i_nh)
-    for i_t in range(NT - 1, -1, -1):
-        o_t = i_t * BT + o_c
-        m_t = o_t < T
-        r_t = bos + o_t
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
-        b_e = tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dSd = b_dS.to(dt)
-        b_dv = tl.dot(tl.trans(b_P), b_do) + tl.dot((b_k * b_e[:, None]).to(dt), b_dSd)
-        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
-        b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
-        b_dA = tl.dot(b_do, tl.trans(b_v)) * b_D * scale
-        b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dk = tl.dot(b_v, tl.trans(b_dSd)) * b_e[:, None] + tl.dot(tl.trans(b_dA).to(dt), b_q)
-        tl.store(dk + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        b_x = tl.load(qdq + r_t * HV + i_h, mask=m_t, other=0.0) - tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
-        b_x = tl.where(m_t, b_x, 0.0)
-        tl.store(dg + r_t * HV + i_h, tl.cumsum(b_x, axis=0, reverse=True) + b_c, mask=m_t)
-        b_c += tl.sum(b_x, axis=0)
-        b_qs = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
-        b_dS = b_dS * tl.exp(b_glast) + tl.dot(tl.trans(b_qs), b_do)
-    if USE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
 
 
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
@@ -897,7 +781,7 @@ def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, 
         q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
-        STORE=dh is not None, num_warps=num_warps,
+        STORE=dh is not None, STORE_DU=dU is not None, num_warps=num_warps,
     )
 
 
@@ -948,72 +832,20 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     return o, ht, (seg, S_in, trans), A
 
 
-def _fused_gla_bwd_fits(K: int, V: int) -> bool:
-    """Whether simple GLA's fused backward runs at head dims K, V: each program holds a whole
-    [K, V] state (not at K 256)."""
-    return FUSED_GLA_BWD and _blocks(K, V)[0] <= 128 and next_power_of_2(V) <= 128
-
-
-def _gla_bwd_fused(q, k, v, scale, h0, do, dht, chunks: _Chunks, split, gam, P):
-    """Simple GLA's backward without chunk states in HBM (README.md, "Simple GLA's fused
-    backward"): _gla_dq_kernel forward in time, then _gla_dkv_kernel in reverse, per sequence
-    or, under the split, per segment from its true entering state (the forward's S_in) and the
-    true gradient of its leaving state (the segments' first reverse pass and the scan)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    dev = q.device
-    dq = _alloc((B, T, HV, K), q.dtype, dev)
-    dk = _alloc((B, T, HV, K), q.dtype, dev)
-    dv = _alloc(v.shape, v.dtype, dev)
-    dg = _alloc((B, T, HV), torch.float32, dev)
-    qdq = _alloc((B, T, HV), torch.float32, dev)
-    if split is None:
-        layout, s_in, dst = _layout(chunks), h0, dht
-        dh0 = _alloc((chunks.N, HV, K, V), torch.float32, dev) if h0 is not None else None
-    else:
-        seg, s_in, trans = split
-        layout = seg.layout
-        L = _alloc((seg.layout.N, HV, K, V), torch.float32, dev)
-        _sweep_bwd(seg.layout, _split_config(K, V, False), q, k, None, gam, P, do, scale, dh0=L)
-        dst, dh0 = _scan(seg, L, trans, dht, reverse=True, want_end=h0 is not None)
-        del L
-    carry = _alloc((layout.N, HV), torch.float32, dev) if dst is not None else None
-    common = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=max(16, next_power_of_2(V)),
-                  IS_VARLEN=layout.varlen)
-    _, num_warps, num_stages = CONFIGS["gla_dq"]
-    _gla_dq_kernel[(layout.N * HV,)](
-        q, k, v, gam, do, dq, qdq, s_in, dst, carry, layout.cu, scale, T,
-        USE_H0=s_in is not None, USE_DST=dst is not None, num_warps=num_warps, num_stages=num_stages, **common,
-    )
-    # 3 stages need 243 KB of shared memory at K = V = 128 (the H200 has 227 KB)
-    _, num_warps, num_stages = CONFIGS["gla_dkv"]
-    _gla_dkv_kernel[(layout.N * HV,)](
-        q, k, v, gam, P, do, qdq, dk, dv, dg, dst, dh0 if split is None else None, carry, layout.cu, scale, T,
-        USE_DHT=dst is not None, USE_DH0=split is None and dh0 is not None, USE_CARRY=carry is not None,
-        num_warps=num_warps, num_stages=num_stages, **common,
-    )
-    return dq, dk, dv, dg, dh0
-
-
 def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
     """A: the forward's (None: computed again here)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
-    if not gdn and _fused_gla_bwd_fits(K, V):
-        gam, P, _, _, _ = _prep(q, k, v, g, None, scale, chunks, store_A=False)
-        dq, dk, dv, dg, dh0 = _gla_bwd_fused(q, k, v, scale, h0, do, dht, chunks, split, gam, P)
-        del gam, P
-        if HV != H:
-            dq, dk = _group_sum(dq, H), _group_sum(dk, H)
-        return dq, dk, dv, dg, None, dh0
     varlen = chunks.indices is not None
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
     dh = _alloc(h.shape, h.dtype, h.device)
-    dU = _alloc(v.shape, v.dtype, v.device)  # dv itself for simple GLA
+    # simple GLA's dv (dU) is formed by the chunk kernel from dh (DV_FROM_DH), not by the sweep
+    dv_from_dh = not gdn and (GLA_DV_FROM_DH is True or (GLA_DV_FROM_DH == "unsplit" and split is None))
+    dU = None if dv_from_dh else _alloc(v.shape, v.dtype, v.device)
     if split is None:
         layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device)
         _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
@@ -1031,37 +863,41 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
         del L
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht_in)
         del dht_in
-    del w, P
+    del w
+    if not dv_from_dh:
+        P = None  # only simple GLA's chunk kernel reads P (its dv)
     grouped = HV != H
     # per value head, in the input dtype; a group of heads is summed afterwards in fp32 and
     # rounded once (_group_sum: one pass; torch's sum over the group dim ran at 1.5 TB/s)
     dq = _alloc((B, T, HV, K), q.dtype, q.device)
     dk = _alloc((B, T, HV, K), q.dtype, q.device)
-    dv = _alloc(v.shape, v.dtype, v.device) if gdn else dU
+    dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
-    _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale)
+    _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale, P=P)
     # freed before the group sums, where the backward's peak memory is (the chunk states alone
     # are [NT, HV, K, V])
-    del gam, h, dh, U, dU
+    del gam, P, h, dh, U, dU
     if grouped:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale,
-               config=None) -> None:
+               config=None, P=None) -> None:
     """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps[, num_stages]),
-    default _chunk_bwd_config's); beta None: simple GLA."""
+    default _chunk_bwd_config's); beta None: simple GLA, whose dv the kernel forms from P and dh
+    (dU None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
     BV, num_warps, *stages = _chunk_bwd_config(K, V) if config is None else config
     _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
-        q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
+        q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=beta is not None, IS_VARLEN=varlen, num_warps=num_warps, **({"num_stages": stages[0]} if stages else {}),
+        IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None,
+        num_warps=num_warps, **({"num_stages": stages[0]} if stages else {}),
     )
 
 
