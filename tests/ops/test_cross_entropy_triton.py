@@ -219,24 +219,39 @@ def test_backend_triton_is_selectable_and_auto_keeps_torch_on_cpu():
         triton_linear_cross_entropy(hidden.float(), weight.half(), labels)
 
 
-def _triton_vocab_parallel_worker(rank, world_size, num_tokens, hidden_size, vocab_size, split, weight_trainable=True):
+def _triton_vocab_parallel_worker(rank, world_size, num_tokens, hidden_size, vocab_size, split, weight_trainable=True,
+                                  label_smoothing=0.1):
     group = dist.new_group(list(range(world_size)))
     hidden, weight, labels = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
     bounds = (0, split, vocab_size)
-    outputs = loss_and_grads(
-        triton_linear_cross_entropy, hidden.float(), weight[bounds[rank] : bounds[rank + 1]].float(), labels, "none", 8,
-        weight_trainable, chunk_size=6, z_loss_weight=0.01, label_smoothing=0.1, tp_group=group, vocab_start=bounds[rank],
-    )
-    return [t.numpy() for t in outputs]
+    calls = []  # the whole vocabulary's all-reduce: only label smoothing needs it
+    real = triton_backend.global_vocab_size
+    triton_backend.global_vocab_size = lambda *a: calls.append(a) or real(*a)
+    try:
+        outputs = loss_and_grads(
+            triton_linear_cross_entropy, hidden.float(), weight[bounds[rank] : bounds[rank + 1]].float(), labels, "none",
+            8, weight_trainable, chunk_size=6, z_loss_weight=0.01, label_smoothing=label_smoothing, tp_group=group,
+            vocab_start=bounds[rank],
+        )
+    finally:
+        triton_backend.global_vocab_size = real
+    return [t.numpy() for t in outputs], len(calls)
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("label_smoothing", [0.1, 0.0])
 @pytest.mark.parametrize("weight_trainable", [True, False], ids=["trainable", "frozen"])
-def test_triton_vocab_parallel_matches_oracle(weight_trainable):
+def test_triton_vocab_parallel_matches_oracle(weight_trainable, label_smoothing):
+    """TP=2 over gloo equals the single-process oracle; the vocabulary size is all-reduced (a
+    collective and a host read per call) only where label smoothing needs it."""
     num_tokens, hidden_size, vocab_size, split = 19, 8, 37, 15
-    per_rank = spawn(_triton_vocab_parallel_worker, 2, num_tokens, hidden_size, vocab_size, split, weight_trainable)
+    results = spawn(_triton_vocab_parallel_worker, 2, num_tokens, hidden_size, vocab_size, split, weight_trainable,
+                    label_smoothing)
+    assert [calls for _, calls in results] == [1 if label_smoothing else 0] * 2
+    per_rank = [outputs for outputs, _ in results]
     inputs = make_inputs(num_tokens, hidden_size, vocab_size, seed=8)
-    loss, grad_hidden, grad_weight = loss_and_grads(oracle, *inputs, "none", 8, z_loss_weight=0.01, label_smoothing=0.1)
+    loss, grad_hidden, grad_weight = loss_and_grads(oracle, *inputs, "none", 8, z_loss_weight=0.01,
+                                                    label_smoothing=label_smoothing)
     for rank in range(2):
         torch.testing.assert_close(torch.from_numpy(per_rank[rank][0]).double(), loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.from_numpy(per_rank[rank][1]).double(), grad_hidden, rtol=1e-5, atol=1e-5)
@@ -263,6 +278,49 @@ def test_triton_bf16_on_gpu(num_tokens, hidden_size, vocab_size, chunk_size, z_l
         torch.bfloat16, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed=num_tokens, tolerance=2e-2,
         weight_trainable=weight_trainable, device="cuda", z_loss_weight=z_loss, label_smoothing=smoothing,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_trainable", [True, False], ids=["trainable", "frozen"])
+def test_triton_loss_captures_in_a_cuda_graph_gpu(weight_trainable):
+    """Forward and backward captured in one CUDA graph: the label check (a host read, which a
+    capturing stream refuses) is skipped while capturing, after the eager warm-up calls checked
+    the labels. A replay equals the eager call bitwise, and new inputs copied into the captured
+    tensors give their own loss and gradients."""
+    def inputs(seed):
+        hidden, weight, labels = make_inputs(2048, 512, 50257, seed=seed, device="cuda")
+        return hidden.bfloat16(), weight.bfloat16(), labels
+
+    hidden, weight, labels = inputs(3)
+    leaves = [hidden.requires_grad_(), weight.requires_grad_(weight_trainable)][: 2 if weight_trainable else 1]
+
+    def step():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=512, backend="triton")
+        return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+    new_hidden, new_weight, new_labels = inputs(4)
+    with torch.no_grad():
+        hidden.copy_(new_hidden), weight.copy_(new_weight), labels.copy_(new_labels)
+    graph.replay()
+    again = step()  # eager, on the new inputs
+    torch.cuda.synchronize()
+    for a, b in zip(captured, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(again[0], eager[0])
 
 
 @pytest.mark.gpu

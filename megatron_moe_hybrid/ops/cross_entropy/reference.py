@@ -69,6 +69,11 @@ def check_inputs(
 
 
 def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """ValueError unless every label is in [0, vocab_size) or ignore_index. It reads the labels'
+    range on the host (a device sync), which a stream capturing a CUDA graph does not allow: there
+    it is skipped, the eager calls that warm a graph up before its capture having checked them."""
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     valid = labels[labels != ignore_index]
     if valid.numel() and (valid.min() < 0 or valid.max() >= vocab_size):
         raise ValueError(
@@ -115,6 +120,8 @@ def all_reduce(tensor: torch.Tensor, op, tp_group) -> torch.Tensor:
 
 
 def global_vocab_size(vocab_size: int, device, tp_group) -> int:
+    """The vocabulary over the TP group's shards: an all-reduce and a host read, so callers ask
+    only where label smoothing needs it (its 1 / V)."""
     if tp_group is None:
         return vocab_size  # no device round trip on the single-rank path
     size = torch.tensor([vocab_size], dtype=torch.int64, device=device)
@@ -155,7 +162,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ignore_index, z_loss_weight, label_smoothing, reduction, chunk_size, vocab_chunk_size, tp_group, vocab_start = options
         dtype = _compute_dtype(hidden)
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
-        num_classes = global_vocab_size(vocab_size, hidden.device, tp_group)
+        # only label smoothing's 1 / V needs the whole vocabulary
+        num_classes = global_vocab_size(vocab_size, hidden.device, tp_group) if label_smoothing else vocab_size
         local = local_targets(labels, vocab_start, vocab_size, ignore_index)  # [N]
         lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)  # [N]
         target = torch.empty_like(lse)  # [N]

@@ -258,17 +258,23 @@ def _merge_splits(part):
 class _Chunks:
     """The shared per-chunk steps of the forward and the backward."""
 
-    def __init__(self, hidden, weight, labels, options):
+    def __init__(self, hidden, weight, labels, options, num_classes=None):
         (self.ignore_index, self.z_loss_weight, self.label_smoothing, self.reduction,
          self.chunk_size, self.tp_group, vocab_start) = options
         self.hidden, self.weight = hidden, weight
         self.local = local_targets(labels, vocab_start, weight.shape[0], ignore_index=self.ignore_index).contiguous()  # [N]
         self.valid = labels != self.ignore_index  # [N]
-        self.num_classes = global_vocab_size(weight.shape[0], hidden.device, self.tp_group)
+        # only label smoothing's 1 / V needs the whole vocabulary (an all-reduce and a host read),
+        # asked once per call: the backward takes the forward's (num_classes)
+        if num_classes is None:
+            num_classes = (global_vocab_size(weight.shape[0], hidden.device, self.tp_group) if self.label_smoothing
+                           else weight.shape[0])
+        self.num_classes = num_classes
         rows = max(1, min(self.chunk_size, hidden.shape[0]))  # an empty batch still gets a (tiny) buffer
         self.buffer = torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)  # [C, V]
         self.side = _side_stream(hidden.device) if hidden.is_cuda and SIDE_STREAM else None
         self.free = None  # the event after which the side stream no longer reads the buffer
+        self.forked = False  # whether the side stream took work (and so must be joined)
         self.lt = _use_cublaslt(hidden)
 
     def ranges(self):
@@ -329,6 +335,7 @@ class _Chunks:
         if grad_weight is not None:
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream())
+                self.forked = True
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
                 # one rounding per chunk, fp32 inside the product; the first chunk writes grad_weight:
                 # no [V, D] zero fill
@@ -344,8 +351,10 @@ class _Chunks:
             torch.mm(logits, self.weight, out=grad_hidden[rows])
 
     def join(self):
-        """The caller's stream waits for the side stream: after this every gradient is complete."""
-        if self.side is not None:
+        """The caller's stream waits for the side stream: after this every gradient is complete.
+        Only where the side stream took work: a stream capturing a CUDA graph cannot wait on one
+        that never joined the capture (a frozen weight's loss uses none)."""
+        if self.forked:
             torch.cuda.current_stream().wait_stream(self.side)
 
 
@@ -412,7 +421,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden, grad_weight)
         else:
             ctx.save_for_backward(hidden, weight, labels, lse)
-            ctx.options = options
+            ctx.options, ctx.num_classes = options, chunks.num_classes
         return reduce_loss(loss, chunks.valid.sum(), chunks.reduction)
 
     @staticmethod
@@ -429,7 +438,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.mul_(grad_loss.to(grad_weight.dtype))
             return grad_hidden, grad_weight, None, None
         hidden, weight, labels, lse = ctx.saved_tensors
-        chunks = _Chunks(hidden, weight, labels, ctx.options)
+        chunks = _Chunks(hidden, weight, labels, ctx.options, ctx.num_classes)
         grad_token = grad_per_token(grad_loss, chunks.valid, chunks.reduction, torch.float32)  # [N]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if need_weight else None  # [V, D]
