@@ -88,7 +88,7 @@ SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, stor
 # forming only the state gradient, where the sweep runs unsplit ("unsplit"); True / False: always /
 # never (probes). H200, fwd+bwd, both forms in one process (linear_attention.json, the rows "gla
 # fwd+bwd, dv from the chunk kernel (A/B)"): 2.73 -> 2.57 ms at B1-T8192-H96 (unsplit: BV 64 blocks,
-# each formed its own slice of dU), but 1.5-1.7% slower at the split shapes, whose sweeps hold
+# each formed its own slice of dU), but 0.3-1.7% slower at the split shapes, whose sweeps hold
 # whole states (BV 128, 8 warps) and lost less than the chunk kernel gained.
 GLA_DV_FROM_DH: bool | str = "unsplit"
 
