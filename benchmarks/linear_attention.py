@@ -338,8 +338,11 @@ def main():
     parser.add_argument("--merge", action="store_true",
                         help="keep --out's rows of other (name, shape) pairs (for several invocations)")
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--gla-keep-p", action="store_true",
+                        help="simple GLA's backward from the forward's gam and P (triton_chunk.GLA_KEEP_P)")
     parser.add_argument("--out", default="benchmarks/results/h200/linear_attention.json")
     args = parser.parse_args()
+    tc.GLA_KEEP_P = args.gla_keep_p
     wanted = None if args.shapes == "all" else set(args.shapes.split(","))
     versions = ("fla-core",)
     rows, start, did_breakdown = [], time.time(), False
@@ -394,7 +397,9 @@ def main():
                     "anchor_peak_mem_bytes": fla_peak if mode == "fwd+bwd" else None,
                     "tflops": round(flop / ours_ms[mode] / 1e9, 1),
                     "anchor_tflops": None if fla_ms is None else round(flop / fla_ms[mode] / 1e9, 1),
-                    "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}",
+                    "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}"
+                             + ("; ours with GLA_KEEP_P (the backward from the forward's gam and P)"
+                                if args.gla_keep_p and op == "gla" else ""),
                 }
                 if mode == "fwd+bwd":
                     ours_g = ours_ms["fwd+bwd graph"]

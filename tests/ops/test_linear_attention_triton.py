@@ -95,7 +95,7 @@ def test_backward_reads_the_forwards_A_bitwise_as_recomputing_it_cpu(cu):
     x = make_inputs(B, T, H, K, V, HV=HV, N=B if cu is None else 3, seed=3)
     q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     chunks = triton_chunk._chunks_of(q.shape[0], T, cu)
-    o, ht, split, A = triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks, keep_A=True)
+    o, ht, split, A, _ = triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks, keep_A=True)
     assert A is not None and A.shape == (B, T, HV, triton_chunk.CHUNK) and not A.isnan().any()
     assert triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks)[3] is None
     gen = torch.Generator().manual_seed(4)
@@ -126,6 +126,40 @@ def test_forward_keeps_A_only_when_a_backward_can_follow_cpu(monkeypatch):
         la.gated_delta_rule(*args, backend="triton")
     la.simple_gla(*args[:4], backend="triton")
     assert seen == [True, False, False]
+
+
+@interpreter
+@pytest.mark.parametrize("split", [False, True])
+def test_simple_gla_backward_from_the_forwards_prep_is_bitwise_the_same_cpu(split, monkeypatch):
+    """GLA_KEEP_P: the backward takes the forward's gam and P instead of running the prep kernel
+    again (it runs once per forward+backward, not twice), with bitwise the same results; under
+    no_grad nothing is kept."""
+    cu = torch.tensor([0, 70, 75, 200])
+    x = make_inputs(1, 200, 1, 16, 32, HV=2, N=3, seed=23)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
+    preps, kept = [], []
+    real_prep, real_fwd = triton_chunk._prep, triton_chunk._fwd
+    monkeypatch.setattr(triton_chunk, "_prep", lambda *a, **kw: preps.append(1) or real_prep(*a, **kw))
+
+    def fwd(*a, **kw):
+        out = real_fwd(*a, **kw)
+        kept.append(out[4] is not None)
+        return out
+
+    monkeypatch.setattr(triton_chunk, "_fwd", fwd)
+    runs = {}
+    for keep in (True, False):
+        monkeypatch.setattr(triton_chunk, "GLA_KEEP_P", keep)
+        preps.clear()
+        runs[keep] = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+        assert len(preps) == (1 if keep else 2)
+    assert kept == [True, False]
+    for name in runs[True]:
+        assert torch.equal(runs[True][name], runs[False][name]), name
+    monkeypatch.setattr(triton_chunk, "GLA_KEEP_P", True)
+    with torch.no_grad():
+        la.simple_gla(x["q"], x["k"], x["v"], x["g"], backend="triton", cu_seqlens=cu)
+    assert kept == [True, False, False]
 
 
 @interpreter

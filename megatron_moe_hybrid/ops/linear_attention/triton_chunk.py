@@ -91,6 +91,12 @@ SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, stor
 # each formed its own slice of dU), but 0.3-1.7% slower at the split shapes, whose sweeps hold
 # whole states (BV 128, 8 warps) and lost less than the chunk kernel gained.
 GLA_DV_FROM_DH: bool | str = "unsplit"
+# Simple GLA: keep the forward's gam and P ([B, T, HV] fp32, [B, T, HV, C] in the input dtype, half
+# of v's bytes) for the backward, whose prep kernel then does not run (as the delta rule keeps A).
+# Off: its time is not measured yet (the prep took 0.10 of 1.64 ms fwd+bwd at B4-T8192-H16, README
+# "where simple GLA's split spends its time"), and P held from forward to backward in every layer
+# is memory fla does not hold. Bitwise the same results either way.
+GLA_KEEP_P = False
 
 
 @triton.jit
@@ -801,9 +807,11 @@ def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
     return S_in, st
 
 
-def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_A: bool = False):
-    """(o, final state or None, the split's states or None, and with keep_A the delta rule's A
-    [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None)."""
+def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_A: bool = False,
+         keep_prep: bool = False):
+    """(o, final state or None, the split's states or None, with keep_A the delta rule's A
+    [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None, and with
+    keep_prep (simple GLA, GLA_KEEP_P) the prep's (gam, P), else None)."""
     K = q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
@@ -815,7 +823,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(K, V, chunks.N * HV, q.device)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
-        return o, ht, None, A
+        return o, ht, None, A, (gam, P) if keep_prep and not gdn else None
     config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
     L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
@@ -829,16 +837,20 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     # 2. the states entering the segments; 3. each segment from its state, writing o
     S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
     _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in)
-    return o, ht, (seg, S_in, trans), A
+    return o, ht, (seg, S_in, trans), A, (gam, P) if keep_prep and not gdn else None
 
 
-def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None):
-    """A: the forward's (None: computed again here)."""
+def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, prep=None):
+    """A: the forward's (None: computed again here); prep: simple GLA's (gam, P) from the forward
+    (GLA_KEEP_P; None: the prep kernel runs again)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
-    gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
+    if prep is not None and not gdn:
+        (gam, P), w, u = prep, None, None
+    else:
+        gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
     # The chunk states, recomputed; in the input dtype like every other dot operand.
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
     U = _alloc(v.shape, v.dtype, v.device) if gdn else None
@@ -920,9 +932,13 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, grad_enabled):
         chunks = _chunks_of(q.shape[0], q.shape[1], cu_seqlens)
         # needs_input_grad stays True under no_grad: the caller's grad mode decides too
-        keep_A = beta is not None and grad_enabled and any(ctx.needs_input_grad[:5])
-        o, ht, split, A = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, keep_A)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, A)
+        backward_follows = grad_enabled and any(ctx.needs_input_grad[:5])
+        keep_A = beta is not None and backward_follows
+        keep_prep = beta is None and GLA_KEEP_P and backward_follows
+        o, ht, split, A, prep = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, keep_A,
+                                     keep_prep)
+        gam, P = (None, None) if prep is None else prep
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A, gam, P)
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
         if ht is None:
             return o
@@ -930,10 +946,11 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, h0, A = ctx.saved_tensors
+        q, k, v, g, beta, h0, A, gam, P = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _bwd(
             q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.chunks, ctx.split, A,
+            None if gam is None else (gam, P),
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
