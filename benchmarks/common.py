@@ -13,6 +13,9 @@ from importlib import metadata
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package, uninstalled too
+from megatron_moe_hybrid.testing import cuda_graph  # noqa: E402, F401  (the benchmarks' graphs: fn captured once)
+
 
 def peak_above(fn) -> int:
     """Peak bytes allocated while fn ran, above what was allocated when it began."""
@@ -51,21 +54,6 @@ def time_and_peak(fn, warmup: int, reps: int) -> tuple[float, int]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), peak
-
-
-def cuda_graph(fn) -> "torch.cuda.CUDAGraph":
-    """fn captured once in a CUDA graph (after three calls on a side stream, as capture needs);
-    time its .replay: the device's time alone, without the host's launches."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def versions(*packages: str) -> dict[str, str]:

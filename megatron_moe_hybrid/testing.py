@@ -148,3 +148,20 @@ def assert_rel_rms(actual: dict, expected: dict, out_tol: float, grad_tol: float
     bad = {n: e for n, e in errors.items() if e > (grad_tol if n.startswith("d") else out_tol)}
     assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errors})"
     return errors
+
+
+def cuda_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured once in a CUDA graph, after three eager calls on a side stream (as capture
+    needs: allocator pools, lazy init, autotuning). What fn returned or stored in its last call
+    is what a replay refills. The benchmarks time its .replay (benchmarks/common.py); GPU tests
+    check it against eager calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

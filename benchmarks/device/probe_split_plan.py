@@ -80,9 +80,10 @@ def passes(key):
         "bwd: h pass": ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, None, v, gam, P, scale, h0=S_in, h=h)),
         "bwd: L pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dh0=L)),
         "bwd: scan": ms(lambda: tc._scan(seg, L, G, None, reverse=True, want_end=False)),
-        "bwd: dh pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dh=dh, dht=dS)),
-        "bwd: chunk kernel (dv from dh)": ms(lambda: tc._chunk_bwd(chunks, q, k, v, gam, None, None, h, dh, None, None,
-                                                                    do, dq, dk, dU, dg, None, scale, P=P)),
+        "bwd: dh, dv pass": ms(lambda: tc._sweep_bwd(seg.layout, config, q, k, None, gam, P, do, scale, dU=dU, dh=dh,
+                                                      dht=dS)),
+        "bwd: chunk kernel": ms(lambda: tc._chunk_bwd(chunks, q, k, v, gam, None, None, h, dh, None, dU, do, dq, dk,
+                                                       None, dg, None, scale)),
     }
     print(json.dumps(dict(shape=name, segments=NS, passes_ms=rows)), flush=True)
     return name, NS, rows

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from megatron_moe_hybrid.ops.cross_entropy import linear_cross_entropy  # noqa: E402
 from megatron_moe_hybrid.ops.cross_entropy import triton as triton_backend  # noqa: E402
 from megatron_moe_hybrid.ops.cross_entropy.triton import BLOCK_V, auto_chunk_size, triton_linear_cross_entropy  # noqa: E402
-from megatron_moe_hybrid.testing import spawn  # noqa: E402
+from megatron_moe_hybrid.testing import cuda_graph, spawn  # noqa: E402
 
 IGNORE = -100
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,15 +299,13 @@ def test_triton_loss_captures_in_a_cuda_graph_gpu(weight_trainable):
         return (loss.detach(), *torch.autograd.grad(loss, leaves))
 
     eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    last = []
+
+    def keep_last():  # the captured call's outputs are what each replay refills
+        last[:] = step()
+
+    graph = cuda_graph(keep_last)
+    captured = tuple(last)
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(captured, eager):

@@ -847,7 +847,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
-    if prep is not None and not gdn:
+    if prep is not None:  # only simple GLA's forward keeps one
         (gam, P), w, u = prep, None, None
     else:
         gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
