@@ -338,11 +338,13 @@ def main():
     parser.add_argument("--merge", action="store_true",
                         help="keep --out's rows of other (name, shape) pairs (for several invocations)")
     parser.add_argument("--breakdown", action="store_true")
-    parser.add_argument("--gla-keep-p", action="store_true",
-                        help="simple GLA's backward from the forward's gam and P (triton_chunk.GLA_KEEP_P)")
+    parser.add_argument("--gla-prep-again", action="store_true",
+                        help="simple GLA's backward runs its prep kernel again rather than taking the forward's "
+                             "gam and P (triton_chunk.GLA_KEEP_P False)")
     parser.add_argument("--out", default="benchmarks/results/h200/linear_attention.json")
     args = parser.parse_args()
-    tc.GLA_KEEP_P = args.gla_keep_p
+    if args.gla_prep_again:
+        tc.GLA_KEEP_P = False
     wanted = None if args.shapes == "all" else set(args.shapes.split(","))
     versions = ("fla-core",)
     rows, start, did_breakdown = [], time.time(), False
@@ -398,8 +400,8 @@ def main():
                     "tflops": round(flop / ours_ms[mode] / 1e9, 1),
                     "anchor_tflops": None if fla_ms is None else round(flop / fla_ms[mode] / 1e9, 1),
                     "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}"
-                             + ("; ours with GLA_KEEP_P (the backward from the forward's gam and P)"
-                                if args.gla_keep_p and op == "gla" else ""),
+                             + (f"; ours with GLA_KEEP_P {tc.GLA_KEEP_P} (True: the backward from the forward's gam "
+                                "and P)" if op == "gla" else ""),
                 }
                 if mode == "fwd+bwd":
                     ours_g = ours_ms["fwd+bwd graph"]

@@ -11,10 +11,10 @@ Switches (SWITCHES):
             kernel takes two more products per V block) against the sweep forming it. The sweeps
             are latency-bound, so work moved out of a step can shorten the backward; it paid only
             unsplit (the default "unsplit"). Until c5b059e: probe_gla_dv.py.
-    keep_p  GLA_KEEP_P True against False (the default): the backward from the forward's gam
-            and P, its prep kernel not run again. The kept P lives from the forward to the end
-            of the backward, which the peaks show. fla is not in this run:
-            benchmarks/linear_attention.py --gla-keep-p times the kept form beside it.
+    keep_p  GLA_KEEP_P True (the default since 2026-12-03) against False: the backward from the
+            forward's gam and P, its prep kernel not run again. The kept P lives from the forward
+            to the end of the backward, which the peaks show. fla is not in this run:
+            benchmarks/linear_attention.py times the default beside it (--gla-prep-again: False).
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the
@@ -38,7 +38,7 @@ SWITCHES = {
     "dv": ("GLA_DV_FROM_DH", "gla fwd+bwd, dv from the chunk kernel, not the reverse sweep (A/B)",
            "the same with the reverse sweep forming dv"),
     "keep_p": ("GLA_KEEP_P", "gla fwd+bwd, the backward from the forward's gam and P (A/B)",
-               "the same with the backward's prep kernel run again (the default)"),
+               "the same with the backward's prep kernel run again"),
 }
 
 

@@ -1,0 +1,128 @@
+"""Probe: simple GLA's launch configs, each variant against the defaults, on the H200, in one
+process.
+
+    python benchmarks/device/probe_gla_configs.py [--variants chunk_128x8,...] [--shapes gla_b4,qwen,h96]
+        [--rounds 2] [--out results.json]
+
+The chunk kernel's config (CONFIGS["chunk_bwd"], (BV 64, 8 warps)) was chosen at Gated DeltaNet's
+B1-T32768-HQK16-HV32, whose chunk kernel holds A, dM and the w path besides what simple GLA's
+holds; the unsplit recurrences past one wave take CONFIGS["seq_wide"] (BV 64, 4 warps), chosen
+against BV 32 only. Variants (VARIANTS):
+    chunk_<BV>x<warps>[s<stages>]   simple GLA's _bwd_chunk_kernel at that config (BV up to 128)
+    seq_<BV>x<warps>                the unsplit recurrences at that config (B1-T8192-H96's path)
+    split                           the sequence split where the recurrences would run unsplit
+
+Per shape the defaults and each variant run in turn --rounds times
+(benchmarks/linear_attention.py's measure: do_bench medians, warm, and one CUDA graph replayed);
+one results row per (variant, shape), ours_* the variant, anchor_* the defaults, with the relative
+RMS distance between the two (bf16; a different BV sums the V blocks in another order).
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import linear_attention as bench  # noqa: E402
+from common import write_results  # noqa: E402
+from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
+
+DEFAULT_VARIANTS = "chunk_128x8,chunk_64x4,chunk_128x4,chunk_32x4,chunk_64x8s2,seq_128x8,seq_128x4,split"
+
+
+def variant(name):
+    """(description, apply(on)) of a variant name; apply(False) restores the defaults."""
+    saved = {"_chunk_bwd_config": tc._chunk_bwd_config, "_seq_config": tc._seq_config,
+             "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS)}
+
+    def restore():
+        tc._chunk_bwd_config = saved["_chunk_bwd_config"]
+        tc._seq_config = saved["_seq_config"]
+        tc.SPLIT_MAX_PROGRAMS.clear()
+        tc.SPLIT_MAX_PROGRAMS.update(saved["SPLIT_MAX_PROGRAMS"])
+
+    m = re.fullmatch(r"chunk_(\d+)x(\d+)(?:s(\d+))?", name)
+    if m:
+        config = tuple(int(x) for x in m.groups() if x is not None)
+
+        def apply(on):
+            restore()
+            if on:
+                tc._chunk_bwd_config = lambda K, V: config
+        return f"the chunk kernel at (BV, warps[, stages]) {config}", apply
+    m = re.fullmatch(r"seq_(\d+)x(\d+)", name)
+    if m:
+        config = (int(m.group(1)), int(m.group(2)))
+
+        def apply(on):
+            restore()
+            if on:
+                tc._seq_config = lambda K, V, heads, device: config
+        return f"the unsplit recurrences at (BV, warps) {config}", apply
+    if name == "split":
+        def apply(on):
+            restore()
+            if on:
+                tc.SPLIT_MAX_PROGRAMS["gla"] = 1 << 20
+        return "the sequence split at every shape", apply
+    raise SystemExit(f"--variants: unknown variant {name!r}; see the docstring")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--shapes", default="gla_b4,qwen,h96")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    names = a.variants.split(",")
+    variants = {n: variant(n) for n in names}
+    rows = []
+    for key in a.shapes.split(","):
+        shape, x, cu, do = bench.case("gla", key)
+
+        def apply(label):
+            for n, (_, ap) in variants.items():
+                ap(False)
+            if label != "default":
+                variants[label][1](True)
+
+        fn, runnable = bench.ours_fn("gla", cu), []
+        for n in names:  # a config that does not compile (shared memory) is reported and left out
+            try:
+                apply(n)
+                torch.autograd.grad(fn(x), list(x.values()), do)
+                torch.cuda.synchronize()
+                runnable.append(n)
+            except Exception as exc:  # noqa: BLE001 - printed, the variant dropped
+                print(json.dumps({"variant": n, "shape": shape, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"}),
+                      flush=True)
+            finally:
+                apply("default")
+        try:
+            med, peak, out = bench.measure_in_turn(fn, x, do, ["default"] + runnable, apply, a.rounds)
+        finally:
+            apply("default")
+        for n in runnable:
+            row = bench.ab_row(
+                f"gla fwd+bwd, {variants[n][0]} (A/B)", shape, x, med, peak, out, n, "default",
+                f"the defaults (GLA_KEEP_P {tc.GLA_KEEP_P})",
+                f"benchmarks/device/probe_gla_configs.py --variants {a.variants}: every variant and the defaults in "
+                f"turn, {a.rounds} rounds in one process",
+            )
+            print(json.dumps({k: row[k] for k in ("name", "shape", "ours_ms", "anchor_ms", "speedup", "bwd_ms",
+                                                  "anchor_bwd_ms", "graph_ms", "anchor_graph_ms",
+                                                  "ours_peak_mem_bytes", "rel_rms_vs_anchor")}), flush=True)
+            rows.append(row)
+        if a.out:
+            write_results(a.out, rows)
+        del x, do, out
+
+
+if __name__ == "__main__":
+    main()
