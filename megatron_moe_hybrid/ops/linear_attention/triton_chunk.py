@@ -96,7 +96,8 @@ GLA_DV_FROM_DH: bool | str = "unsplit"
 # Bitwise the same results either way. H200, fwd+bwd, both forms in one process (linear_attention.json,
 # the rows "gla fwd+bwd, the backward from the forward's gam and P (A/B)"): 5.5-7.0% faster at the
 # listed shapes (B4-T8192-H16 1.646 -> 1.550 ms, B1-T8192-H96 2.574 -> 2.416; 3.3% at TP=8 as one
-# CUDA graph), peak above the inputs 6% higher at the split shapes (1.09 -> 1.15 GB at B4-T8192-H16, fla's 1.61), the same at H96.
+# CUDA graph), peak above the inputs 6% higher at the split shapes (1.09 -> 1.15 GB at B4-T8192-H16,
+# fla's 1.61), the same at H96.
 # P held from forward to backward is activation memory fla does not hold: False gives it back.
 GLA_KEEP_P = True
 
