@@ -1,14 +1,19 @@
 """Probe: simple GLA's launch configs, each variant against the defaults, on the H200, in one
 process.
 
-    python benchmarks/device/probe_gla_configs.py [--variants chunk_128x8,...] [--shapes gla_b4,qwen,h96]
+    python benchmarks/device/probe_gla_configs.py [--variants seq_128x8,...] [--shapes h96]
         [--rounds 2] [--out results.json]
 
-The chunk kernel's config (CONFIGS["chunk_bwd"], (BV 64, 8 warps)) was chosen at Gated DeltaNet's
-B1-T32768-HQK16-HV32, whose chunk kernel holds A, dM and the w path besides what simple GLA's
-holds; the unsplit recurrences past one wave take CONFIGS["seq_wide"] (BV 64, 4 warps), chosen
-against BV 32 only. Variants (VARIANTS):
-    chunk_<BV>x<warps>[s<stages>]   simple GLA's _bwd_chunk_kernel at that config (BV up to 128)
+The unsplit recurrences past one wave take CONFIGS["seq_wide"] (BV 64, 4 warps: 192 programs at
+B1-T8192-H96, 1.45 waves of the H200's 132 SMs), chosen against BV 32 only
+(linear_attention_seq_bv.json); BV 128 (96 programs, one wave) and the sequence split were not
+tried there. The chunk kernel's configs were (probe_chunk_bwd.py,
+linear_attention_chunk_bwd_config.json: (64, 8) fastest for simple GLA), but not a register cap:
+at (64, 8) it compiled to 196 registers a thread, one program per SM, and ran at about 60% of
+its byte floor. Variants:
+    chunk_<BV>x<warps>[s<stages>][r<maxnreg>]   simple GLA's _bwd_chunk_kernel at that config (BV up
+                                    to 128; maxnreg caps its registers per thread, e.g. 128 for two
+                                    8-warp programs per SM, where 196 allow one)
     seq_<BV>x<warps>                the unsplit recurrences at that config (B1-T8192-H96's path)
     split                           the sequence split where the recurrences would run unsplit
 
@@ -32,7 +37,7 @@ import linear_attention as bench  # noqa: E402
 from common import write_results  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
 
-DEFAULT_VARIANTS = "chunk_128x8,chunk_64x4,chunk_128x4,chunk_32x4,chunk_64x8s2,seq_128x8,seq_128x4,split"
+DEFAULT_VARIANTS = "seq_128x8,seq_128x4,split"
 
 
 def variant(name):
@@ -46,15 +51,15 @@ def variant(name):
         tc.SPLIT_MAX_PROGRAMS.clear()
         tc.SPLIT_MAX_PROGRAMS.update(saved["SPLIT_MAX_PROGRAMS"])
 
-    m = re.fullmatch(r"chunk_(\d+)x(\d+)(?:s(\d+))?", name)
+    m = re.fullmatch(r"chunk_(\d+)x(\d+)(?:s(\d+))?(?:r(\d+))?", name)
     if m:
-        config = tuple(int(x) for x in m.groups() if x is not None)
+        config = tuple(None if x is None else int(x) for x in m.groups())
 
         def apply(on):
             restore()
             if on:
                 tc._chunk_bwd_config = lambda K, V: config
-        return f"the chunk kernel at (BV, warps[, stages]) {config}", apply
+        return f"the chunk kernel at (BV, warps, stages, maxnreg) {config}", apply
     m = re.fullmatch(r"seq_(\d+)x(\d+)", name)
     if m:
         config = (int(m.group(1)), int(m.group(2)))
@@ -76,7 +81,7 @@ def variant(name):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--shapes", default="gla_b4,qwen,h96")
+    p.add_argument("--shapes", default="h96")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()

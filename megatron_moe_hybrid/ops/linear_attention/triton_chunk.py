@@ -900,19 +900,20 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
 
 def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale,
                config=None, P=None) -> None:
-    """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps[, num_stages]),
-    default _chunk_bwd_config's); beta None: simple GLA, whose dv the kernel forms from P and dh
-    (dU None)."""
+    """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps[, num_stages
+    [, maxnreg]]), num_stages None for Triton's default; default _chunk_bwd_config's); beta None:
+    simple GLA, whose dv the kernel forms from P and dh (dU None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
-    BV, num_warps, *stages = _chunk_bwd_config(K, V) if config is None else config
+    BV, num_warps, *rest = _chunk_bwd_config(K, V) if config is None else config
+    options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
     _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
         q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None,
-        num_warps=num_warps, **({"num_stages": stages[0]} if stages else {}),
+        num_warps=num_warps, **options,
     )
 
 
