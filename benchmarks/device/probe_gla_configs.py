@@ -67,7 +67,7 @@ def variant(name):
         def apply(on):
             restore()
             if on:
-                tc._seq_config = lambda K, V, heads, device: config
+                tc._seq_config = lambda K, V, heads, device, gdn: config
         return f"the unsplit recurrences at (BV, warps) {config}", apply
     if name == "split":
         def apply(on):

@@ -146,7 +146,7 @@ def breakdown(op, key, segment_chunks=16):
     S_in, _ = tc._scan(seg, L, trans, None, reverse=False, want_end=True)
     rows["output pass"] = bench_ms(lambda: tc._sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in))
     full = tc._layout(chunks)
-    rows["unsplit sweep"] = bench_ms(lambda: tc._sweep_fwd(full, tc._seq_config(D, D, chunks.N * HV, "cuda"), q, k, w, u, gam, P,
+    rows["unsplit sweep"] = bench_ms(lambda: tc._sweep_fwd(full, tc._seq_config(D, D, chunks.N * HV, "cuda", gdn=op == "gdn"), q, k, w, u, gam, P,
                                                            scale, o=o))
     print(json.dumps(dict(op=op, shape=name, segments=NS, breakdown_ms=rows)), flush=True)
     # split against unsplit, same inputs, directly

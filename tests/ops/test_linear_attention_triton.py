@@ -290,13 +290,19 @@ def test_sequence_split_without_initial_or_final_state_cpu(op, monkeypatch):
 @pytest.mark.parametrize("op", OPS)
 def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     """More sequence-heads x V blocks than SMs: the recurrences take CONFIGS["seq_wide"]'s wider
-    V block (fewer waves of the same sequential steps); results match the reference."""
+    V block (the delta rule; "seq_wide_gla" simple GLA's: fewer waves of the same sequential
+    steps); results match the reference."""
     monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 4)
     monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
-    monkeypatch.setattr(triton_chunk, "CONFIGS", {**triton_chunk.CONFIGS, "seq": (16, 4), "seq_wide": (32, 4)})
-    assert triton_chunk._seq_config(16, 32, 2, "cpu") == (16, 4)  # 4 programs: one wave
-    assert triton_chunk._seq_config(16, 32, 3, "cpu") == (32, 4)  # 6 programs at BV 16
-    assert triton_chunk._seq_config(256, 32, 3, "cpu") == (16, 4)  # key head dim 256 keeps BV
+    monkeypatch.setattr(triton_chunk, "CONFIGS", {**triton_chunk.CONFIGS, "seq": (16, 4), "seq_wide": (32, 4),
+                                                  "seq_wide_gla": (64, 8)})
+    gdn = op == "gated_delta_rule"
+    wide = (32, 4) if gdn else (32, 8)  # simple GLA's 64 is cut to V's 32
+    assert triton_chunk._seq_config(16, 32, 2, "cpu", gdn=gdn) == (16, 4)  # 4 programs: one wave
+    assert triton_chunk._seq_config(16, 32, 3, "cpu", gdn=gdn) == wide  # 6 programs at BV 16
+    assert triton_chunk._seq_config(256, 32, 3, "cpu", gdn=gdn) == (16, 4)  # key head dim 256 keeps BV
+    assert triton_chunk._seq_config(16, 128, 3, "cpu", gdn=False) == (64, 8)  # whole states for simple GLA
+    assert triton_chunk._seq_config(16, 128, 3, "cpu", gdn=True) == (32, 4)
     configs = []
     real = triton_chunk._sweep_fwd
     def sweep(layout, config, *a, **kw):
@@ -306,7 +312,7 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
-    assert configs == [(32, 4), (32, 4)]  # forward, and the backward's recompute
+    assert configs == [wide, wide]  # forward, and the backward's recompute
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
@@ -582,6 +588,28 @@ def test_sequence_split_bf16_matches_fp32_reference_gpu(op, case, monkeypatch):
     ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\n{op} {case} split relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["B2-T1000-H4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128"])
+def test_wide_recurrences_bf16_matches_fp32_reference_gpu(op, case, monkeypatch):
+    """The unsplit recurrences past one wave (here: with the GPU taken for 2 SMs), as
+    B1-T8192-H96 runs them: simple GLA at BV 128 with 8 warps, the delta rule at BV 64; bf16
+    against the fp32 reference."""
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=17)
+    monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 2)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    gdn = op == "gated_delta_rule"
+    N = B if lengths is None else len(lengths)
+    assert triton_chunk._seq_config(K, V, N * HV, "cuda", gdn=gdn) == ((64, 4) if gdn else (128, 8))
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\n{op} {case} wide relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
 
 
 @pytest.mark.gpu

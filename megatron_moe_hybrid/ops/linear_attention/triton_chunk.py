@@ -59,8 +59,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # B1-T32768-HQK16-HV32-D128: kernel -> (BV, num_warps); BV None: the kernel takes none.
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
 # "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
-CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "chunk_bwd": (64, 8), "split": (128, 8),
-           "split_gdn": (32, 4)}
+# "seq_wide_gla": simple GLA's there, whole [K, V] states as its split takes them (BV 128, 8 warps).
+CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "seq_wide_gla": (128, 8), "chunk_bwd": (64, 8),
+           "split": (128, 8), "split_gdn": (32, 4)}
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, their length the one
@@ -694,7 +695,7 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
     return max(16, next_power_of_2(K)), min(64, max(16, next_power_of_2(V)))
 
 
-def _seq_config(K: int, V: int, sequence_heads: int, device) -> tuple[int, int]:
+def _seq_config(K: int, V: int, sequence_heads: int, device, *, gdn: bool) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences. With few sequence-heads (tensor-parallel shards,
     B1 with 4 heads) a smaller BV puts more programs side by side: a chunk step's latency
     hardly depends on BV, so that is nearly free. With more programs than SMs (one fits per
@@ -702,13 +703,17 @@ def _seq_config(K: int, V: int, sequence_heads: int, device) -> tuple[int, int]:
     waves: Gated DeltaNet fwd+bwd 3.49 -> 3.07 ms at B4-T8192-H16 (256 -> 128 programs),
     5.50 -> 5.24 at B1-T8192-H96, simple GLA 3.07 -> 2.73 at B1-T8192-H96, bitwise the same
     results (benchmarks/results/h200/linear_attention_seq_bv.json); at 128 programs
-    (B1-T32768-HQK16-HV32) BV 64 would leave half the SMs idle (7.46 -> 8.49 ms)."""
+    (B1-T32768-HQK16-HV32) BV 64 would leave half the SMs idle (7.46 -> 8.49 ms), so BV 32
+    stays there. Simple GLA goes wider still (CONFIGS["seq_wide_gla"], whole states at K 128):
+    at B1-T8192-H96 BV 128 with 8 warps (96 programs, one wave, against 192 at BV 64) took
+    fwd+bwd 2.437 -> 2.261 ms, 4 warps 2.843 (linear_attention_seq_configs.json, bitwise the
+    same); the delta rule's recurrences need more shared memory than the H200 has at BV 128."""
     BV, num_warps = CONFIGS["seq"]
     BV = min(BV, _blocks(1, V)[1])
     while BV > 16 and sequence_heads * cdiv(V, BV) < MIN_SEQ_PROGRAMS:
         BV //= 2
-    wide, wide_warps = CONFIGS["seq_wide"]
-    wide = min(wide, _blocks(1, V)[1])
+    wide, wide_warps = CONFIGS["seq_wide" if gdn else "seq_wide_gla"]
+    wide = min(wide, _blocks(1, V)[1] if gdn else max(16, next_power_of_2(V)))
     if wide > BV and _wide_v_fits(K) and sequence_heads * cdiv(V, BV) > _num_sms(torch.device(device)):
         return wide, wide_warps
     return BV, num_warps
@@ -824,7 +829,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
-        config = _seq_config(K, V, chunks.N * HV, q.device)
+        config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
         return o, ht, None, A, (gam, P) if keep_prep and not gdn else None
     config = _split_config(K, V, gdn)
@@ -862,7 +867,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     dv_from_dh = not gdn and (GLA_DV_FROM_DH is True or (GLA_DV_FROM_DH == "unsplit" and split is None))
     dU = None if dv_from_dh else _alloc(v.shape, v.dtype, v.device)
     if split is None:
-        layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device)
+        layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
         _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
         del u
         dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
