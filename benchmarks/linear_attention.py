@@ -215,6 +215,15 @@ def measure_in_turn(fn, x, do, labels, apply, rounds):
     return med, peak, out
 
 
+AB_SUMMARY = ("name", "shape", "ours_ms", "anchor_ms", "speedup", "bwd_ms", "anchor_bwd_ms", "graph_ms",
+              "anchor_graph_ms", "ours_peak_mem_bytes", "anchor_peak_mem_bytes", "rel_rms_vs_anchor")
+
+
+def print_ab_row(row):
+    """One line of an A/B row's figures (AB_SUMMARY), as the probes print them while they run."""
+    print(json.dumps({k: row[k] for k in AB_SUMMARY}), flush=True)
+
+
 def ab_row(name, shape, x, med, peak, out, new, old, anchor, notes, **extra):
     """A results row of an A/B probe: form new (ours_*) against form old (anchor_*), fwd+bwd
     with fwd and bwd beside it, and rel_rms_vs_anchor of the output and every gradient."""

@@ -40,40 +40,38 @@ from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa:
 DEFAULT_VARIANTS = "seq_128x8,seq_128x4,split"
 
 
-def variant(name):
-    """(description, apply(on)) of a variant name; apply(False) restores the defaults."""
-    saved = {"_chunk_bwd_config": tc._chunk_bwd_config, "_seq_config": tc._seq_config,
-             "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS)}
+SAVED = {"_chunk_bwd_config": tc._chunk_bwd_config, "_seq_config": tc._seq_config,
+         "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS)}
 
-    def restore():
-        tc._chunk_bwd_config = saved["_chunk_bwd_config"]
-        tc._seq_config = saved["_seq_config"]
-        tc.SPLIT_MAX_PROGRAMS.clear()
-        tc.SPLIT_MAX_PROGRAMS.update(saved["SPLIT_MAX_PROGRAMS"])
+
+def restore():
+    """Every default a variant changes, back."""
+    tc._chunk_bwd_config = SAVED["_chunk_bwd_config"]
+    tc._seq_config = SAVED["_seq_config"]
+    tc.SPLIT_MAX_PROGRAMS.clear()
+    tc.SPLIT_MAX_PROGRAMS.update(SAVED["SPLIT_MAX_PROGRAMS"])
+
+
+def variant(name):
+    """(description, apply()) of a variant name; restore() undoes any."""
 
     m = re.fullmatch(r"chunk_(\d+)x(\d+)(?:s(\d+))?(?:r(\d+))?", name)
     if m:
         config = tuple(None if x is None else int(x) for x in m.groups())
 
-        def apply(on):
-            restore()
-            if on:
-                tc._chunk_bwd_config = lambda K, V: config
+        def apply():
+            tc._chunk_bwd_config = lambda K, V: config
         return f"the chunk kernel at (BV, warps, stages, maxnreg) {config}", apply
     m = re.fullmatch(r"seq_(\d+)x(\d+)", name)
     if m:
         config = (int(m.group(1)), int(m.group(2)))
 
-        def apply(on):
-            restore()
-            if on:
-                tc._seq_config = lambda K, V, heads, device, gdn: config
+        def apply():
+            tc._seq_config = lambda K, V, heads, device, gdn: config
         return f"the unsplit recurrences at (BV, warps) {config}", apply
     if name == "split":
-        def apply(on):
-            restore()
-            if on:
-                tc.SPLIT_MAX_PROGRAMS["gla"] = 1 << 20
+        def apply():
+            tc.SPLIT_MAX_PROGRAMS["gla"] = 1 << 20
         return "the sequence split at every shape", apply
     raise SystemExit(f"--variants: unknown variant {name!r}; see the docstring")
 
@@ -92,10 +90,9 @@ def main():
         shape, x, cu, do = bench.case("gla", key)
 
         def apply(label):
-            for n, (_, ap) in variants.items():
-                ap(False)
+            restore()
             if label != "default":
-                variants[label][1](True)
+                variants[label][1]()
 
         fn, runnable = bench.ours_fn("gla", cu), []
         for n in names:  # a config that does not compile (shared memory) is reported and left out
@@ -120,9 +117,7 @@ def main():
                 f"benchmarks/device/probe_gla_configs.py --variants {a.variants}: every variant and the defaults in "
                 f"turn, {a.rounds} rounds in one process",
             )
-            print(json.dumps({k: row[k] for k in ("name", "shape", "ours_ms", "anchor_ms", "speedup", "bwd_ms",
-                                                  "anchor_bwd_ms", "graph_ms", "anchor_graph_ms",
-                                                  "ours_peak_mem_bytes", "rel_rms_vs_anchor")}), flush=True)
+            bench.print_ab_row(row)
             rows.append(row)
         if a.out:
             write_results(a.out, rows)

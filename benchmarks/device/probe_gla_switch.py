@@ -23,7 +23,6 @@ the two (bf16; bitwise 0 for both switches on the CPU).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -64,9 +63,7 @@ def main():
             f"benchmarks/device/probe_gla_switch.py --switch {a.switch}: both forms in turn, {a.rounds} rounds in one "
             "process",
         )
-        print(json.dumps({k: row[k] for k in ("shape", "ours_ms", "anchor_ms", "speedup", "bwd_ms", "anchor_bwd_ms",
-                                              "graph_ms", "anchor_graph_ms", "ours_peak_mem_bytes",
-                                              "anchor_peak_mem_bytes", "rel_rms_vs_anchor")}), flush=True)
+        bench.print_ab_row(row)
         rows.append(row)
         if a.out:
             write_results(a.out, rows)
