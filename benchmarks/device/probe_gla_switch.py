@@ -1,7 +1,7 @@
-"""Probe: one of simple GLA's backward switches in triton_chunk, on against off, on the H200,
-both in one process.
+"""Probe: one of the backward switches in triton_chunk, on against off, on the H200, both in one
+process.
 
-    python benchmarks/device/probe_gla_switch.py --switch dv|keep_p
+    python benchmarks/device/probe_gla_switch.py --switch dv|keep_p|keep_states [--op gla|gdn]
         [--shapes gla_t32k,gla_b4,qwen,h32,h96,tp8,varlen] [--rounds 2] [--out results.json]
 
 Switches (SWITCHES):
@@ -15,6 +15,11 @@ Switches (SWITCHES):
             forward's gam and P, its prep kernel not run again. The kept P lives from the forward
             to the end of the backward, which the peaks show. fla is not in this run:
             benchmarks/linear_attention.py times the default beside it (--gla-prep-again: False).
+    keep_states  KEEP_STATES[op] True against False (either op, --op): the forward's last sweep
+            writes the chunk states h (and the delta rule's U) beside o and the backward reads
+            them, against the backward running that sweep again to write them.
+    gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
+            backward takes the forward's gam, P and w, its prep kernel not run again.
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the
@@ -32,35 +37,53 @@ import linear_attention as bench  # noqa: E402
 from common import write_results  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
 
-# switch -> (triton_chunk attribute, row name, the "off" form as the anchor's description)
+# switch -> (triton_chunk attribute, row name, the "off" form as the anchor's description); the
+# attribute KEEP_STATES is a dict keyed by op, the others booleans (simple GLA only)
 SWITCHES = {
     "dv": ("GLA_DV_FROM_DH", "gla fwd+bwd, dv from the chunk kernel, not the reverse sweep (A/B)",
            "the same with the reverse sweep forming dv"),
     "keep_p": ("GLA_KEEP_P", "gla fwd+bwd, the backward from the forward's gam and P (A/B)",
                "the same with the backward's prep kernel run again"),
+    "keep_states": ("KEEP_STATES", "{op} fwd+bwd, the backward from the forward's chunk states (A/B)",
+                    "the same with the backward running the forward sweep again for them"),
+    "gdn_keep_prep": ("GDN_KEEP_PREP", "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
+                      "the same with the backward's prep kernel run again (reading A)"),
 }
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--switch", required=True, choices=sorted(SWITCHES))
+    p.add_argument("--op", default="gla", choices=("gla", "gdn"))
     p.add_argument("--shapes", default="gla_t32k,gla_b4,qwen,h32,h96,tp8,varlen")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     attr, row_name, anchor = SWITCHES[a.switch]
-    default = getattr(tc, attr)
+    row_name = row_name.format(op=a.op)
+    if (attr == "GDN_KEEP_PREP") != (a.op == "gdn") and attr != "KEEP_STATES":
+        p.error(f"--switch {a.switch} takes --op {'gdn' if attr == 'GDN_KEEP_PREP' else 'gla'}")
+    default = dict(tc.KEEP_STATES) if attr == "KEEP_STATES" else getattr(tc, attr)
+
+    def apply(label):
+        if attr == "KEEP_STATES":
+            tc.KEEP_STATES[a.op] = label == "on"
+        else:
+            setattr(tc, attr, label == "on")
+
     rows = []
     for key in a.shapes.split(","):
-        name, x, cu, do = bench.case("gla", key)
+        name, x, cu, do = bench.case(a.op, key)
         try:
-            med, peak, out = bench.measure_in_turn(bench.ours_fn("gla", cu), x, do, ("off", "on"),
-                                                   lambda label: setattr(tc, attr, label == "on"), a.rounds)
+            med, peak, out = bench.measure_in_turn(bench.ours_fn(a.op, cu), x, do, ("off", "on"), apply, a.rounds)
         finally:
-            setattr(tc, attr, default)
+            if attr == "KEEP_STATES":
+                tc.KEEP_STATES.update(default)
+            else:
+                setattr(tc, attr, default)
         row = bench.ab_row(
             row_name, name, x, med, peak, out, "on", "off", anchor,
-            f"benchmarks/device/probe_gla_switch.py --switch {a.switch}: both forms in turn, {a.rounds} rounds in one "
+            f"benchmarks/device/probe_gla_switch.py --switch {a.switch} --op {a.op}: both forms in turn, {a.rounds} rounds in one "
             "process",
         )
         bench.print_ab_row(row)

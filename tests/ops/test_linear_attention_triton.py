@@ -95,7 +95,7 @@ def test_backward_reads_the_forwards_A_bitwise_as_recomputing_it_cpu(cu):
     x = make_inputs(B, T, H, K, V, HV=HV, N=B if cu is None else 3, seed=3)
     q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     chunks = triton_chunk._chunks_of(q.shape[0], T, cu)
-    o, ht, split, A, _ = triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks, keep_A=True)
+    o, ht, split, A, _, _ = triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks, keep_A=True)
     assert A is not None and A.shape == (B, T, HV, triton_chunk.CHUNK) and not A.isnan().any()
     assert triton_chunk._fwd(q, k, v, g, beta, K**-0.5, h0, True, chunks)[3] is None
     gen = torch.Generator().manual_seed(4)
@@ -160,6 +160,62 @@ def test_simple_gla_backward_from_the_forwards_prep_is_bitwise_the_same_cpu(spli
     with torch.no_grad():
         la.simple_gla(x["q"], x["k"], x["v"], x["g"], backend="triton", cu_seqlens=cu)
     assert kept == [True, False, False]
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("split", [False, True])
+def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, split, monkeypatch):
+    """KEEP_STATES: the forward's last sweep writes the chunk states h (and the delta rule's U)
+    beside o and the backward reads them, so the forward sweep runs once per forward+backward
+    where the backward would run it again; with GDN_KEEP_PREP the delta rule's backward also takes
+    the forward's gam, P and w, and its prep kernel runs once, not twice. Bitwise the same results
+    in every form, packed, with grouped value heads, split or not; under no_grad nothing is kept."""
+    cu = torch.tensor([0, 70, 75, 200])
+    x = make_inputs(1, 200, 1, 16, 32, HV=2, N=3, seed=29)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 256, "gdn": 32})
+    gdn = op == "gated_delta_rule"
+    key = "gdn" if gdn else "gla"
+    sweeps, kept, preps = [], [], []
+    real_sweep, real_fwd, real_prep = triton_chunk._sweep_fwd, triton_chunk._fwd, triton_chunk._prep
+
+    def sweep(*a, **kw):  # the sweeps that write the chunk states, and whether o beside them
+        if kw.get("h") is not None:
+            sweeps.append(kw.get("o") is not None)
+        return real_sweep(*a, **kw)
+
+    def fwd(*a, **kw):
+        out = real_fwd(*a, **kw)
+        kept.append((out[5] is not None, out[4] is not None and gdn))
+        return out
+
+    monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
+    monkeypatch.setattr(triton_chunk, "_fwd", fwd)
+    monkeypatch.setattr(triton_chunk, "_prep", lambda *a, **kw: preps.append(kw.get("want_u", True)) or real_prep(*a, **kw))
+    runs = {}
+    forms = [(True, True), (True, False), (False, True)] if gdn else [(True, True), (False, True)]
+    for keep_states, keep_prep in forms:  # (False, True): the delta rule keeps no prep without states
+        monkeypatch.setattr(triton_chunk, "KEEP_STATES", {**triton_chunk.KEEP_STATES, key: keep_states})
+        monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
+        sweeps.clear(), kept.clear(), preps.clear()
+        runs[keep_states, keep_prep] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+        assert sweeps == [keep_states]  # once: in the forward beside o, or in the backward alone
+        assert kept == [(keep_states, gdn and keep_states and keep_prep)]
+        if gdn:  # the forward's prep writes u; the backward's, where it runs, only without states
+            assert preps == [True] + ([] if keep_states and keep_prep else [not keep_states])
+        else:
+            assert preps == [True]  # GLA_KEEP_P
+    for form in forms[1:]:
+        for name in runs[forms[0]]:
+            assert torch.equal(runs[forms[0]][name], runs[form][name]), (form, name)
+    monkeypatch.setattr(triton_chunk, "KEEP_STATES", {"gla": True, "gdn": True})
+    monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", True)
+    kept.clear()
+    args = [x["q"], x["k"], x["v"], x["g"]] + ([x["beta"]] if gdn else [])
+    with torch.no_grad():
+        getattr(la, op)(*args, backend="triton", cu_seqlens=cu)
+    assert kept == [(False, False)]
 
 
 @interpreter
@@ -312,7 +368,7 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
-    assert configs == [wide, wide]  # forward, and the backward's recompute
+    assert configs == [wide]  # the forward's (the backward reads its chunk states: KEEP_STATES)
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
@@ -512,8 +568,8 @@ GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
 
 @interpreter
 @pytest.mark.parametrize("op, HQK, HV, T, bound", [
-    ("simple_gla", 2, 4, 8192, 80e6), ("gated_delta_rule", 2, 4, 8192, 93e6),  # the TP=8 shape
-    ("simple_gla", 16, 32, 32768, 2.30e9), ("gated_delta_rule", 16, 32, 32768, 2.84e9),  # Qwen3-Next's
+    ("simple_gla", 2, 4, 8192, 80e6), ("gated_delta_rule", 2, 4, 8192, 105.3e6),  # the TP=8 shape
+    ("simple_gla", 16, 32, 32768, 2.30e9), ("gated_delta_rule", 16, 32, 32768, 3.24e9),  # Qwen3-Next's
 ])
 def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
     """The kernels' buffers alive at once over a forward+backward (B1, D128, bf16), counted at
@@ -525,7 +581,11 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, monkeypatch):
     and 92.7 MB, under fla 0.6.0's 100.9 and 117.9 MB; at the Qwen shape 2.16 and 2.83 GB
     (2.45 and 3.10 before). Simple GLA keeping the forward's P for the backward (GLA_KEEP_P, the
     default since 2026-12-03) counts 2298479104 at the Qwen shape, the H200's peak to the byte
-    (fla's 3.23 GB), and 79954432 at TP=8."""
+    (fla's 3.23 GB), and 79954432 at TP=8. Keeping the forward's chunk states (KEEP_STATES, the
+    default since 2026-12-04) leaves every count the same: the backward held them anyway. The
+    delta rule keeping its forward's gam, P and w too (GDN_KEEP_PREP, the same day) counts
+    105250816 at TP=8 and 3233808384 at the Qwen shape (fla's 117.9 MB and 3.77 GB): they stay
+    until the backward ends, where the backward's own copies were freed before its last kernel."""
     live, peak = [0], [0]
 
     def counted(shape, dtype, device):

@@ -14,10 +14,12 @@ u = A (beta v). With S the state entering the chunk and gC the chunk's last gam:
 
 Kernels (each program one chunk of one value head, or one V block of one sequence-head):
     forward:  _prep_kernel (gam, P, A, w, u; parallel over chunks)
-              _recurrence_fwd_kernel (state kept on chip, sequential over chunks, writes o)
-    backward: _prep_kernel again (reading the forward's A: gam, P, w, u only), _recurrence_fwd_kernel
-              again writing the chunk states h and U
-              (bf16 for bf16 inputs, freed at the end of the backward), _recurrence_bwd_kernel
+              _recurrence_fwd_kernel (state kept on chip, sequential over chunks, writes o and,
+              for the backward, the chunk states h and U: KEEP_STATES)
+    backward: _prep_kernel again (reading the forward's A: gam, P, w only; not at all for simple
+              GLA, GLA_KEEP_P), the chunk states h and U (bf16 for bf16 inputs, freed at the end of
+              the backward) as the forward's last sweep wrote them beside o (KEEP_STATES; else
+              _recurrence_fwd_kernel runs again to write them), _recurrence_bwd_kernel
               (state gradient on chip, reverse over chunks, writes dh and, for the delta rule,
               dU), _bwd_chunk_kernel (every input gradient of one chunk, including the WY
               backward, the reverse cumsum of dg inside the chunk and simple GLA's
@@ -101,6 +103,16 @@ GLA_DV_FROM_DH: bool | str = "unsplit"
 # fla's 1.61), the same at H96.
 # P held from forward to backward is activation memory fla does not hold: False gives it back.
 GLA_KEEP_P = True
+# Keep the chunk states h ([NT, HV, K, V] in the input dtype, twice v's bytes at K 128) and, for the
+# delta rule, U (v's bytes) from the forward, whose last sweep writes them beside o, so that the
+# backward does not run the forward sweep again to write them. The backward holds them anyway, so
+# one call's peak does not grow; what grows is the memory held from forward to backward (activation
+# memory, per layer). False: recompute in the backward, as fla does.
+KEEP_STATES = {"gla": True, "gdn": True}
+# The delta rule's GLA_KEEP_P, where it keeps its states: the forward's gam, P and w ([B, T, HV] fp32,
+# [B, T, HV, C] and [B, T, HV, K] in the input dtype: 1.5x v's bytes at K 128) for the backward,
+# whose prep kernel then does not run (it would read A, k, q and g to write them again).
+GDN_KEEP_PREP = True
 
 
 @triton.jit
@@ -142,9 +154,11 @@ def _prep_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, IS_VARLEN: tl.constexpr,
+    STORE_U: tl.constexpr = True,
 ):
     """One chunk of one value head: gam = cumsum(g), P; and for the delta rule A, w, u (LOAD_A:
-    A as the forward stored it, in the input dtype, instead of k k^T and the inverse)."""
+    A as the forward stored it, in the input dtype, instead of k k^T and the inverse; STORE_U
+    False: no u, for a backward given the forward's chunk states and U)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     if IS_VARLEN:
@@ -189,13 +203,14 @@ def _prep_kernel(
         b_kb = (b_k * (b_beta * tl.exp(b_gam))[:, None]).to(k.dtype.element_ty)
         b_w = tl.dot(b_Ad, b_kb)
         tl.store(w + (r_t * HV + i_h)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            p_v = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-            b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
-            b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(v.dtype.element_ty))
-            tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+        if STORE_U:
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                p_v = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+                b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+                b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(v.dtype.element_ty))
+                tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
 
 
 @fast_launch
@@ -745,9 +760,10 @@ def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
     return BV, num_warps
 
 
-def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None):
+def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None, want_u: bool = True):
     """gam, P and for the delta rule A, w, u; A given (what an earlier call stored): read, not
-    computed again (bitwise the same w and u, as both round A to the input dtype first)."""
+    computed again (bitwise the same w and u, as both round A to the input dtype first); want_u
+    False: u None (a backward given the forward's chunk states and U needs none)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK, BV = _blocks(K, V)
@@ -759,13 +775,13 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
     if store_A:
         A = _alloc((B, T, HV, CHUNK), q.dtype, q.device)
     w = _alloc((B, T, HV, K), q.dtype, q.device) if gdn else None
-    u = _alloc(v.shape, v.dtype, v.device) if gdn else None
+    u = _alloc(v.shape, v.dtype, v.device) if gdn and want_u else None
     grid = (chunks.NT // (1 if chunks.indices is not None else B), B * HV)
     _prep_kernel[grid](
         q, k, v, g, beta, gam, P, A, w, u, chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=gdn, STORE_A=store_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
-        num_warps=CONFIGS["prep"][1],
+        STORE_U=u is not None, num_warps=CONFIGS["prep"][1],
     )
     return gam, P, A if gdn else None, w, u
 
@@ -816,22 +832,29 @@ def _scan(seg: _Segments, L, trans, s0, *, reverse: bool, want_end: bool):
 
 
 def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_A: bool = False,
-         keep_prep: bool = False):
+         keep_prep: bool = False, keep_states: bool = False):
     """(o, final state or None, the split's states or None, with keep_A the delta rule's A
-    [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None, and with
-    keep_prep (simple GLA, GLA_KEEP_P) the prep's (gam, P), else None)."""
+    [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None, with
+    keep_prep the prep's (gam, P) for simple GLA (GLA_KEEP_P), (gam, P, w) for the delta rule
+    (GDN_KEEP_PREP, only with keep_states: its backward then needs no u), else None, and with keep_states
+    (KEEP_STATES) the chunk states h [NT, HV, K, V] and for the delta rule U, written by the
+    sweep that writes o, else None)."""
     K = q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
     gdn = beta is not None
     u = u if gdn else v
+    kept_prep = ((gam, P, w) if gdn else (gam, P)) if keep_prep else None
     o = _alloc(v.shape, v.dtype, v.device)
+    h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device) if keep_states else None
+    U = _alloc(v.shape, v.dtype, v.device) if keep_states and gdn else None
+    states = (h, U) if keep_states else None
     seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
-        _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht)
-        return o, ht, None, A, (gam, P) if keep_prep and not gdn else None
+        _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht, h=h, U=U)
+        return o, ht, None, A, kept_prep, states
     config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
     L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
@@ -844,38 +867,47 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
         _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L, gt=trans)
     # 2. the states entering the segments; 3. each segment from its state, writing o
     S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
-    _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in)
-    return o, ht, (seg, S_in, trans), A, (gam, P) if keep_prep and not gdn else None
+    _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in, h=h, U=U)
+    return o, ht, (seg, S_in, trans), A, kept_prep, states
 
 
-def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, prep=None):
-    """A: the forward's (None: computed again here); prep: simple GLA's (gam, P) from the forward
-    (GLA_KEEP_P; None: the prep kernel runs again)."""
+def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, prep=None, states=None):
+    """A: the forward's (None: computed again here); prep: simple GLA's (gam, P) or the delta
+    rule's (gam, P, w) from the forward (GLA_KEEP_P, GDN_KEEP_PREP; None: the prep kernel runs
+    again); states: the forward's (h, U) (KEEP_STATES;
+    None: the forward sweep runs again here to write them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
-    if prep is not None:  # only simple GLA's forward keeps one
-        (gam, P), w, u = prep, None, None
+    if prep is not None:  # the delta rule's only with states (its backward then reads no u)
+        assert not gdn or states is not None
+        (gam, P, w), u = (prep if gdn else (*prep, None)), None
     else:
-        gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A)
-    # The chunk states, recomputed; in the input dtype like every other dot operand.
-    h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
-    U = _alloc(v.shape, v.dtype, v.device) if gdn else None
+        gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A, want_u=states is None)
+    # The chunk states, the forward's or recomputed; in the input dtype like every other dot operand.
+    recompute = states is None
+    if recompute:
+        h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
+        U = _alloc(v.shape, v.dtype, v.device) if gdn else None
+    else:
+        (h, U), u = states, None
     dh = _alloc(h.shape, h.dtype, h.device)
     # simple GLA's dv (dU) is formed by the chunk kernel from dh (DV_FROM_DH), not by the sweep
     dv_from_dh = not gdn and (GLA_DV_FROM_DH is True or (GLA_DV_FROM_DH == "unsplit" and split is None))
     dU = None if dv_from_dh else _alloc(v.shape, v.dtype, v.device)
     if split is None:
         layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
-        _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
+        if recompute:
+            _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
         del u
         dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
         _sweep_bwd(layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht, dh0=dh0)
     else:
         seg, S_in, trans = split
         config = _split_config(K, V, gdn)
-        _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
+        if recompute:
+            _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
         del u
         L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dh0=L)
@@ -943,11 +975,14 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         # needs_input_grad stays True under no_grad: the caller's grad mode decides too
         backward_follows = grad_enabled and any(ctx.needs_input_grad[:5])
         keep_A = beta is not None and backward_follows
-        keep_prep = beta is None and GLA_KEEP_P and backward_follows
-        o, ht, split, A, prep = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, keep_A,
-                                     keep_prep)
-        gam, P = (None, None) if prep is None else prep
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, A, gam, P)
+        keep_states = KEEP_STATES["gdn" if beta is not None else "gla"] and backward_follows
+        keep_prep = backward_follows and (GLA_KEEP_P if beta is None else GDN_KEEP_PREP and keep_states)
+        o, ht, split, A, prep, states = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
+                                             keep_A, keep_prep, keep_states)
+        gam, P, w = (None, None, None) if prep is None else (*prep, None)[:3]
+        h, U = (None, None) if states is None else states
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A, gam, P, w, h, U)
+        ctx.kept_states, ctx.kept_prep = states is not None, prep is not None
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
         if ht is None:
             return o
@@ -955,11 +990,12 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, h0, A, gam, P = ctx.saved_tensors
+        q, k, v, g, beta, h0, A, gam, P, w, h, U = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _bwd(
             q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.chunks, ctx.split, A,
-            None if gam is None else (gam, P),
+            ((gam, P, w) if beta is not None else (gam, P)) if ctx.kept_prep else None,
+            (h, U) if ctx.kept_states else None,
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
