@@ -67,10 +67,17 @@ def versions(*packages: str) -> dict[str, str]:
 
 
 def git_sha() -> str:
+    """GIT_SHA from the environment where given (the device machine's copy of the tree has
+    reported a stale HEAD), else HEAD's short sha, with "+uncommitted" where tracked files differ
+    from it (what ran is then not that commit)."""
+    if os.environ.get("GIT_SHA"):
+        return os.environ["GIT_SHA"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+        sha = run("rev-parse", "--short", "HEAD")
+        return sha + ("+uncommitted" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_SHA", "unknown")
+        return "unknown"
 
 
 def write_results(path: str, rows: list[dict], packages: tuple[str, ...] = ()) -> None:
