@@ -344,7 +344,8 @@ def test_sequence_split_without_initial_or_final_state_cpu(op, monkeypatch):
 
 @interpreter
 @pytest.mark.parametrize("op", OPS)
-def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, keep_states, monkeypatch):
     """More sequence-heads x V blocks than SMs: the recurrences take CONFIGS["seq_wide"]'s wider
     V block (the delta rule; "seq_wide_gla" simple GLA's: fewer waves of the same sequential
     steps); results match the reference."""
@@ -366,9 +367,11 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, monkeypatch):
         return real(layout, config, *a, **kw)
 
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
+    monkeypatch.setattr(triton_chunk, "KEEP_STATES", {"gla": keep_states, "gdn": keep_states})
     x = make_inputs(3, 70, 1, 16, 32, seed=13)
     got = outputs_and_grads(op, x, "triton")
-    assert configs == [wide]  # the forward's (the backward reads its chunk states: KEEP_STATES)
+    # the forward's, and without KEEP_STATES the backward's sweep writing the chunk states again
+    assert configs == [wide] * (1 if keep_states else 2)
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
