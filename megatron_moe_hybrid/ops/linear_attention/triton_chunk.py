@@ -111,8 +111,12 @@ GLA_KEEP_P = True
 KEEP_STATES = {"gla": True, "gdn": True}
 # The delta rule's GLA_KEEP_P, where it keeps its states: the forward's gam, P and w ([B, T, HV] fp32,
 # [B, T, HV, C] and [B, T, HV, K] in the input dtype: 1.5x v's bytes at K 128) for the backward,
-# whose prep kernel then does not run (it would read A, k, q and g to write them again).
-GDN_KEEP_PREP = True
+# whose prep kernel then does not run (it would read A, k, q and g to write them again). H200, both
+# forms in one process: fwd+bwd 6.732 -> 6.377 ms at B1-T32768-HQK16-HV32, 2.728 -> 2.563 at
+# B4-T8192-H16 (linear_attention.json). Off: unlike the kept states it raises one call's peak (the
+# backward freed its own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, 5.3 -> 6.0
+# GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), which memory-bound runs need more.
+GDN_KEEP_PREP = False
 
 
 @triton.jit
