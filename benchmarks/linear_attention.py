@@ -410,7 +410,8 @@ def main():
                     "anchor_tflops": None if fla_ms is None else round(flop / fla_ms[mode] / 1e9, 1),
                     "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}"
                              + (f"; ours with GLA_KEEP_P {tc.GLA_KEEP_P} (True: the backward from the forward's gam "
-                                "and P)" if op == "gla" else ""),
+                                "and P)" if op == "gla" else f"; ours with GDN_KEEP_PREP {tc.GDN_KEEP_PREP}")
+                             + f", KEEP_STATES {tc.KEEP_STATES[op]} (True: the backward from the forward's chunk states)",
                 }
                 if mode == "fwd+bwd":
                     ours_g = ours_ms["fwd+bwd graph"]
