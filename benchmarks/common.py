@@ -72,8 +72,10 @@ def git_sha() -> str:
     from it (what ran is then not that commit)."""
     if os.environ.get("GIT_SHA"):
         return os.environ["GIT_SHA"]
+    def run(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
         sha = run("rev-parse", "--short", "HEAD")
         return sha + ("+uncommitted" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):

@@ -37,16 +37,16 @@ import linear_attention as bench  # noqa: E402
 from common import write_results  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
 
-# switch -> (triton_chunk attribute, row name, the "off" form as the anchor's description); the
-# attribute KEEP_STATES is a dict keyed by op, the others booleans (simple GLA only)
+# switch -> (triton_chunk attribute, the ops it takes, row name, the "off" form as the anchor's
+# description); an attribute holding a dict (KEEP_STATES) is keyed by op, the others are booleans
 SWITCHES = {
-    "dv": ("GLA_DV_FROM_DH", "gla fwd+bwd, dv from the chunk kernel, not the reverse sweep (A/B)",
+    "dv": ("GLA_DV_FROM_DH", ("gla",), "gla fwd+bwd, dv from the chunk kernel, not the reverse sweep (A/B)",
            "the same with the reverse sweep forming dv"),
-    "keep_p": ("GLA_KEEP_P", "gla fwd+bwd, the backward from the forward's gam and P (A/B)",
+    "keep_p": ("GLA_KEEP_P", ("gla",), "gla fwd+bwd, the backward from the forward's gam and P (A/B)",
                "the same with the backward's prep kernel run again"),
-    "keep_states": ("KEEP_STATES", "{op} fwd+bwd, the backward from the forward's chunk states (A/B)",
+    "keep_states": ("KEEP_STATES", ("gla", "gdn"), "{op} fwd+bwd, the backward from the forward's chunk states (A/B)",
                     "the same with the backward running the forward sweep again for them"),
-    "gdn_keep_prep": ("GDN_KEEP_PREP", "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
+    "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }
 
@@ -59,28 +59,23 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    attr, row_name, anchor = SWITCHES[a.switch]
+    attr, ops, row_name, anchor = SWITCHES[a.switch]
+    if a.op not in ops:
+        p.error(f"--switch {a.switch} takes --op {' or '.join(ops)}")
     row_name = row_name.format(op=a.op)
-    if (attr == "GDN_KEEP_PREP") != (a.op == "gdn") and attr != "KEEP_STATES":
-        p.error(f"--switch {a.switch} takes --op {'gdn' if attr == 'GDN_KEEP_PREP' else 'gla'}")
-    default = dict(tc.KEEP_STATES) if attr == "KEEP_STATES" else getattr(tc, attr)
+    default = getattr(tc, attr)
 
-    def apply(label):
-        if attr == "KEEP_STATES":
-            tc.KEEP_STATES[a.op] = label == "on"
-        else:
-            setattr(tc, attr, label == "on")
+    def set_switch(value):
+        setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
 
     rows = []
     for key in a.shapes.split(","):
         name, x, cu, do = bench.case(a.op, key)
         try:
-            med, peak, out = bench.measure_in_turn(bench.ours_fn(a.op, cu), x, do, ("off", "on"), apply, a.rounds)
+            med, peak, out = bench.measure_in_turn(bench.ours_fn(a.op, cu), x, do, ("off", "on"),
+                                                   lambda label: set_switch(label == "on"), a.rounds)
         finally:
-            if attr == "KEEP_STATES":
-                tc.KEEP_STATES.update(default)
-            else:
-                setattr(tc, attr, default)
+            setattr(tc, attr, default)
         row = bench.ab_row(
             row_name, name, x, med, peak, out, "on", "off", anchor,
             f"benchmarks/device/probe_gla_switch.py --switch {a.switch} --op {a.op}: both forms in turn, {a.rounds} rounds in one "

@@ -569,27 +569,10 @@ GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
 }
 
 
-@interpreter
-@pytest.mark.parametrize("op, HQK, HV, T, bound, keep_prep", [
-    ("simple_gla", 2, 4, 8192, 80e6, False), ("gated_delta_rule", 2, 4, 8192, 93e6, False),  # the TP=8 shape
-    ("simple_gla", 16, 32, 32768, 2.30e9, False), ("gated_delta_rule", 16, 32, 32768, 2.84e9, False),  # Qwen3-Next's
-    ("gated_delta_rule", 2, 4, 8192, 105.3e6, True), ("gated_delta_rule", 16, 32, 32768, 3.24e9, True),
-])
-def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch):
-    """The kernels' buffers alive at once over a forward+backward (B1, D128, bf16), counted at
-    every _alloc with the kernels stubbed out. This count gave the allocator's peak above the
-    inputs measured on the H200 for the code measured, to within its 512-byte rounding of small
-    blocks (simple GLA at TP=8: 82051200 against 82051584 in 16-chunk segments; the delta rule
-    96862208 unsplit, 105250816 split; 3099590656 at B1-T32768-HQK16-HV32). Since the backward
-    frees its chunk states and the split's segment states ahead of the group sums: at TP=8 79.8
-    and 92.7 MB, under fla 0.6.0's 100.9 and 117.9 MB; at the Qwen shape 2.16 and 2.83 GB
-    (2.45 and 3.10 before). Simple GLA keeping the forward's P for the backward (GLA_KEEP_P, the
-    default since 2026-12-03) counts 2298479104 at the Qwen shape, the H200's peak to the byte
-    (fla's 3.23 GB), and 79954432 at TP=8. Keeping the forward's chunk states (KEEP_STATES, the
-    default since 2026-12-04) leaves every count the same: the backward held them anyway. The
-    delta rule keeping its forward's gam, P and w too (GDN_KEEP_PREP, off by default) counts
-    105250816 at TP=8 and 3233808384 at the Qwen shape (fla's 117.9 MB and 3.77 GB): they stay
-    until the backward ends, where the backward's own copies were freed before its last kernel."""
+def count_buffers(op, HQK, HV, T, monkeypatch):
+    """(peak, held): the kernels' buffers alive at once over a forward+backward, and those alive
+    after the forward (o and what it kept for the backward), bytes, counted at every _alloc with
+    the kernels stubbed out (B1, D128, bf16)."""
     live, peak = [0], [0]
 
     def counted(shape, dtype, device):
@@ -605,7 +588,6 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
             return lambda *args, **kwargs: None
 
     monkeypatch.setattr(triton_chunk, "_alloc", counted)
-    monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
     for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
                  "_segment_scan_kernel", "_group_sum_kernel"):
         monkeypatch.setattr(triton_chunk, name, Stub())
@@ -616,9 +598,59 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
         args.append(torch.empty(1, T, HV))
     args = [a.requires_grad_() for a in args]
     o, _ = getattr(la, op)(*args, backend="triton")
+    held = live[0]
     torch.autograd.grad(o, args, torch.ones_like(o))
     del o  # and with it the graph and what the forward kept
-    assert 0 < peak[0] <= bound and live[0] == 0
+    assert live[0] == 0
+    return peak[0], held
+
+
+@interpreter
+@pytest.mark.parametrize("op, HQK, HV, T, bound, keep_prep", [
+    ("simple_gla", 2, 4, 8192, 80e6, False), ("gated_delta_rule", 2, 4, 8192, 93e6, False),  # the TP=8 shape
+    ("simple_gla", 16, 32, 32768, 2.30e9, False), ("gated_delta_rule", 16, 32, 32768, 2.84e9, False),  # Qwen3-Next's
+    ("gated_delta_rule", 2, 4, 8192, 105.3e6, True), ("gated_delta_rule", 16, 32, 32768, 3.24e9, True),
+    # the 2.8T flagship's linear layer at 32k tokens (examples/configs/flagship_2p8t.yaml, TP 1)
+    ("gated_delta_rule", 32, 64, 32768, 5.67e9, False), ("gated_delta_rule", 32, 64, 32768, 6.47e9, True),
+])
+def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch):
+    """The kernels' buffers alive at once over a forward+backward (B1, D128, bf16), counted at
+    every _alloc with the kernels stubbed out. This count gave the allocator's peak above the
+    inputs measured on the H200 for the code measured, to within its 512-byte rounding of small
+    blocks (simple GLA at TP=8: 82051200 against 82051584 in 16-chunk segments; the delta rule
+    96862208 unsplit, 105250816 split; 3099590656 at B1-T32768-HQK16-HV32). Since the backward
+    frees its chunk states and the split's segment states ahead of the group sums: at TP=8 79.8
+    and 92.7 MB, under fla 0.6.0's 100.9 and 117.9 MB; at the Qwen shape 2.16 and 2.83 GB
+    (2.45 and 3.10 before). Simple GLA keeping the forward's P for the backward (GLA_KEEP_P, the
+    default since 2026-12-03) counts 2298479104 at the Qwen shape, the H200's peak to the byte
+    (fla's 3.23 GB), and 79954432 at TP=8. Keeping the forward's chunk states (KEEP_STATES, the
+    default since 2026-12-04) leaves every count the same: the backward held them anyway. The
+    delta rule keeping its forward's gam, P and w too (GDN_KEEP_PREP, off by default) counts
+    105250816 at TP=8 and 3233808384 at the Qwen shape (fla's 117.9 MB and 3.77 GB): they stay
+    until the backward ends, where the backward's own copies were freed before its last kernel.
+    At the flagship's linear layer (HQK32-HV64, 32k tokens) the delta rule counts 5662310400
+    (5.27 GiB) and, with GDN_KEEP_PREP, 6467616768 (6.02 GiB)."""
+    monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
+    peak, _ = count_buffers(op, HQK, HV, T, monkeypatch)
+    assert 0 < peak <= bound
+
+
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
+    """KEEP_STATES adds exactly the chunk states h ([NT, HV, K, V], bf16) and for the delta rule U
+    (v's shape) to what the forward holds for the backward, and nothing to the peak (the Qwen
+    shape, B1-T32768-HQK16-HV32-D128: the delta rule holds 0.40 -> 1.21 GB, simple GLA 0.42 ->
+    0.95 GB, o included)."""
+    T, HV, K = 32768, 32, 128
+    counts = {}
+    for keep in (False, True):
+        monkeypatch.setattr(triton_chunk, "KEEP_STATES", {"gla": keep, "gdn": keep})
+        counts[keep] = count_buffers(op, 16, HV, T, monkeypatch)
+    h_bytes = (T // triton_chunk.CHUNK) * HV * K * K * 2
+    U_bytes = T * HV * K * 2 if op == "gated_delta_rule" else 0
+    assert counts[True][1] - counts[False][1] == h_bytes + U_bytes
+    assert counts[True][0] == counts[False][0]
 
 
 @pytest.mark.gpu

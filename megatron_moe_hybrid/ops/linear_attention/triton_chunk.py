@@ -839,8 +839,8 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
          keep_prep: bool = False, keep_states: bool = False):
     """(o, final state or None, the split's states or None, with keep_A the delta rule's A
     [B, T, HV, C] in the input dtype for the backward, as fla keeps it, else None, with
-    keep_prep the prep's (gam, P) for simple GLA (GLA_KEEP_P), (gam, P, w) for the delta rule
-    (GDN_KEEP_PREP, only with keep_states: its backward then needs no u), else None, and with keep_states
+    keep_prep the prep's (gam, P, w) (w None for simple GLA: GLA_KEEP_P; the delta rule's GDN_KEEP_PREP
+    only with keep_states, as its backward then needs no u), else None, and with keep_states
     (KEEP_STATES) the chunk states h [NT, HV, K, V] and for the delta rule U, written by the
     sweep that writes o, else None)."""
     K = q.shape[3]
@@ -848,7 +848,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
     gdn = beta is not None
     u = u if gdn else v
-    kept_prep = ((gam, P, w) if gdn else (gam, P)) if keep_prep else None
+    kept_prep = (gam, P, w) if keep_prep else None
     o = _alloc(v.shape, v.dtype, v.device)
     h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device) if keep_states else None
     U = _alloc(v.shape, v.dtype, v.device) if keep_states and gdn else None
@@ -876,17 +876,16 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
 
 
 def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, prep=None, states=None):
-    """A: the forward's (None: computed again here); prep: simple GLA's (gam, P) or the delta
-    rule's (gam, P, w) from the forward (GLA_KEEP_P, GDN_KEEP_PREP; None: the prep kernel runs
-    again); states: the forward's (h, U) (KEEP_STATES;
-    None: the forward sweep runs again here to write them)."""
+    """A: the forward's (None: computed again here); prep: the forward's (gam, P, w) (w None for
+    simple GLA; GLA_KEEP_P, GDN_KEEP_PREP; None: the prep kernel runs again); states: the forward's
+    (h, U) (KEEP_STATES; None: the forward sweep runs again here to write them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
     varlen = chunks.indices is not None
     if prep is not None:  # the delta rule's only with states (its backward then reads no u)
         assert not gdn or states is not None
-        (gam, P, w), u = (prep if gdn else (*prep, None)), None
+        (gam, P, w), u = prep, None
     else:
         gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=True, A=A, want_u=states is None)
     # The chunk states, the forward's or recomputed; in the input dtype like every other dot operand.
@@ -983,10 +982,9 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         keep_prep = backward_follows and (GLA_KEEP_P if beta is None else GDN_KEEP_PREP and keep_states)
         o, ht, split, A, prep, states = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
                                              keep_A, keep_prep, keep_states)
-        gam, P, w = (None, None, None) if prep is None else (*prep, None)[:3]
-        h, U = (None, None) if states is None else states
+        gam, P, w = prep or (None, None, None)
+        h, U = states or (None, None)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A, gam, P, w, h, U)
-        ctx.kept_states, ctx.kept_prep = states is not None, prep is not None
         ctx.chunks, ctx.scale, ctx.split = chunks, scale, split  # split: the segments' states
         if ht is None:
             return o
@@ -998,8 +996,7 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = _bwd(
             q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.chunks, ctx.split, A,
-            ((gam, P, w) if beta is not None else (gam, P)) if ctx.kept_prep else None,
-            (h, U) if ctx.kept_states else None,
+            None if gam is None else (gam, P, w), None if h is None else (h, U),
         )
         return (
             dq, dk, dv, dg.to(g.dtype), None if dbeta is None else dbeta.to(beta.dtype),
