@@ -15,6 +15,12 @@ its byte floor. Variants:
                                     to 128; maxnreg caps its registers per thread, e.g. 128 for two
                                     8-warp programs per SM, where 196 allow one)
     seq_<BV>x<warps>                the unsplit recurrences at that config (B1-T8192-H96's path)
+    light_<BV>x<warps>x<BK>[s<stages>]  the light sweeps (GLA_LIGHT_SWEEPS) at that config
+    light, nolight                  GLA_LIGHT_SWEEPS True (at every shape); False
+    prep_<warps>                    the prep kernel (which forms o under the light sweeps)
+    seg_<n>                         the sequence split forced to n-chunk segments (SEGMENT_CHUNKS)
+    gate_<n>                        the light sweeps split up to n unsplit programs
+    persm_<n>                       the light split planned for n programs per SM
     split                           the sequence split where the recurrences would run unsplit
 
 Per shape the defaults and each variant run in turn --rounds times
@@ -41,7 +47,9 @@ DEFAULT_VARIANTS = "seq_128x8,seq_128x4,split"
 
 
 SAVED = {"_chunk_bwd_config": tc._chunk_bwd_config, "_seq_config": tc._seq_config,
-         "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS)}
+         "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS), "CONFIGS": dict(tc.CONFIGS),
+         "SEGMENT_CHUNKS": tc.SEGMENT_CHUNKS, "SPLIT_LIGHT_PROGRAMS_PER_SM": tc.SPLIT_LIGHT_PROGRAMS_PER_SM,
+         "GLA_LIGHT_SWEEPS": tc.GLA_LIGHT_SWEEPS}
 
 
 def restore():
@@ -50,6 +58,11 @@ def restore():
     tc._seq_config = SAVED["_seq_config"]
     tc.SPLIT_MAX_PROGRAMS.clear()
     tc.SPLIT_MAX_PROGRAMS.update(SAVED["SPLIT_MAX_PROGRAMS"])
+    tc.CONFIGS.clear()
+    tc.CONFIGS.update(SAVED["CONFIGS"])
+    tc.SEGMENT_CHUNKS = SAVED["SEGMENT_CHUNKS"]
+    tc.SPLIT_LIGHT_PROGRAMS_PER_SM = SAVED["SPLIT_LIGHT_PROGRAMS_PER_SM"]
+    tc.GLA_LIGHT_SWEEPS = SAVED["GLA_LIGHT_SWEEPS"]
 
 
 def variant(name):
@@ -69,6 +82,39 @@ def variant(name):
         def apply():
             tc._seq_config = lambda K, V, heads, device, gdn: config
         return f"the unsplit recurrences at (BV, warps) {config}", apply
+    m = re.fullmatch(r"light_(\d+)x(\d+)x(\d+)(?:s(\d+))?", name)
+    if m:
+        config = tuple(int(x) for x in m.groups() if x is not None)
+
+        def apply():
+            tc.CONFIGS["light"] = config
+        return f"the light sweeps at (BV, warps, BK) {config}", apply
+    m = re.fullmatch(r"prep_(\d+)", name)
+    if m:
+        def apply():
+            tc.CONFIGS["prep"] = (None, int(m.group(1)))
+        return f"the prep kernel (o from the states) at {m.group(1)} warps", apply
+    m = re.fullmatch(r"seg_(\d+)", name)
+    if m:
+        def apply():
+            tc.SEGMENT_CHUNKS = int(m.group(1))
+        return f"the sequence split forced to {m.group(1)}-chunk segments", apply
+    m = re.fullmatch(r"gate_(\d+)", name)
+    if m:
+        def apply():
+            tc.SPLIT_MAX_PROGRAMS["gla_light"] = int(m.group(1))
+        return f"the light sweeps split up to {m.group(1)} unsplit programs", apply
+    m = re.fullmatch(r"persm_(\d+)", name)
+    if m:
+        def apply():
+            tc.SPLIT_LIGHT_PROGRAMS_PER_SM = int(m.group(1))
+        return f"the light split planned for {m.group(1)} programs per SM", apply
+    if name in ("light", "nolight"):
+        attr, value = {"light": ("GLA_LIGHT_SWEEPS", True), "nolight": ("GLA_LIGHT_SWEEPS", False)}[name]
+
+        def apply():
+            setattr(tc, attr, value)
+        return f"{attr} {value}", apply
     if name == "split":
         def apply():
             tc.SPLIT_MAX_PROGRAMS["gla"] = 1 << 20

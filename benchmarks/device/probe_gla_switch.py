@@ -18,6 +18,10 @@ Switches (SWITCHES):
     keep_states  KEEP_STATES[op] True against False (either op, --op): the forward's last sweep
             writes the chunk states h (and the delta rule's U) beside o and the backward reads
             them, against the backward running that sweep again to write them.
+    light   GLA_LIGHT_SWEEPS True against False: simple GLA's sweeps form only the chunk states
+            (h forward, dh backward) in [BK, BV] blocks, the prep kernel o from h and the chunk
+            kernel dv from dh, against recurrences over whole key dims that form o (and dv where
+            split) as they go.
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
 
@@ -46,6 +50,8 @@ SWITCHES = {
                "the same with the backward's prep kernel run again"),
     "keep_states": ("KEEP_STATES", ("gla", "gdn"), "{op} fwd+bwd, the backward from the forward's chunk states (A/B)",
                     "the same with the backward running the forward sweep again for them"),
+    "light": ("GLA_LIGHT_SWEEPS", ("gla",), "gla fwd+bwd, light sweeps: states only, in [BK, BV] blocks (A/B)",
+              "the same with whole-key-dim recurrences forming o (and dv where split)"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }

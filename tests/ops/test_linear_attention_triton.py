@@ -163,18 +163,21 @@ def test_simple_gla_backward_from_the_forwards_prep_is_bitwise_the_same_cpu(spli
 
 
 @interpreter
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op, light", [("gated_delta_rule", False), ("simple_gla", True), ("simple_gla", False)],
+                         ids=["gated_delta_rule", "simple_gla-light", "simple_gla-whole"])
 @pytest.mark.parametrize("split", [False, True])
-def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, split, monkeypatch):
+def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, light, split, monkeypatch):
     """KEEP_STATES: the forward's last sweep writes the chunk states h (and the delta rule's U)
-    beside o and the backward reads them, so the forward sweep runs once per forward+backward
-    where the backward would run it again; with GDN_KEEP_PREP the delta rule's backward also takes
-    the forward's gam, P and w, and its prep kernel runs once, not twice. Bitwise the same results
-    in every form, packed, with grouped value heads, split or not; under no_grad nothing is kept."""
+    beside o (under simple GLA's light sweeps: for the prep kernel, which forms o from them) and
+    the backward reads them, so the forward sweep runs once per forward+backward where the
+    backward would run it again; with GDN_KEEP_PREP the delta rule's backward also takes the
+    forward's gam, P and w, and its prep kernel runs once, not twice. Bitwise the same results in
+    every form, packed, with grouped value heads, split or not; under no_grad nothing is kept."""
     cu = torch.tensor([0, 70, 75, 200])
     x = make_inputs(1, 200, 1, 16, 32, HV=2, N=3, seed=29)
     monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
-    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 256, "gdn": 32})
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 256, "gdn": 32})
     gdn = op == "gated_delta_rule"
     key = "gdn" if gdn else "gla"
     sweeps, kept, preps = [], [], []
@@ -200,7 +203,10 @@ def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, spl
         monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
         sweeps.clear(), kept.clear(), preps.clear()
         runs[keep_states, keep_prep] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
-        assert sweeps == [keep_states]  # once: in the forward beside o, or in the backward alone
+        if light:  # the forward's, always (o is formed from h), and without KEEP_STATES the backward's again
+            assert sweeps == [False] * (1 if keep_states else 2)
+        else:
+            assert sweeps == [keep_states]  # once: in the forward beside o, or in the backward alone
         assert kept == [(keep_states, gdn and keep_states and keep_prep)]
         if gdn:  # the forward's prep writes u; the backward's, where it runs, only without states
             assert preps == [True] + ([] if keep_states and keep_prep else [not keep_states])
@@ -304,11 +310,13 @@ def test_sequence_split_matches_reference_cpu(op, case, segment_chunks, monkeypa
 def test_simple_gla_dv_from_the_chunk_kernel_is_bitwise_the_sweeps_cpu(form, split, monkeypatch):
     """GLA_DV_FROM_DH: simple GLA's dv formed by the chunk kernel from P and dh, or by the reverse
     sweep (unsplit and split, packed, with both states): every result bitwise the same, and the
-    form that ran is the one asked for ("unsplit": the chunk kernel only without the split)."""
+    form that ran is the one asked for ("unsplit": the chunk kernel only without the split).
+    Over whole key dims (GLA_LIGHT_SWEEPS False), where the reverse sweep can form dv."""
     cu = torch.tensor([0, 70, 75, 200])
     x = make_inputs(1, 200, 1, 16, 32, HV=2, N=3, seed=21)
     monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
-    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 256 if split else 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # the light sweeps always take the chunk kernel's
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 256 if split else 0, "gdn": 0})
     forms = []
     real = triton_chunk._chunk_bwd
     monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: forms.append(kw["P"] is not None) or real(*a, **kw))
@@ -350,7 +358,8 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, keep_states, monkey
     V block (the delta rule; "seq_wide_gla" simple GLA's: fewer waves of the same sequential
     steps); results match the reference."""
     monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 4)
-    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # simple GLA over whole key dims
     monkeypatch.setattr(triton_chunk, "CONFIGS", {**triton_chunk.CONFIGS, "seq": (16, 4), "seq_wide": (32, 4),
                                                   "seq_wide_gla": (64, 8)})
     gdn = op == "gated_delta_rule"
@@ -375,10 +384,13 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, keep_states, monkey
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
 
 
-def test_sequence_split_plan():
+def test_sequence_split_plan(monkeypatch):
     """Few sequence-heads on long sequences are split (simple GLA), into segments of
     >= MIN_SEGMENT_CHUNKS chunks; enough of them already fill the GPU and are not; the delta
-    rule splits only under SPLIT_MAX_PROGRAMS["gdn"] unsplit programs (the TP=8 shape)."""
+    rule splits only under SPLIT_MAX_PROGRAMS["gdn"] unsplit programs (the TP=8 shape).
+    Simple GLA's whole-key-dim recurrences (GLA_LIGHT_SWEEPS False; "short" takes them past
+    LIGHT_MAX_CHUNKS chunks); test_light_sweeps_split_plan has the light sweeps'."""
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)
 
     def plan(B, T, HV, lengths=None, gdn=False):
         cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -410,6 +422,69 @@ def test_sequence_split_plan():
     seg = plan(1, 20000, 2, lengths=[100, 19900])  # only the long sequence is cut
     assert seg.first.tolist()[:2] == [0, 1] and seg.layout.N > 2
     assert seg.layout.offsets.tolist()[:2] == [0, 2]  # chunk numbers stay global
+
+
+@interpreter
+@pytest.mark.parametrize("segment_chunks", [None, 1, 2])
+@pytest.mark.parametrize("lengths", [None, [70, 0, 1, 129]], ids=["batch", "varlen"])
+def test_light_sweeps_take_blocks_of_the_key_dim_cpu(segment_chunks, lengths, monkeypatch):
+    """Simple GLA's light sweeps (GLA_LIGHT_SWEEPS) in [BK, BV] = [16, 16] blocks of K 32 and V 48
+    (2 x 3 programs per sequence-head), gam formed in the sweep from g, o by the prep kernel from
+    the chunk states, dv by the chunk kernel from dh: output, final state and every gradient
+    against the reference, unsplit and split, batched and packed with empty and length-1
+    sequences, grouped value heads."""
+    monkeypatch.setattr(triton_chunk, "CONFIGS", {**triton_chunk.CONFIGS, "light": (16, 4, 16)})
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", True)
+    B, T = (2, 150) if lengths is None else (1, sum(lengths))
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = make_inputs(B, T, 1, 32, 48, HV=2, N=B if lengths is None else len(lengths), seed=31)
+    grids, chunk_P = [], []
+    real_sweep, real_chunk = triton_chunk._sweep_fwd, triton_chunk._chunk_bwd
+
+    def sweep(layout, config, *a, **kw):
+        grids.append((config, kw.get("o") is None, kw.get("gam_from_g")))
+        return real_sweep(layout, config, *a, **kw)
+
+    monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: chunk_P.append(kw["P"] is not None) or real_chunk(*a, **kw))
+    got = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+    assert grids and all(g == ((16, 4, 16), True, True) for g in grids)
+    assert len(grids) == (1 if segment_chunks is None else 2)  # the split's first pass and its last
+    assert chunk_P == [True]
+    assert_rel_rms(got, outputs_and_grads("simple_gla", x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
+
+
+def test_light_sweeps_for_short_sequences_only(monkeypatch):
+    """GLA_LIGHT_SWEEPS "short": the light sweeps where the longest sequence has at most
+    LIGHT_MAX_CHUNKS chunks, the whole-key-dim recurrences past that (on the H200 those were
+    faster at 448 and 512 chunks, the light sweeps at 128)."""
+    def light(B, T, lengths=None):
+        cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        return triton_chunk._gla_light(triton_chunk._Chunks(B, T, cu))
+
+    assert triton_chunk.GLA_LIGHT_SWEEPS == "short" and triton_chunk.LIGHT_MAX_CHUNKS == 256
+    assert light(4, 8192) and light(1, 256 * 64) and not light(1, 256 * 64 + 1)
+    assert light(1, 32768, [16384, 16384]) and not light(1, 32768, [28672, 4096])
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)
+    assert not light(4, 8192)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", True)
+    assert light(1, 32768)
+
+
+def test_light_sweeps_split_plan():
+    """The light sweeps split only under SPLIT_MAX_PROGRAMS["gla_light"] unsplit programs, the
+    plan's programs being each segment's [BK, BV] blocks (4 per head at K = V = 128), planned for
+    SPLIT_LIGHT_PROGRAMS_PER_SM programs per SM."""
+    def plan(B, T, HV):
+        return triton_chunk._plan_segments(triton_chunk._Chunks(B, T, None), 128, HV, 128, "cpu", False)
+
+    assert plan(4, 8192, 16) is None  # 256 programs unsplit (the H200 has 132 SMs)
+    assert plan(1, 8192, 32) is None  # 128
+    # the TP=8 shape, B1-T8192 with 4 value heads: 16 programs unsplit, 16 segments of 8 chunks:
+    # 256 programs, one wave at 2 per SM
+    counts = plan(1, 8192, 4).layout.cu.diff().tolist()
+    assert counts == [8 * triton_chunk.CHUNK] * 16
 
 
 @interpreter
@@ -607,7 +682,7 @@ def count_buffers(op, HQK, HV, T, monkeypatch):
 
 @interpreter
 @pytest.mark.parametrize("op, HQK, HV, T, bound, keep_prep", [
-    ("simple_gla", 2, 4, 8192, 80e6, False), ("gated_delta_rule", 2, 4, 8192, 93e6, False),  # the TP=8 shape
+    ("simple_gla", 2, 4, 8192, 75.8e6, False), ("gated_delta_rule", 2, 4, 8192, 93e6, False),  # the TP=8 shape
     ("simple_gla", 16, 32, 32768, 2.30e9, False), ("gated_delta_rule", 16, 32, 32768, 2.84e9, False),  # Qwen3-Next's
     ("gated_delta_rule", 2, 4, 8192, 105.3e6, True), ("gated_delta_rule", 16, 32, 32768, 3.24e9, True),
     # the 2.8T flagship's linear layer at 32k tokens (examples/configs/flagship_2p8t.yaml, TP 1)
@@ -629,7 +704,9 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
     105250816 at TP=8 and 3233808384 at the Qwen shape (fla's 117.9 MB and 3.77 GB): they stay
     until the backward ends, where the backward's own copies were freed before its last kernel.
     At the flagship's linear layer (HQK32-HV64, 32k tokens) the delta rule counts 5662310400
-    (5.27 GiB) and, with GDN_KEEP_PREP, 6467616768 (6.02 GiB)."""
+    (5.27 GiB) and, with GDN_KEEP_PREP, 6467616768 (6.02 GiB). Simple GLA's light sweeps (the
+    default at TP=8, 128 chunks: GLA_LIGHT_SWEEPS "short") count 75759872 there (the H200:
+    75760128, against 79954432 over whole key dims): the backward no longer forms dU beside dv."""
     monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
     peak, _ = count_buffers(op, HQK, HV, T, monkeypatch)
     assert 0 < peak <= bound
@@ -699,7 +776,8 @@ def test_wide_recurrences_bf16_matches_fp32_reference_gpu(op, case, monkeypatch)
     x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
                     device="cuda", seed=17)
     monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 2)
-    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # simple GLA over whole key dims
     gdn = op == "gated_delta_rule"
     N = B if lengths is None else len(lengths)
     assert triton_chunk._seq_config(K, V, N * HV, "cuda", gdn=gdn) == ((64, 4) if gdn else (128, 8))
@@ -718,7 +796,8 @@ def test_simple_gla_dv_from_the_chunk_kernel_bf16_gpu(case, monkeypatch):
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
                     device="cuda", seed=17)
-    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {"gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 0, "gdn": 0})
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # where the reverse sweep can form dv
     got = {}
     for form in (True, False):
         monkeypatch.setattr(triton_chunk, "GLA_DV_FROM_DH", form)
@@ -727,6 +806,26 @@ def test_simple_gla_dv_from_the_chunk_kernel_bf16_gpu(case, monkeypatch):
         assert torch.equal(got[True][name], got[False][name]), name
     ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
     assert_rel_rms(got[True], ref, 5e-3, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("light", [True, False])
+@pytest.mark.parametrize("segment_chunks", [None, 8])
+@pytest.mark.parametrize("case", ["B2-T1000-H4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128", "B2-T777-H4-D64"])
+def test_simple_gla_light_and_whole_sweeps_bf16_gpu(case, segment_chunks, light, monkeypatch):
+    """Simple GLA's two forms compiled for the GPU, the light sweeps (K 128 in two blocks of 64)
+    and the whole-key-dim recurrences, unsplit and split: bf16 against the fp32 reference."""
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=37)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    got = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\nsimple_gla {case} light {light} segments {segment_chunks} relative RMS: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
 
 
 @pytest.mark.gpu

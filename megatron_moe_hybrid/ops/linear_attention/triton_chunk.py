@@ -63,7 +63,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
 # "seq_wide_gla": simple GLA's there, whole [K, V] states as its split takes them (BV 128, 8 warps).
 CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "seq_wide_gla": (128, 8), "chunk_bwd": (64, 8),
-           "split": (128, 8), "split_gdn": (32, 4)}
+           "split": (128, 8), "split_gdn": (32, 4), "light": (64, 4, 64)}
+# "light": (BV, num_warps, BK[, num_stages]) of simple GLA's light sweeps; at B4-T8192-H16 fwd+bwd
+# (linear_attention_light.json) against (32, 4, 64) 0.96x, (64, 2, 64) and (64, 8, 64) 0.99x,
+# (32, 4, 32) 0.83x, (64, 4, 128) 0.96x; 1, 2 or 4 stages 0.88x, 0.95x, 1.00x of the default 3.
 MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # The sequence split (_plan_segments): where B x heads leave the recurrences short of programs,
 # each sequence is cut into segments of at least MIN_SEGMENT_CHUNKS chunks, their length the one
@@ -82,8 +85,12 @@ MIN_SEQ_PROGRAMS = 64  # about half the H200's 132 SMs
 # programs (at BV 32). MIN_SEGMENT_CHUNKS 4 rather than 16 (before 2026-12-03): at that shape
 # simple GLA's plan then takes 4-chunk segments, 128 programs, 0.300 -> 0.199 ms on the device;
 # elsewhere enough programs fill the SMs at the plan's longer lengths, which are unchanged.
-SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 32}
+SPLIT_MAX_PROGRAMS = {"gla": 256, "gdn": 32, "gla_light": 64}
 SPLIT_PROGRAMS_PER_SM = 1
+# The light sweeps (GLA_LIGHT_SWEEPS) split under 64 unsplit programs ([BK, BV] blocks), planned
+# for 2 of their 4-warp programs per SM: at TP=8 (16 programs unsplit) 16 segments of 8 chunks,
+# 256 programs (0.160 ms as one CUDA graph against 0.186 for the whole states' split).
+SPLIT_LIGHT_PROGRAMS_PER_SM = 2
 MIN_SEGMENT_CHUNKS = 4
 SEGMENT_CHUNKS: int | None = None
 SPLIT_PROGRAM_OVERHEAD_CHUNKS = 2  # a program's start and end (state load, store), in chunk steps
@@ -117,6 +124,21 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # backward freed its own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, 5.3 -> 6.0
 # GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), which memory-bound runs need more.
 GDN_KEEP_PREP = False
+# Simple GLA's light sweeps (_fwd_gla_light): the recurrences form only the chunk states, forward
+# (h) and backward (dh), each program a [BK, BV] block (CONFIGS["light"]: 64 x 64, a quarter of a
+# K 128 state), so 4x the programs of whole states with a quarter of the work per chunk step; the
+# prep kernel then forms o from h, every chunk in parallel (fla's order), and the chunk kernel dv
+# from dh (DV_FROM_DH). False: the recurrences form o (and dv where split) over whole key dims.
+# H200, fwd+bwd, both forms in one process (linear_attention_light.json), bitwise the same results:
+# faster at the 128-chunk shapes (B4-T8192-H16 1.543 -> 1.376 ms, B1-T8192-H96 2.097 -> 2.027, TP=8
+# as one CUDA graph 0.186 -> 0.160), slower at the long ones (B1-T32768-HQK16-HV32 3.173 -> 3.271,
+# -H32 3.050 -> 3.105, -H16 1.558 -> 1.646, varlen [28672, 4096] 3.234 -> 3.248), where the whole
+# states' split already fills the GPU and 512 light chunk steps in a row cost more than the o and dv
+# they move out (splitting the light sweeps there, into 32- to 128-chunk segments: 0.94-0.98x).
+# "short": the light sweeps where the longest sequence has at most LIGHT_MAX_CHUNKS chunks (between
+# the 128 measured faster and the 448 measured slower; untried in between).
+GLA_LIGHT_SWEEPS: bool | str = "short"
+LIGHT_MAX_CHUNKS = 256
 
 
 @triton.jit
@@ -154,24 +176,28 @@ def _unit_lower_inverse(b_M, BT: tl.constexpr):
 @fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _prep_kernel(
-    q, k, v, g, beta, gam, P, A, w, u, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, g, beta, gam, P, A, w, u, h, o, cu_seqlens, chunk_indices, scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STORE_U: tl.constexpr = True,
+    STORE_U: tl.constexpr = True, STORE_O: tl.constexpr = False,
 ):
     """One chunk of one value head: gam = cumsum(g), P; and for the delta rule A, w, u (LOAD_A:
     A as the forward stored it, in the input dtype, instead of k k^T and the inverse; STORE_U
-    False: no u, for a backward given the forward's chunk states and U)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    False: no u, for a backward given the forward's chunk states and U). STORE_O (simple GLA
+    after its light sweeps): also o = q^ S + P v from the state S entering the chunk (h)."""
+    i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1)
+        i_n = tl.load(chunk_indices + i_tg * 2)
+        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_tg = i_tg.to(tl.int64)
     else:
+        i_t = i_tg
         bos = i_b.to(tl.int64) * T
+        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
     i_hk = i_h // (HV // H)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -191,6 +217,20 @@ def _prep_kernel(
     b_P = tl.dot(b_q, tl.trans(b_k)) * b_D * scale
     p_P = P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :]
     tl.store(p_P, b_P.to(P.dtype.element_ty), mask=m_t[:, None])
+    if STORE_O:  # as _recurrence_fwd_kernel's STORE_O, from the same operands in the input dtype
+        dt = k.dtype.element_ty
+        b_qh = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
+        b_Pd = b_P.to(dt)
+        p_h = h + (i_tg * HV + i_h) * K * V
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_S = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+            b_o = tl.dot(b_qh, b_S.to(dt)) + tl.dot(b_Pd, b_v)
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
     if IS_GDN:
         b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
         if LOAD_A:
@@ -226,8 +266,10 @@ def _recurrence_fwd_kernel(
     IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     ZERO_U: tl.constexpr = False, H0_EYE: tl.constexpr = False, STORE_GT: tl.constexpr = False,
+    GAM_FROM_G: tl.constexpr = False,
 ):
-    """One V block of one sequence-head, chunk after chunk: U = u - w S, o = q^ S + P U, S'.
+    """One [BK, BV] block of one sequence-head's state, chunk after chunk: U = u - w S,
+    o = q^ S + P U, S'.
 
     u is v for simple GLA. STORE_H (the backward's recompute) writes the state entering each
     chunk to h [NT, HV, K, V] and U to U [B, T, HV, V].
@@ -235,8 +277,12 @@ def _recurrence_fwd_kernel(
     sequence's total log decay (the sum of its chunks' gC) to gt [N, HV]; ZERO_U with H0_EYE
     (the delta rule, V = K) starts from the identity with u = 0, so that ht is the product of
     the chunks' state transitions S -> e^gC S - k'^T w S.
+    Simple GLA's state rows are independent, so its light sweeps (GLA_LIGHT_SWEEPS: no o, BK < K,
+    program_id(0) running over K blocks x V blocks) take a block of K too; with GAM_FROM_G gam is
+    g, whose chunk cumsum the sweep forms itself (it runs ahead of the prep kernel).
     """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -248,7 +294,7 @@ def _recurrence_fwd_kernel(
     NT = tl.cdiv(T, BT)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -270,8 +316,12 @@ def _recurrence_fwd_kernel(
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
         if STORE_H:
             tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
-        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-        b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
+        if GAM_FROM_G:  # as _prep_kernel forms gam
+            b_gam = tl.cumsum(tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            b_glast = tl.sum(tl.where(o_c == tl.minimum(BT, T - i_t * BT) - 1, b_gam, 0.0), axis=0)
+        else:
+            b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+            b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         if STORE_GT:
             b_G += b_glast
         if ZERO_U:
@@ -299,7 +349,7 @@ def _recurrence_fwd_kernel(
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_S.to(ht.dtype.element_ty), mask=m_kv)
     if STORE_GT:
-        if i_v == 0:
+        if i_kv == 0:
             tl.store(gt + i_nh, b_G)
 
 
@@ -317,8 +367,10 @@ def _recurrence_bwd_kernel(
     and, with STORE_DU, dU; with STORE False only dh0 (the sequence split's first pass: each
     segment's own contribution to the gradient of the state entering it). Simple GLA's dS does
     not involve dU, so without STORE_DU its sweep forms none (_bwd_chunk_kernel's DV_FROM_DH
-    forms dv = dU from dh instead: one product per step, not three)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    forms dv = dU from dh instead: one product per step, not three). Without dU (simple GLA) a
+    block of K too, as the forward's light sweeps."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -330,7 +382,7 @@ def _recurrence_bwd_kernel(
     NT = tl.cdiv(T, BT)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -485,7 +537,7 @@ def _bwd_chunk_kernel(
     b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S . dS') by rows of S
     p_h = h + (i_tg * HV + i_h) * K * V
     p_dh = dh + (i_tg * HV + i_h) * K * V
-    if DV_FROM_DH:  # as _recurrence_bwd_kernel forms dU, with dS' rounded to the input dtype as dh is
+    if DV_FROM_DH:  # as _recurrence_bwd_kernel forms dU, dS' rounded to the input dtype as dh is
         b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
         b_kc = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_kp = (b_kc * tl.exp(b_glast - b_gam)[:, None]).to(dt)
@@ -662,11 +714,17 @@ def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) 
     if SEGMENT_CHUNKS is not None:
         length = SEGMENT_CHUNKS
     else:
-        if chunks.N * HV * cdiv(V, CONFIGS["seq"][0]) > SPLIT_MAX_PROGRAMS["gdn" if gdn else "gla"]:
+        if not gdn and _gla_light(chunks):  # programs per sequence-head: its [BK, BV] blocks
+            BV, _, BK, *_ = _light_config(K, V)
+            blocks, key, per_sm = cdiv(K, BK) * cdiv(V, BV), "gla_light", SPLIT_LIGHT_PROGRAMS_PER_SM
+        else:
+            blocks, key, per_sm = cdiv(V, CONFIGS["seq"][0]), "gdn" if gdn else "gla", SPLIT_PROGRAMS_PER_SM
+        if chunks.N * HV * blocks > SPLIT_MAX_PROGRAMS[key]:
             return None
-        BV = _split_config(K, V, gdn)[0]
-        slots = _num_sms(torch.device(device)) * SPLIT_PROGRAMS_PER_SM
-        length = _segment_length(tuple(counts), HV * cdiv(V, BV), slots)
+        if key != "gla_light":
+            blocks = cdiv(V, _split_config(K, V, gdn)[0])
+        slots = _num_sms(torch.device(device)) * per_sm
+        length = _segment_length(tuple(counts), HV * blocks, slots)
         if length is None:
             return None
     if length >= longest:
@@ -738,6 +796,21 @@ def _seq_config(K: int, V: int, sequence_heads: int, device, *, gdn: bool) -> tu
     return BV, num_warps
 
 
+def _gla_light(chunks: _Chunks) -> bool:
+    """Whether simple GLA runs its light sweeps (GLA_LIGHT_SWEEPS; "short": sequences of at most
+    LIGHT_MAX_CHUNKS chunks)."""
+    if GLA_LIGHT_SWEEPS == "short":
+        return max(cdiv(n, CHUNK) for n in chunks.lengths) <= LIGHT_MAX_CHUNKS
+    return bool(GLA_LIGHT_SWEEPS)
+
+
+def _light_config(K: int, V: int) -> tuple[int, int, int]:
+    """(BV, num_warps, BK) of simple GLA's light sweeps (GLA_LIGHT_SWEEPS): CONFIGS["light"]'s
+    blocks, cut to the head dims."""
+    BV, num_warps, BK, *stages = CONFIGS["light"]
+    return (min(BV, _blocks(1, V)[1]), num_warps, min(BK, _blocks(K, 1)[0]), *stages)
+
+
 def _wide_v_fits(K: int) -> bool:
     """Whether the recurrences take V blocks wider than 32 at key head dim K: not at K 256
     (simple GLA), where BV 64 needs 241 KB of shared memory on the H200 (227 KB)."""
@@ -764,10 +837,12 @@ def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
     return BV, num_warps
 
 
-def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None, want_u: bool = True):
+def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None, want_u: bool = True,
+          h: Tensor | None = None, o: Tensor | None = None):
     """gam, P and for the delta rule A, w, u; A given (what an earlier call stored): read, not
     computed again (bitwise the same w and u, as both round A to the input dtype first); want_u
-    False: u None (a backward given the forward's chunk states and U needs none)."""
+    False: u None (a backward given the forward's chunk states and U needs none); h and o given
+    (simple GLA's light sweeps): o written from the chunk states h."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK, BV = _blocks(K, V)
@@ -782,40 +857,47 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
     u = _alloc(v.shape, v.dtype, v.device) if gdn and want_u else None
     grid = (chunks.NT // (1 if chunks.indices is not None else B), B * HV)
     _prep_kernel[grid](
-        q, k, v, g, beta, gam, P, A, w, u, chunks.cu_seqlens, chunks.indices, scale, T,
+        q, k, v, g, beta, gam, P, A, w, u, h, o, chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=gdn, STORE_A=store_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
-        STORE_U=u is not None, num_warps=CONFIGS["prep"][1],
+        STORE_U=u is not None, STORE_O=o is not None, num_warps=CONFIGS["prep"][1],
     )
     return gam, P, A if gdn else None, w, u
 
 
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
-               h=None, U=None, gt=None, zero_u=False, h0_eye=False):
-    """_recurrence_fwd_kernel over layout's sequences; each output given is written."""
+               h=None, U=None, gt=None, zero_u=False, h0_eye=False, gam_from_g=False):
+    """_recurrence_fwd_kernel over layout's sequences; each output given is written. config:
+    (BV, num_warps[, BK]), BK the whole key head dim unless given (simple GLA's light sweeps);
+    gam_from_g: gam is g (the sweep forms its chunk cumsum)."""
     T, H, K = q.shape[1:]
     HV = gam.shape[2]
     V = u.shape[3] if V is None else V
-    BV, num_warps = config
-    _recurrence_fwd_kernel[(cdiv(V, BV), layout.N * HV)](
+    BV, num_warps, BK, *stages = (*config, _blocks(K, V)[0])[:4] if len(config) < 3 else config
+    options = {"num_stages": stages[0]} if stages and stages[0] else {}
+    assert BK >= K or (w is None and o is None), "only simple GLA's sweeps without o take a block of K"
+    _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, u, gam, P, o, h0, ht, h, U, gt, layout.cu, layout.offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
         STORE_HT=ht is not None, IS_VARLEN=layout.varlen, ZERO_U=zero_u, H0_EYE=h0_eye,
-        STORE_GT=gt is not None, num_warps=num_warps,
+        STORE_GT=gt is not None, GAM_FROM_G=gam_from_g, num_warps=num_warps, **options,
     )
 
 
 def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, dh=None, dht=None, dh0=None):
-    """_recurrence_bwd_kernel over layout's sequences; without dh (and dU) it writes only dh0."""
+    """_recurrence_bwd_kernel over layout's sequences; without dh (and dU) it writes only dh0.
+    config as _sweep_fwd's."""
     T, H, K = q.shape[1:]
     HV, V = do.shape[2], do.shape[3]
-    BV, num_warps = config
-    _recurrence_bwd_kernel[(cdiv(V, BV), layout.N * HV)](
+    BV, num_warps, BK, *stages = (*config, _blocks(K, V)[0])[:4] if len(config) < 3 else config
+    options = {"num_stages": stages[0]} if stages and stages[0] else {}
+    assert BK >= K or (w is None and dU is None), "only simple GLA's sweeps without dU take a block of K"
+    _recurrence_bwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
-        STORE=dh is not None, STORE_DU=dU is not None, num_warps=num_warps,
+        STORE=dh is not None, STORE_DU=dU is not None, num_warps=num_warps, **options,
     )
 
 
@@ -843,6 +925,8 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     only with keep_states, as its backward then needs no u), else None, and with keep_states
     (KEEP_STATES) the chunk states h [NT, HV, K, V] and for the delta rule U, written by the
     sweep that writes o, else None)."""
+    if beta is None and _gla_light(chunks):
+        return _fwd_gla_light(q, k, v, g, scale, h0, output_final_state, chunks, keep_prep, keep_states)
     K = q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     gam, P, A, w, u = _prep(q, k, v, g, beta, scale, chunks, store_A=keep_A)
@@ -875,6 +959,32 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     return o, ht, (seg, S_in, trans), A, kept_prep, states
 
 
+def _fwd_gla_light(q, k, v, g, scale, h0, output_final_state, chunks: _Chunks, keep_prep: bool, keep_states: bool):
+    """_fwd for simple GLA with GLA_LIGHT_SWEEPS: the sweeps (split or not) write only the chunk
+    states h, in [BK, BV] blocks of K and V (_light_config), forming gam from g themselves; the
+    prep kernel then forms gam, P and o = q^ S + P v, every chunk in parallel."""
+    K = q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    h = _alloc((chunks.NT, HV, K, V), q.dtype, q.device)
+    config = _light_config(K, V)
+    seg = _plan_segments(chunks, K, HV, V, q.device, False)
+    split = None
+    if seg is None:
+        ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
+        _sweep_fwd(_layout(chunks), config, q, k, None, v, g, None, scale, h0=h0, ht=ht, h=h, gam_from_g=True)
+    else:
+        L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
+        trans = _alloc((seg.layout.N, HV), torch.float32, q.device)
+        _sweep_fwd(seg.layout, config, q, k, None, v, g, None, scale, ht=L, gt=trans, gam_from_g=True)
+        S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
+        del L
+        _sweep_fwd(seg.layout, config, q, k, None, v, g, None, scale, h0=S_in, h=h, gam_from_g=True)
+        split = (seg, S_in, trans)
+    o = _alloc(v.shape, v.dtype, v.device)
+    gam, P, _, _, _ = _prep(q, k, v, g, None, scale, chunks, store_A=False, h=h, o=o)
+    return o, ht, split, None, (gam, P, None) if keep_prep else None, (h, None) if keep_states else None
+
+
 def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, prep=None, states=None):
     """A: the forward's (None: computed again here); prep: the forward's (gam, P, w) (w None for
     simple GLA; GLA_KEEP_P, GDN_KEEP_PREP; None: the prep kernel runs again); states: the forward's
@@ -896,21 +1006,28 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     else:
         (h, U), u = states, None
     dh = _alloc(h.shape, h.dtype, h.device)
-    # simple GLA's dv (dU) is formed by the chunk kernel from dh (DV_FROM_DH), not by the sweep
-    dv_from_dh = not gdn and (GLA_DV_FROM_DH is True or (GLA_DV_FROM_DH == "unsplit" and split is None))
+    # simple GLA's dv (dU) is formed by the chunk kernel from dh (DV_FROM_DH), not by the sweep;
+    # always under its light sweeps, which take a block of K
+    light = not gdn and _gla_light(chunks)
+    dv_from_dh = not gdn and (light or GLA_DV_FROM_DH is True or (GLA_DV_FROM_DH == "unsplit" and split is None))
     dU = None if dv_from_dh else _alloc(v.shape, v.dtype, v.device)
+    # the recomputed states as the forward's light sweeps formed them, gam from g
+    fwd_gam = g if light else gam
     if split is None:
-        layout, config = _layout(chunks), _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
+        layout = _layout(chunks)
+        config = _light_config(K, V) if light else _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
         if recompute:
-            _sweep_fwd(layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=h0, h=h, U=U)
+            _sweep_fwd(layout, config, q, k, w, u if gdn else v, fwd_gam, P, scale, h0=h0, h=h, U=U,
+                       gam_from_g=light)
         del u
         dh0 = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if h0 is not None else None
         _sweep_bwd(layout, config, q, k, w, gam, P, do, scale, dU=dU, dh=dh, dht=dht, dh0=dh0)
     else:
         seg, S_in, trans = split
-        config = _split_config(K, V, gdn)
+        config = _light_config(K, V) if light else _split_config(K, V, gdn)
         if recompute:
-            _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, gam, P, scale, h0=S_in, h=h, U=U)
+            _sweep_fwd(seg.layout, config, q, k, w, u if gdn else v, fwd_gam, P, scale, h0=S_in, h=h, U=U,
+                       gam_from_g=light)
         del u
         L = _alloc((seg.layout.N, HV, K, V), torch.float32, q.device)
         _sweep_bwd(seg.layout, config, q, k, w, gam, P, do, scale, dh0=L)
