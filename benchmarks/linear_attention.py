@@ -411,7 +411,9 @@ def main():
                     "notes": f"median of do_bench (warm, L2 flushed), bf16, backend='triton'; {note}"
                              + (f"; ours with GLA_KEEP_P {tc.GLA_KEEP_P} (True: the backward from the forward's gam "
                                 "and P)" if op == "gla" else f"; ours with GDN_KEEP_PREP {tc.GDN_KEEP_PREP}")
-                             + f", KEEP_STATES {tc.KEEP_STATES[op]} (True: the backward from the forward's chunk states)",
+                             + f", KEEP_STATES {tc.KEEP_STATES[op]} (True: the backward from the forward's chunk states)"
+                             + (f", GLA_LIGHT_SWEEPS {tc.GLA_LIGHT_SWEEPS!r} (the light sweeps at this shape: "
+                                f"{tc._gla_light(tc._Chunks(B, T, cu))})" if op == "gla" else ""),
                 }
                 if mode == "fwd+bwd":
                     ours_g = ours_ms["fwd+bwd graph"]
