@@ -22,6 +22,8 @@ Switches (SWITCHES):
             (h forward, dh backward) in [BK, BV] blocks, the prep kernel o from h and the chunk
             kernel dv from dh, against recurrences over whole key dims that form o (and dv where
             split) as they go.
+    light_first  (until the commit after 83c705f) GLA_LIGHT_FIRST_PASS: the whole-key-dim split's
+            first passes in the light sweeps' blocks; 0.97-0.98x, dropped.
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
 

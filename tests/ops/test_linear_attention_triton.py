@@ -439,19 +439,25 @@ def test_light_sweeps_take_blocks_of_the_key_dim_cpu(segment_chunks, lengths, mo
     B, T = (2, 150) if lengths is None else (1, sum(lengths))
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     x = make_inputs(B, T, 1, 32, 48, HV=2, N=B if lengths is None else len(lengths), seed=31)
-    grids, chunk_P = [], []
-    real_sweep, real_chunk = triton_chunk._sweep_fwd, triton_chunk._chunk_bwd
+    grids, rgrids, chunk_P = [], [], []
+    real_sweep, real_rsweep, real_chunk = triton_chunk._sweep_fwd, triton_chunk._sweep_bwd, triton_chunk._chunk_bwd
 
     def sweep(layout, config, *a, **kw):
         grids.append((config, kw.get("o") is None, kw.get("gam_from_g")))
         return real_sweep(layout, config, *a, **kw)
 
+    def rsweep(layout, config, *a, **kw):
+        rgrids.append(config)
+        return real_rsweep(layout, config, *a, **kw)
+
     monkeypatch.setattr(triton_chunk, "_sweep_fwd", sweep)
+    monkeypatch.setattr(triton_chunk, "_sweep_bwd", rsweep)
     monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: chunk_P.append(kw["P"] is not None) or real_chunk(*a, **kw))
     got = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
-    assert grids and all(g == ((16, 4, 16), True, True) for g in grids)
+    blocks = (16, 4, 16)
+    assert grids and all(g == (blocks, True, True) for g in grids)
     assert len(grids) == (1 if segment_chunks is None else 2)  # the split's first pass and its last
-    assert chunk_P == [True]
+    assert rgrids == [blocks] * len(grids) and chunk_P == [True]
     assert_rel_rms(got, outputs_and_grads("simple_gla", x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
 
 

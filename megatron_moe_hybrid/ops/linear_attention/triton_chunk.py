@@ -139,6 +139,9 @@ GDN_KEEP_PREP = False
 # the 128 measured faster and the 448 measured slower; untried in between).
 GLA_LIGHT_SWEEPS: bool | str = "short"
 LIGHT_MAX_CHUNKS = 256
+# Where simple GLA keeps its whole-key-dim recurrences, its split's first passes form states only
+# and could take the light blocks too: 0.974-0.979x fwd+bwd at the four long shapes (tried, dropped;
+# linear_attention_light.json, "the split's first passes as light sweeps").
 
 
 @triton.jit
