@@ -24,6 +24,9 @@ Switches (SWITCHES):
             split) as they go.
     light_first  (until the commit after 83c705f) GLA_LIGHT_FIRST_PASS: the whole-key-dim split's
             first passes in the light sweeps' blocks; 0.97-0.98x, dropped.
+    group_sum  FUSE_GROUP_SUM True against False (either op): with grouped value heads the chunk
+            kernel takes a q/k head's value heads in turn and sums their dq and dk on chip,
+            against per-value-head copies summed by _group_sum afterwards.
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
 
@@ -54,6 +57,8 @@ SWITCHES = {
                     "the same with the backward running the forward sweep again for them"),
     "light": ("GLA_LIGHT_SWEEPS", ("gla",), "gla fwd+bwd, light sweeps: states only, in [BK, BV] blocks (A/B)",
               "the same with whole-key-dim recurrences forming o (and dv where split)"),
+    "group_sum": ("FUSE_GROUP_SUM", ("gla", "gdn"), "{op} fwd+bwd, grouped heads' dq and dk summed in the chunk kernel (A/B)",
+                  "the same with _group_sum passes over per-value-head copies"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }

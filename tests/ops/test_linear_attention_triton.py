@@ -724,7 +724,8 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     """KEEP_STATES adds exactly the chunk states h ([NT, HV, K, V], bf16) and for the delta rule U
     (v's shape) to what the forward holds for the backward, and nothing to the peak (the Qwen
     shape, B1-T32768-HQK16-HV32-D128: the delta rule holds 0.40 -> 1.21 GB, simple GLA 0.42 ->
-    0.95 GB, o included)."""
+    0.95 GB, o included). With the group sums fused (FUSE_GROUP_SUM) the delta rule's peak is
+    where a recomputing backward holds u beside the states it writes, so keeping them lowers it."""
     T, HV, K = 32768, 32, 128
     counts = {}
     for keep in (False, True):
@@ -733,7 +734,7 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     h_bytes = (T // triton_chunk.CHUNK) * HV * K * K * 2
     U_bytes = T * HV * K * 2 if op == "gated_delta_rule" else 0
     assert counts[True][1] - counts[False][1] == h_bytes + U_bytes
-    assert counts[True][0] == counts[False][0]
+    assert counts[True][0] <= counts[False][0]
 
 
 @pytest.mark.gpu

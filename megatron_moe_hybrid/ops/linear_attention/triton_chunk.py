@@ -124,6 +124,9 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # backward freed its own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, 5.3 -> 6.0
 # GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), which memory-bound runs need more.
 GDN_KEEP_PREP = False
+# Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
+# their dq and dk in fp32 on chip, no _group_sum pass over per-value-head copies.
+FUSE_GROUP_SUM = True
 # Simple GLA's light sweeps (_fwd_gla_light): the recurrences form only the chunk states, forward
 # (h) and backward (dh), each program a [BK, BV] block (CONFIGS["light"]: 64 x 64, a quarter of a
 # K 128 state), so 4x the programs of whole states with a quarter of the work per chunk step; the
@@ -496,13 +499,20 @@ def _bwd_chunk_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr, DV_FROM_DH: tl.constexpr = False,
+    GROUP: tl.constexpr = 1,
 ):
     """Every input gradient of one chunk of one value head, given the state S entering it (h),
     the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms.
     DV_FROM_DH (simple GLA): dv = P^T do + k' dS' here, from P and dh, rather than the reverse
-    sweep's dU (the sweep then forms only the state gradient)."""
+    sweep's dU (the sweep then forms only the state gradient). GROUP > 1 (= HV // H): one program
+    per q/k head, its GROUP value heads in turn, their dq and dk summed in fp32 and stored once
+    ([B, T, H, K]); GROUP 1: one program per value head, dq and dk per value head."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
+    if GROUP > 1:
+        i_b, i_hk = i_bh // H, i_bh % H
+    else:
+        i_b, i_h = i_bh // HV, i_bh % HV
+        i_hk = i_h // (HV // H)
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_tg * 2)
         i_t = tl.load(chunk_indices + i_tg * 2 + 1)
@@ -513,7 +523,6 @@ def _bwd_chunk_kernel(
         i_t = i_tg
         bos = i_b.to(tl.int64) * T
         i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
-    i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -524,95 +533,109 @@ def _bwd_chunk_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     last = tl.minimum(i_t * BT + BT, T) - 1
 
-    b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-    b_glast = tl.load(gam + (bos + last) * HV + i_h)
-    if IS_GDN:
-        b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-        b_AT = tl.trans(b_A)
-        b_db = tl.zeros([BT], dtype=tl.float32)
-        b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
-        b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
-
-    b_acc_q = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
-    b_acc_ks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS'^T
-    b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # do U^T
-    b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S . dS') by rows of S
-    p_h = h + (i_tg * HV + i_h) * K * V
-    p_dh = dh + (i_tg * HV + i_h) * K * V
-    if DV_FROM_DH:  # as _recurrence_bwd_kernel forms dU, dS' rounded to the input dtype as dh is
-        b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-        b_kc = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_kp = (b_kc * tl.exp(b_glast - b_gam)[:, None]).to(dt)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-        m_vk = m_v[:, None] & m_k[None, :]
-        # states loaded transposed: [BV, BK]
-        b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
-        b_dST = tl.load(p_dh + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+    if GROUP > 1:
+        b_dq_sum = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk_sum = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_r in tl.static_range(GROUP):
+        if GROUP > 1:
+            i_h = i_hk * GROUP + i_r
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_glast = tl.load(gam + (bos + last) * HV + i_h)
         if IS_GDN:
-            b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
-            b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
+            b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+            b_AT = tl.trans(b_A)
+            b_db = tl.zeros([BT], dtype=tl.float32)
+            b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
+            b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+
+        b_acc_q = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
+        b_acc_ks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS'^T
+        b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # do U^T
+        b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S . dS') by rows of S
+        p_h = h + (i_tg * HV + i_h) * K * V
+        p_dh = dh + (i_tg * HV + i_h) * K * V
+        if DV_FROM_DH:  # as _recurrence_bwd_kernel forms dU, dS' rounded to the input dtype as dh is
+            b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+            b_kc = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_kp = (b_kc * tl.exp(b_glast - b_gam)[:, None]).to(dt)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+            m_vk = m_v[:, None] & m_k[None, :]
+            # states loaded transposed: [BV, BK]
+            b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+            b_dST = tl.load(p_dh + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
+            if IS_GDN:
+                b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
+                b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
+            else:
+                b_U = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
+            if DV_FROM_DH:
+                b_dv = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, tl.trans(b_dST.to(dt)))
+                tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+            b_acc_q = tl.dot(b_do, b_ST.to(dt), b_acc_q)
+            b_dP = tl.dot(b_do, tl.trans(b_U), b_dP)
+            b_acc_ks = tl.dot(b_U, b_dST.to(dt), b_acc_ks)
+            b_sds += tl.sum(b_ST.to(tl.float32) * b_dST.to(tl.float32), axis=0)
+            if IS_GDN:
+                b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
+                b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+                tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+                b_db += tl.sum(b_Y * b_v, axis=1)
+                b_Yd = b_Y.to(dt)
+                b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
+                b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+
+        # q and k are loaded only now: loaded before the V loop (whose dv stores keep the compiler from
+        # sinking the loads) they held two [BT, BK] tiles live through it, where the kernel spills
+        b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_eg = tl.exp(b_gam)
+        m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
+        b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+        b_dA = b_dP * b_D * scale  # d(q k^T) of the intra-chunk term
+        b_dq = b_acc_q * (scale * b_eg)[:, None] + tl.dot(b_dA.to(dt), b_k)
+        b_dk_s = b_acc_ks * tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)[:, None]
+        b_dk = tl.dot(tl.trans(b_dA).to(dt), b_q) + b_dk_s
+        # gam enters as e^gam with q and as e^-gam with k (output and state paths), hence this form.
+        b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dk, axis=1)
+        b_dglast = tl.exp(b_glast) * tl.sum(b_sds, axis=0) + tl.sum(tl.sum(b_kf * b_dk_s, axis=1), axis=0)
+        if IS_GDN:
+            b_r = tl.sum(b_kf * b_acc_kw, axis=1)
+            b_kbs = b_beta * b_eg
+            b_dk -= b_acc_kw * b_kbs[:, None]
+            b_dgam -= b_kbs * b_r
+            b_db -= b_eg * b_r
+            m_strict = o_c[:, None] > o_c[None, :]
+            b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
+            b_T1 = tl.dot(b_dMD.to(dt), b_k)
+            b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
+            b_dk += b_T1 * b_beta[:, None] + b_T2
+            b_rk = tl.sum(b_kf * b_T1, axis=1)
+            b_db += b_rk
+            b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+            tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+        b_dgam = tl.where(o_t == last, b_dgam + b_dglast, b_dgam)
+        b_dgam = tl.where(m_t, b_dgam, 0.0)
+        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
+        tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
+        if GROUP > 1:
+            b_dq_sum += b_dq
+            b_dk_sum += b_dk
         else:
-            b_U = tl.load(v + p_tv, mask=m_tv, other=0.0).to(dt)
-        if DV_FROM_DH:
-            b_dv = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kp, tl.trans(b_dST.to(dt)))
-            tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        b_acc_q = tl.dot(b_do, b_ST.to(dt), b_acc_q)
-        b_dP = tl.dot(b_do, tl.trans(b_U), b_dP)
-        b_acc_ks = tl.dot(b_U, b_dST.to(dt), b_acc_ks)
-        b_sds += tl.sum(b_ST.to(tl.float32) * b_dST.to(tl.float32), axis=0)
-        if IS_GDN:
-            b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
-            b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-            tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-            b_db += tl.sum(b_Y * b_v, axis=1)
-            b_Yd = b_Y.to(dt)
-            b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
-            b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
-
-    # q and k are loaded only now: loaded before the V loop (whose dv stores keep the compiler from
-    # sinking the loads) they held two [BT, BK] tiles live through it, where the kernel spills
-    b_q = tl.load(q + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    b_eg = tl.exp(b_gam)
-    m_incl = (o_c[:, None] >= o_c[None, :]) & m_t[:, None]
-    b_D = tl.where(m_incl, tl.exp(tl.where(m_incl, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
-    b_dA = b_dP * b_D * scale  # d(q k^T) of the intra-chunk term
-    b_dq = b_acc_q * (scale * b_eg)[:, None] + tl.dot(b_dA.to(dt), b_k)
-    b_dk_s = b_acc_ks * tl.where(m_t, tl.exp(b_glast - b_gam), 0.0)[:, None]
-    b_dk = tl.dot(tl.trans(b_dA).to(dt), b_q) + b_dk_s
-    # gam enters as e^gam with q and as e^-gam with k (output and state paths), hence this form.
-    b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dk, axis=1)
-    b_dglast = tl.exp(b_glast) * tl.sum(b_sds, axis=0) + tl.sum(tl.sum(b_kf * b_dk_s, axis=1), axis=0)
-    if IS_GDN:
-        b_r = tl.sum(b_kf * b_acc_kw, axis=1)
-        b_kbs = b_beta * b_eg
-        b_dk -= b_acc_kw * b_kbs[:, None]
-        b_dgam -= b_kbs * b_r
-        b_db -= b_eg * b_r
-        m_strict = o_c[:, None] > o_c[None, :]
-        b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
-        b_T1 = tl.dot(b_dMD.to(dt), b_k)
-        b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
-        b_dk += b_T1 * b_beta[:, None] + b_T2
-        b_rk = tl.sum(b_kf * b_T1, axis=1)
-        b_db += b_rk
-        b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
-        tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-    b_dgam = tl.where(o_t == last, b_dgam + b_dglast, b_dgam)
-    b_dgam = tl.where(m_t, b_dgam, 0.0)
-    b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
-    tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
-    p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
-    tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+            p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
+            tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+            tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if GROUP > 1:
+        p_dqk = (r_t * H + i_hk)[:, None] * K + o_k[None, :]
+        tl.store(dq + p_dqk, b_dq_sum.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk + p_dqk, b_dk_sum.to(dk.dtype.element_ty), mask=m_tk)
 
 
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
@@ -1042,10 +1065,13 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     if not dv_from_dh:
         P = None  # only simple GLA's chunk kernel reads P (its dv)
     grouped = HV != H
-    # per value head, in the input dtype; a group of heads is summed afterwards in fp32 and
-    # rounded once (_group_sum: one pass; torch's sum over the group dim ran at 1.5 TB/s)
-    dq = _alloc((B, T, HV, K), q.dtype, q.device)
-    dk = _alloc((B, T, HV, K), q.dtype, q.device)
+    # with FUSE_GROUP_SUM the chunk kernel sums a group of value heads' dq and dk in fp32 and
+    # stores them once; else per value head, in the input dtype, a group of heads summed
+    # afterwards in fp32 and rounded once (_group_sum: one pass; torch's sum over the group dim
+    # ran at 1.5 TB/s)
+    fused = grouped and FUSE_GROUP_SUM
+    dq = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
+    dk = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
     dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
@@ -1053,7 +1079,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     # freed before the group sums, where the backward's peak memory is (the chunk states alone
     # are [NT, HV, K, V])
     del gam, P, h, dh, U, dU
-    if grouped:
+    if grouped and not fused:
         dq, dk = _group_sum(dq, H), _group_sum(dk, H)
     return dq, dk, dv, dg, dbeta, dh0
 
@@ -1068,11 +1094,12 @@ def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk,
     varlen = chunks.indices is not None
     BV, num_warps, *rest = _chunk_bwd_config(K, V) if config is None else config
     options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
-    _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
+    heads = dq.shape[2]  # HV, or H where the kernel sums each group of value heads (FUSE_GROUP_SUM)
+    _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None,
+        IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None, GROUP=HV // heads,
         num_warps=num_warps, **options,
     )
 
