@@ -24,9 +24,10 @@ Switches (SWITCHES):
             split) as they go.
     light_first  (until the commit after 83c705f) GLA_LIGHT_FIRST_PASS: the whole-key-dim split's
             first passes in the light sweeps' blocks; 0.97-0.98x, dropped.
-    group_sum  FUSE_GROUP_SUM True against False (either op): with grouped value heads the chunk
-            kernel takes a q/k head's value heads in turn and sums their dq and dk on chip,
-            against per-value-head copies summed by _group_sum afterwards.
+    group_sum  FUSE_GROUP_SUM[op] True against False (either op): with grouped value heads the
+            chunk kernel takes a q/k head's value heads in turn and sums their dq and dk on chip,
+            against per-value-head copies summed by _group_sum afterwards (FUSE_GROUP_MIN_PROGRAMS
+            set to 0 for the run, so the small shapes fuse too).
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
 
@@ -81,6 +82,10 @@ def main():
     def set_switch(value):
         setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
 
+    min_programs = tc.FUSE_GROUP_MIN_PROGRAMS
+    if a.switch == "group_sum":
+        tc.FUSE_GROUP_MIN_PROGRAMS = 0
+
     rows = []
     for key in a.shapes.split(","):
         name, x, cu, do = bench.case(a.op, key)
@@ -98,6 +103,7 @@ def main():
         rows.append(row)
         if a.out:
             write_results(a.out, rows)
+    tc.FUSE_GROUP_MIN_PROGRAMS = min_programs
 
 
 if __name__ == "__main__":

@@ -461,6 +461,54 @@ def test_light_sweeps_take_blocks_of_the_key_dim_cpu(segment_chunks, lengths, mo
     assert_rel_rms(got, outputs_and_grads("simple_gla", x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
 
 
+@interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["B1-T130-H1-HV2-K32-V16", "B1-T70-H2-HV6-K16-V16", "varlen"])
+def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, case, monkeypatch):
+    """FUSE_GROUP_SUM: the chunk kernel takes a q/k head's value heads in turn and sums their dq
+    and dk in fp32 (no _group_sum pass), forced here for both ops at any size: every output and
+    gradient against the reference and against the per-value-head copies summed afterwards."""
+    if case == "varlen":
+        B, T, H, HV, K, V, cu = 1, 200, 2, 4, 16, 32, torch.tensor([0, 70, 75, 200])
+    else:
+        (B, T, H, HV, K, V), cu = CPU_CASES[case], None
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if cu is None else 3, seed=41)
+    monkeypatch.setattr(triton_chunk, "FUSE_GROUP_MIN_PROGRAMS", 0)
+    sums = []
+    real = triton_chunk._group_sum
+    monkeypatch.setattr(triton_chunk, "_group_sum", lambda *a: sums.append(1) or real(*a))
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_chunk, "FUSE_GROUP_SUM", {"gla": fused, "gdn": fused})
+        sums.clear()
+        runs[fused] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+        assert len(sums) == (0 if fused else 2)
+    assert_rel_rms(runs[True], runs[False], 1e-6, 1e-6)
+    assert_rel_rms(runs[True], outputs_and_grads(op, x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
+
+
+def test_grouped_heads_summed_in_the_chunk_kernel_only_with_programs_to_spare(monkeypatch):
+    """The default: simple GLA sums the groups in the chunk kernel where chunks x q/k heads reach
+    FUSE_GROUP_MIN_PROGRAMS (the Qwen shape: 512 x 16), not at TP=8 (128 x 2), nor the delta rule."""
+    assert triton_chunk.FUSE_GROUP_SUM == {"gla": True, "gdn": False}
+    seen = []
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda chunks, q, k, v, *a, **kw: seen.append(a[8].shape[2]))
+    monkeypatch.setattr(triton_chunk, "_group_sum", lambda x, H: x[:, :, :H])
+    for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_segment_scan_kernel"):
+        monkeypatch.setattr(triton_chunk, name, type("Stub", (), {"__getitem__": lambda self, grid: lambda *a, **kw: None})())
+    for op, T, H, HV, fused in (("simple_gla", 32768, 16, 32, True), ("simple_gla", 8192, 2, 4, False),
+                                ("gated_delta_rule", 32768, 16, 32, False)):
+        args = [torch.empty(1, T, H, 128, dtype=torch.bfloat16) for _ in "qk"] + [
+            torch.empty(1, T, HV, 128, dtype=torch.bfloat16), torch.empty(1, T, HV)]
+        if op == "gated_delta_rule":
+            args.append(torch.empty(1, T, HV))
+        args = [a.requires_grad_() for a in args]
+        seen.clear()
+        o, _ = getattr(la, op)(*args, backend="triton")
+        torch.autograd.grad(o, args, torch.ones_like(o))
+        assert seen == [H if fused else HV], (op, T)
+
+
 def test_light_sweeps_for_short_sequences_only(monkeypatch):
     """GLA_LIGHT_SWEEPS "short": the light sweeps where the longest sequence has at most
     LIGHT_MAX_CHUNKS chunks, the whole-key-dim recurrences past that (on the H200 those were
@@ -724,8 +772,9 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     """KEEP_STATES adds exactly the chunk states h ([NT, HV, K, V], bf16) and for the delta rule U
     (v's shape) to what the forward holds for the backward, and nothing to the peak (the Qwen
     shape, B1-T32768-HQK16-HV32-D128: the delta rule holds 0.40 -> 1.21 GB, simple GLA 0.42 ->
-    0.95 GB, o included). With the group sums fused (FUSE_GROUP_SUM) the delta rule's peak is
-    where a recomputing backward holds u beside the states it writes, so keeping them lowers it."""
+    0.95 GB, o included). Where the chunk kernel sums the grouped heads (FUSE_GROUP_SUM, simple
+    GLA here) the peak can be where a recomputing backward writes the states, so keeping them
+    may lower it."""
     T, HV, K = 32768, 32, 128
     counts = {}
     for keep in (False, True):
@@ -833,6 +882,24 @@ def test_simple_gla_light_and_whole_sweeps_bf16_gpu(case, segment_chunks, light,
     errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
     print(f"\nsimple_gla {case} light {light} segments {segment_chunks} relative RMS: "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["B1-T1000-H2-HV4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128"])
+def test_grouped_heads_summed_in_the_chunk_kernel_bf16_gpu(op, case, monkeypatch):
+    """FUSE_GROUP_SUM forced for both ops at any size, compiled for the GPU: bf16 against the fp32
+    reference."""
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=43)
+    monkeypatch.setattr(triton_chunk, "FUSE_GROUP_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(triton_chunk, "FUSE_GROUP_SUM", {"gla": True, "gdn": True})
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\n{op} {case} group sum fused relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
 
 
 @pytest.mark.gpu

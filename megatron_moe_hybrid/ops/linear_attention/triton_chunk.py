@@ -125,8 +125,14 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), which memory-bound runs need more.
 GDN_KEEP_PREP = False
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
-# their dq and dk in fp32 on chip, no _group_sum pass over per-value-head copies.
-FUSE_GROUP_SUM = True
+# their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
+# that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
+# in one process (linear_attention.json, "... summed in the chunk kernel (A/B)"): simple GLA at
+# B1-T32768-HQK16-HV32 3.158 -> 2.843 ms, packed [28672, 4096] 3.200 -> 2.895 (8192 programs;
+# peak 2.30 -> 2.03 GB); but at TP=8 (256 programs) 0.158 -> 0.167 ms as one CUDA graph, and the
+# delta rule, whose kernel already spills, 6.749 -> 7.981 at the Qwen shape: off for it.
+FUSE_GROUP_SUM = {"gla": True, "gdn": False}
+FUSE_GROUP_MIN_PROGRAMS = 1024
 # Simple GLA's light sweeps (_fwd_gla_light): the recurrences form only the chunk states, forward
 # (h) and backward (dh), each program a [BK, BV] block (CONFIGS["light"]: 64 x 64, a quarter of a
 # K 128 state), so 4x the programs of whole states with a quarter of the work per chunk step; the
@@ -1069,7 +1075,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     # stores them once; else per value head, in the input dtype, a group of heads summed
     # afterwards in fp32 and rounded once (_group_sum: one pass; torch's sum over the group dim
     # ran at 1.5 TB/s)
-    fused = grouped and FUSE_GROUP_SUM
+    fused = grouped and FUSE_GROUP_SUM["gdn" if gdn else "gla"] and chunks.NT * H >= FUSE_GROUP_MIN_PROGRAMS
     dq = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
     dk = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
     dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
