@@ -737,7 +737,7 @@ def count_buffers(op, HQK, HV, T, monkeypatch):
 @interpreter
 @pytest.mark.parametrize("op, HQK, HV, T, bound, keep_prep", [
     ("simple_gla", 2, 4, 8192, 75.8e6, False), ("gated_delta_rule", 2, 4, 8192, 93e6, False),  # the TP=8 shape
-    ("simple_gla", 16, 32, 32768, 2.30e9, False), ("gated_delta_rule", 16, 32, 32768, 2.84e9, False),  # Qwen3-Next's
+    ("simple_gla", 16, 32, 32768, 2.04e9, False), ("gated_delta_rule", 16, 32, 32768, 2.84e9, False),  # Qwen3-Next's
     ("gated_delta_rule", 2, 4, 8192, 105.3e6, True), ("gated_delta_rule", 16, 32, 32768, 3.24e9, True),
     # the 2.8T flagship's linear layer at 32k tokens (examples/configs/flagship_2p8t.yaml, TP 1)
     ("gated_delta_rule", 32, 64, 32768, 5.67e9, False), ("gated_delta_rule", 32, 64, 32768, 6.47e9, True),
@@ -760,7 +760,9 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
     At the flagship's linear layer (HQK32-HV64, 32k tokens) the delta rule counts 5662310400
     (5.27 GiB) and, with GDN_KEEP_PREP, 6467616768 (6.02 GiB). Simple GLA's light sweeps (the
     default at TP=8, 128 chunks: GLA_LIGHT_SWEEPS "short") count 75759872 there (the H200:
-    75760128, against 79954432 over whole key dims): the backward no longer forms dU beside dv."""
+    75760128, against 79954432 over whole key dims): the backward no longer forms dU beside dv.
+    Simple GLA summing its grouped heads' dq and dk in the chunk kernel (FUSE_GROUP_SUM, at the
+    Qwen shape) counts 2030043648 there, the H200's peak to the byte (2298479104 before)."""
     monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", keep_prep)
     peak, _ = count_buffers(op, HQK, HV, T, monkeypatch)
     assert 0 < peak <= bound
