@@ -130,7 +130,9 @@ GDN_KEEP_PREP = False
 # in one process (linear_attention.json, "... summed in the chunk kernel (A/B)"): simple GLA at
 # B1-T32768-HQK16-HV32 3.158 -> 2.843 ms, packed [28672, 4096] 3.200 -> 2.895 (8192 programs;
 # peak 2.30 -> 2.03 GB); but at TP=8 (256 programs) 0.158 -> 0.167 ms as one CUDA graph, and the
-# delta rule, whose kernel already spills, 6.749 -> 7.981 at the Qwen shape: off for it.
+# delta rule, whose kernel already spills, 6.749 -> 7.981 at the Qwen shape: off for it. The gain
+# is the pass and the halved dq, dk writes, not fewer programs: 2 value heads per program without
+# a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16.
 FUSE_GROUP_SUM = {"gla": True, "gdn": False}
 FUSE_GROUP_MIN_PROGRAMS = 1024
 # Value heads per program of the chunk kernel where it does not sum groups (a probe's switch).
