@@ -60,8 +60,6 @@ SWITCHES = {
               "the same with whole-key-dim recurrences forming o (and dv where split)"),
     "group_sum": ("FUSE_GROUP_SUM", ("gla", "gdn"), "{op} fwd+bwd, grouped heads' dq and dk summed in the chunk kernel (A/B)",
                   "the same with _group_sum passes over per-value-head copies"),
-    "heads2": ("CHUNK_HEADS_PER_PROGRAM", ("gla", "gdn"), "{op} fwd+bwd, the chunk kernel taking 2 value heads per program (A/B)",
-               "the same with 1"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }
@@ -82,8 +80,6 @@ def main():
     default = getattr(tc, attr)
 
     def set_switch(value):
-        if attr == "CHUNK_HEADS_PER_PROGRAM":
-            value = 2 if value else 1
         setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
 
     min_programs = tc.FUSE_GROUP_MIN_PROGRAMS

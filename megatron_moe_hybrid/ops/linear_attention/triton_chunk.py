@@ -135,8 +135,6 @@ GDN_KEEP_PREP = False
 # a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16.
 FUSE_GROUP_SUM = {"gla": True, "gdn": False}
 FUSE_GROUP_MIN_PROGRAMS = 1024
-# Value heads per program of the chunk kernel where it does not sum groups (a probe's switch).
-CHUNK_HEADS_PER_PROGRAM = 1
 # Simple GLA's light sweeps (_fwd_gla_light): the recurrences form only the chunk states, forward
 # (h) and backward (dh), each program a [BK, BV] block (CONFIGS["light"]: 64 x 64, a quarter of a
 # K 128 state), so 4x the programs of whole states with a quarter of the work per chunk step; the
@@ -509,19 +507,17 @@ def _bwd_chunk_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, IS_VARLEN: tl.constexpr, DV_FROM_DH: tl.constexpr = False,
-    GROUP: tl.constexpr = 1, HEADS: tl.constexpr = 1,
+    GROUP: tl.constexpr = 1,
 ):
     """Every input gradient of one chunk of one value head, given the state S entering it (h),
     the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms.
     DV_FROM_DH (simple GLA): dv = P^T do + k' dS' here, from P and dh, rather than the reverse
     sweep's dU (the sweep then forms only the state gradient). GROUP > 1 (= HV // H): one program
     per q/k head, its GROUP value heads in turn, their dq and dk summed in fp32 and stored once
-    ([B, T, H, K]); GROUP 1: dq and dk per value head, HEADS value heads per program in turn."""
+    ([B, T, H, K]); GROUP 1: one program per value head, dq and dk per value head."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     if GROUP > 1:
         i_b, i_hk = i_bh // H, i_bh % H
-    elif HEADS > 1:
-        i_b, i_hp = i_bh // (HV // HEADS), i_bh % (HV // HEADS)
     else:
         i_b, i_h = i_bh // HV, i_bh % HV
         i_hk = i_h // (HV // H)
@@ -548,12 +544,9 @@ def _bwd_chunk_kernel(
     if GROUP > 1:
         b_dq_sum = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk_sum = tl.zeros([BT, BK], dtype=tl.float32)
-    for i_r in tl.static_range(GROUP * HEADS):
+    for i_r in tl.static_range(GROUP):
         if GROUP > 1:
             i_h = i_hk * GROUP + i_r
-        elif HEADS > 1:
-            i_h = i_hp * HEADS + i_r
-            i_hk = i_h // (HV // H)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + last) * HV + i_h)
         if IS_GDN:
@@ -1110,12 +1103,11 @@ def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk,
     BV, num_warps, *rest = _chunk_bwd_config(K, V) if config is None else config
     options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
     heads = dq.shape[2]  # HV, or H where the kernel sums each group of value heads (FUSE_GROUP_SUM)
-    per = CHUNK_HEADS_PER_PROGRAM if heads == HV and HV % CHUNK_HEADS_PER_PROGRAM == 0 else 1
-    _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * heads // per)](
+    _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
         chunks.cu_seqlens, chunks.indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
-        IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None, GROUP=HV // heads, HEADS=per,
+        IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None, GROUP=HV // heads,
         num_warps=num_warps, **options,
     )
 
