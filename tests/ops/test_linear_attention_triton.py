@@ -462,12 +462,15 @@ def test_light_sweeps_take_blocks_of_the_key_dim_cpu(segment_chunks, lengths, mo
 
 
 @interpreter
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op, light", [("gated_delta_rule", False), ("simple_gla", True), ("simple_gla", False)],
+                         ids=["gated_delta_rule", "simple_gla-light", "simple_gla-whole"])
 @pytest.mark.parametrize("case", ["B1-T130-H1-HV2-K32-V16", "B1-T70-H2-HV6-K16-V16", "varlen"])
-def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, case, monkeypatch):
+def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, light, case, monkeypatch):
     """FUSE_GROUP_SUM: the chunk kernel takes a q/k head's value heads in turn and sums their dq
-    and dk in fp32 (no _group_sum pass), forced here for both ops at any size: every output and
+    and dk in fp32 (no _group_sum pass), forced here for both ops at any size (simple GLA with its
+    light sweeps, the chunk kernel then forming dv too, and over whole key dims): every output and
     gradient against the reference and against the per-value-head copies summed afterwards."""
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
     if case == "varlen":
         B, T, H, HV, K, V, cu = 1, 200, 2, 4, 16, 32, torch.tensor([0, 70, 75, 200])
     else:
