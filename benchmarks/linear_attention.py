@@ -413,9 +413,10 @@ def main():
                                 "and P)" if op == "gla" else f"; ours with GDN_KEEP_PREP {tc.GDN_KEEP_PREP}")
                              + f", KEEP_STATES {tc.KEEP_STATES[op]} (True: the backward from the forward's chunk states)"
                              + (f", GLA_LIGHT_SWEEPS {tc.GLA_LIGHT_SWEEPS!r} (the light sweeps at this shape: "
-                                f"{tc._gla_light(tc._Chunks(B, T, cu))})" if op == "gla" else "")
+                                f"{tc._gla_light(tc._chunks_of(B, T, cu))})" if op == "gla" else "")
                              + (f", FUSE_GROUP_SUM {tc.FUSE_GROUP_SUM[op]} (grouped heads' dq, dk summed in the chunk "
-                                f"kernel from {tc.FUSE_GROUP_MIN_PROGRAMS} chunk x q/k head programs)" if HV != H else ""),
+                                f"kernel at this shape: {tc._fuse_group_sum(tc._chunks_of(B, T, cu), H, HV, op == 'gdn')})"
+                                if HV != H else ""),
                 }
                 if mode == "fwd+bwd":
                     ours_g = ours_ms["fwd+bwd graph"]

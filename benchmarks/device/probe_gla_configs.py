@@ -65,6 +65,17 @@ def restore():
     tc.GLA_LIGHT_SWEEPS = SAVED["GLA_LIGHT_SWEEPS"]
 
 
+# variant <key>_<n> -> (description, set n)
+INT_SETTINGS = {
+    "prep": ("the prep kernel (o from the states) at {n} warps", lambda n: tc.CONFIGS.update(prep=(None, n))),
+    "seg": ("the sequence split forced to {n}-chunk segments", lambda n: setattr(tc, "SEGMENT_CHUNKS", n)),
+    "gate": ("the light sweeps split up to {n} unsplit programs",
+             lambda n: tc.SPLIT_MAX_PROGRAMS.update(gla_light=n)),
+    "persm": ("the light split planned for {n} programs per SM",
+              lambda n: setattr(tc, "SPLIT_LIGHT_PROGRAMS_PER_SM", n)),
+}
+
+
 def variant(name):
     """(description, apply()) of a variant name; restore() undoes any."""
 
@@ -89,32 +100,14 @@ def variant(name):
         def apply():
             tc.CONFIGS["light"] = config
         return f"the light sweeps at (BV, warps, BK) {config}", apply
-    m = re.fullmatch(r"prep_(\d+)", name)
+    m = re.fullmatch(r"(prep|seg|gate|persm)_(\d+)", name)
     if m:
-        def apply():
-            tc.CONFIGS["prep"] = (None, int(m.group(1)))
-        return f"the prep kernel (o from the states) at {m.group(1)} warps", apply
-    m = re.fullmatch(r"seg_(\d+)", name)
-    if m:
-        def apply():
-            tc.SEGMENT_CHUNKS = int(m.group(1))
-        return f"the sequence split forced to {m.group(1)}-chunk segments", apply
-    m = re.fullmatch(r"gate_(\d+)", name)
-    if m:
-        def apply():
-            tc.SPLIT_MAX_PROGRAMS["gla_light"] = int(m.group(1))
-        return f"the light sweeps split up to {m.group(1)} unsplit programs", apply
-    m = re.fullmatch(r"persm_(\d+)", name)
-    if m:
-        def apply():
-            tc.SPLIT_LIGHT_PROGRAMS_PER_SM = int(m.group(1))
-        return f"the light split planned for {m.group(1)} programs per SM", apply
+        setting, n = INT_SETTINGS[m.group(1)], int(m.group(2))
+        return setting[0].format(n=n), lambda: setting[1](n)
     if name in ("light", "nolight"):
-        attr, value = {"light": ("GLA_LIGHT_SWEEPS", True), "nolight": ("GLA_LIGHT_SWEEPS", False)}[name]
-
         def apply():
-            setattr(tc, attr, value)
-        return f"{attr} {value}", apply
+            tc.GLA_LIGHT_SWEEPS = name == "light"
+        return f"GLA_LIGHT_SWEEPS {name == 'light'}", apply
     if name == "split":
         def apply():
             tc.SPLIT_MAX_PROGRAMS["gla"] = 1 << 20

@@ -82,8 +82,7 @@ def main():
     def set_switch(value):
         setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
 
-    min_programs = tc.FUSE_GROUP_MIN_PROGRAMS
-    if a.switch == "group_sum":
+    if a.switch == "group_sum":  # for the whole run
         tc.FUSE_GROUP_MIN_PROGRAMS = 0
 
     rows = []
@@ -103,7 +102,6 @@ def main():
         rows.append(row)
         if a.out:
             write_results(a.out, rows)
-    tc.FUSE_GROUP_MIN_PROGRAMS = min_programs
 
 
 if __name__ == "__main__":

@@ -495,17 +495,12 @@ def test_grouped_heads_summed_in_the_chunk_kernel_only_with_programs_to_spare(mo
     FUSE_GROUP_MIN_PROGRAMS (the Qwen shape: 512 x 16), not at TP=8 (128 x 2), nor the delta rule."""
     assert triton_chunk.FUSE_GROUP_SUM == {"gla": True, "gdn": False}
     seen = []
-    monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda chunks, q, k, v, *a, **kw: seen.append(a[8].shape[2]))
-    monkeypatch.setattr(triton_chunk, "_group_sum", lambda x, H: x[:, :, :H])
-    for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_segment_scan_kernel"):
-        monkeypatch.setattr(triton_chunk, name, type("Stub", (), {"__getitem__": lambda self, grid: lambda *a, **kw: None})())
+    stub_kernels(monkeypatch)
+    real = triton_chunk._chunk_bwd
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: seen.append(a[12].shape[2]) or real(*a, **kw))
     for op, T, H, HV, fused in (("simple_gla", 32768, 16, 32, True), ("simple_gla", 8192, 2, 4, False),
                                 ("gated_delta_rule", 32768, 16, 32, False)):
-        args = [torch.empty(1, T, H, 128, dtype=torch.bfloat16) for _ in "qk"] + [
-            torch.empty(1, T, HV, 128, dtype=torch.bfloat16), torch.empty(1, T, HV)]
-        if op == "gated_delta_rule":
-            args.append(torch.empty(1, T, HV))
-        args = [a.requires_grad_() for a in args]
+        args = shaped_args(op, H, HV, T)
         seen.clear()
         o, _ = getattr(la, op)(*args, backend="triton")
         torch.autograd.grad(o, args, torch.ones_like(o))
@@ -701,6 +696,28 @@ GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
 }
 
 
+def stub_kernels(monkeypatch):
+    """Every Triton kernel of triton_chunk launched as a no-op: what remains is the host side,
+    its allocations and the arguments it passes."""
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
+                 "_segment_scan_kernel", "_group_sum_kernel"):
+        monkeypatch.setattr(triton_chunk, name, Stub())
+
+
+def shaped_args(op, HQK, HV, T):
+    """q, k, v, g (and beta) at B1, D128, bf16, needing gradients: for stubbed kernels, whose
+    values do not matter, only shapes and dtypes."""
+    args = [torch.empty(1, T, HQK, 128, dtype=torch.bfloat16) for _ in "qk"] + [
+        torch.empty(1, T, HV, 128, dtype=torch.bfloat16), torch.empty(1, T, HV)]
+    if op == "gated_delta_rule":
+        args.append(torch.empty(1, T, HV))
+    return [a.requires_grad_() for a in args]
+
+
 def count_buffers(op, HQK, HV, T, monkeypatch):
     """(peak, held): the kernels' buffers alive at once over a forward+backward, and those alive
     after the forward (o and what it kept for the backward), bytes, counted at every _alloc with
@@ -715,20 +732,9 @@ def count_buffers(op, HQK, HV, T, monkeypatch):
         weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
         return t
 
-    class Stub:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     monkeypatch.setattr(triton_chunk, "_alloc", counted)
-    for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
-                 "_segment_scan_kernel", "_group_sum_kernel"):
-        monkeypatch.setattr(triton_chunk, name, Stub())
-    # the kernels are stubbed: values do not matter, only shapes and dtypes
-    args = [torch.empty(1, T, HQK, 128, dtype=torch.bfloat16) for _ in "qk"] + [
-        torch.empty(1, T, HV, 128, dtype=torch.bfloat16), torch.empty(1, T, HV)]
-    if op == "gated_delta_rule":
-        args.append(torch.empty(1, T, HV))
-    args = [a.requires_grad_() for a in args]
+    stub_kernels(monkeypatch)
+    args = shaped_args(op, HQK, HV, T)
     o, _ = getattr(la, op)(*args, backend="triton")
     held = live[0]
     torch.autograd.grad(o, args, torch.ones_like(o))

@@ -512,15 +512,11 @@ def _bwd_chunk_kernel(
     """Every input gradient of one chunk of one value head, given the state S entering it (h),
     the gradient dS' of the state leaving it (dh), U and dU. README.md lists the terms.
     DV_FROM_DH (simple GLA): dv = P^T do + k' dS' here, from P and dh, rather than the reverse
-    sweep's dU (the sweep then forms only the state gradient). GROUP > 1 (= HV // H): one program
-    per q/k head, its GROUP value heads in turn, their dq and dk summed in fp32 and stored once
-    ([B, T, H, K]); GROUP 1: one program per value head, dq and dk per value head."""
+    sweep's dU (the sweep then forms only the state gradient). Each program takes GROUP value
+    heads in turn: GROUP 1, dq and dk per value head; GROUP = HV // H, a q/k head's value heads,
+    their dq and dk summed in fp32 and stored once ([B, T, H, K])."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
-    if GROUP > 1:
-        i_b, i_hk = i_bh // H, i_bh % H
-    else:
-        i_b, i_h = i_bh // HV, i_bh % HV
-        i_hk = i_h // (HV // H)
+    i_b, i_p = i_bh // (HV // GROUP), i_bh % (HV // GROUP)  # i_p: the program's first value head / GROUP
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_tg * 2)
         i_t = tl.load(chunk_indices + i_tg * 2 + 1)
@@ -545,8 +541,8 @@ def _bwd_chunk_kernel(
         b_dq_sum = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk_sum = tl.zeros([BT, BK], dtype=tl.float32)
     for i_r in tl.static_range(GROUP):
-        if GROUP > 1:
-            i_h = i_hk * GROUP + i_r
+        i_h = i_p * GROUP + i_r
+        i_hk = i_h // (HV // H)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + last) * HV + i_h)
         if IS_GDN:
@@ -641,7 +637,7 @@ def _bwd_chunk_kernel(
             tl.store(dq + p_dqk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
             tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if GROUP > 1:
-        p_dqk = (r_t * H + i_hk)[:, None] * K + o_k[None, :]
+        p_dqk = (r_t * H + i_p)[:, None] * K + o_k[None, :]
         tl.store(dq + p_dqk, b_dq_sum.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dk + p_dqk, b_dk_sum.to(dk.dtype.element_ty), mask=m_tk)
 
@@ -748,17 +744,18 @@ def _plan_segments(chunks: _Chunks, K: int, HV: int, V: int, device, gdn: bool) 
     if SEGMENT_CHUNKS is not None:
         length = SEGMENT_CHUNKS
     else:
-        if not gdn and _gla_light(chunks):  # programs per sequence-head: its [BK, BV] blocks
-            BV, _, BK, *_ = _light_config(K, V)
-            blocks, key, per_sm = cdiv(K, BK) * cdiv(V, BV), "gla_light", SPLIT_LIGHT_PROGRAMS_PER_SM
+        # programs per sequence-head: unsplit (the gate's count) and under the split (the plan's)
+        if not gdn and _gla_light(chunks):  # the light sweeps' [BK, BV] blocks, split or not
+            BV, _, BK, _ = _sweep_launch(_light_config(K, V), K, V)
+            unsplit = per_segment = cdiv(K, BK) * cdiv(V, BV)
+            key, per_sm = "gla_light", SPLIT_LIGHT_PROGRAMS_PER_SM
         else:
-            blocks, key, per_sm = cdiv(V, CONFIGS["seq"][0]), "gdn" if gdn else "gla", SPLIT_PROGRAMS_PER_SM
-        if chunks.N * HV * blocks > SPLIT_MAX_PROGRAMS[key]:
+            unsplit, per_segment = cdiv(V, CONFIGS["seq"][0]), cdiv(V, _split_config(K, V, gdn)[0])
+            key, per_sm = "gdn" if gdn else "gla", SPLIT_PROGRAMS_PER_SM
+        if chunks.N * HV * unsplit > SPLIT_MAX_PROGRAMS[key]:
             return None
-        if key != "gla_light":
-            blocks = cdiv(V, _split_config(K, V, gdn)[0])
         slots = _num_sms(torch.device(device)) * per_sm
-        length = _segment_length(tuple(counts), HV * blocks, slots)
+        length = _segment_length(tuple(counts), HV * per_segment, slots)
         if length is None:
             return None
     if length >= longest:
@@ -838,9 +835,15 @@ def _gla_light(chunks: _Chunks) -> bool:
     return bool(GLA_LIGHT_SWEEPS)
 
 
+def _fuse_group_sum(chunks: _Chunks, H: int, HV: int, gdn: bool) -> bool:
+    """Whether the chunk kernel sums each group of value heads' dq and dk (FUSE_GROUP_SUM, from
+    FUSE_GROUP_MIN_PROGRAMS chunk x q/k head programs)."""
+    return HV != H and FUSE_GROUP_SUM["gdn" if gdn else "gla"] and chunks.NT * H >= FUSE_GROUP_MIN_PROGRAMS
+
+
 def _light_config(K: int, V: int) -> tuple[int, int, int]:
-    """(BV, num_warps, BK) of simple GLA's light sweeps (GLA_LIGHT_SWEEPS): CONFIGS["light"]'s
-    blocks, cut to the head dims."""
+    """(BV, num_warps, BK[, num_stages]) of simple GLA's light sweeps (GLA_LIGHT_SWEEPS):
+    CONFIGS["light"]'s blocks, cut to the head dims."""
     BV, num_warps, BK, *stages = CONFIGS["light"]
     return (min(BV, _blocks(1, V)[1]), num_warps, min(BK, _blocks(K, 1)[0]), *stages)
 
@@ -899,16 +902,23 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
     return gam, P, A if gdn else None, w, u
 
 
+def _sweep_launch(config, K: int, V: int) -> tuple[int, int, int, dict]:
+    """(BV, num_warps, BK, launch options) of a sweep's config (BV, num_warps[, BK[, num_stages]]):
+    BK the whole key head dim unless given, num_stages Triton's default unless given."""
+    BV, num_warps, *rest = config
+    BK = rest[0] if rest else _blocks(K, V)[0]
+    return BV, num_warps, BK, {"num_stages": rest[1]} if len(rest) > 1 else {}
+
+
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
                h=None, U=None, gt=None, zero_u=False, h0_eye=False, gam_from_g=False):
     """_recurrence_fwd_kernel over layout's sequences; each output given is written. config:
-    (BV, num_warps[, BK]), BK the whole key head dim unless given (simple GLA's light sweeps);
-    gam_from_g: gam is g (the sweep forms its chunk cumsum)."""
+    _sweep_launch's (a BK below the key head dim: simple GLA's light sweeps); gam_from_g: gam is
+    g (the sweep forms its chunk cumsum)."""
     T, H, K = q.shape[1:]
     HV = gam.shape[2]
     V = u.shape[3] if V is None else V
-    BV, num_warps, BK, *stages = (*config, _blocks(K, V)[0])[:4] if len(config) < 3 else config
-    options = {"num_stages": stages[0]} if stages and stages[0] else {}
+    BV, num_warps, BK, options = _sweep_launch(config, K, V)
     assert BK >= K or (w is None and o is None), "only simple GLA's sweeps without o take a block of K"
     _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, u, gam, P, o, h0, ht, h, U, gt, layout.cu, layout.offsets, scale, T,
@@ -924,8 +934,7 @@ def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, 
     config as _sweep_fwd's."""
     T, H, K = q.shape[1:]
     HV, V = do.shape[2], do.shape[3]
-    BV, num_warps, BK, *stages = (*config, _blocks(K, V)[0])[:4] if len(config) < 3 else config
-    options = {"num_stages": stages[0]} if stages and stages[0] else {}
+    BV, num_warps, BK, options = _sweep_launch(config, K, V)
     assert BK >= K or (w is None and dU is None), "only simple GLA's sweeps without dU take a block of K"
     _recurrence_bwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
@@ -1077,7 +1086,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     # stores them once; else per value head, in the input dtype, a group of heads summed
     # afterwards in fp32 and rounded once (_group_sum: one pass; torch's sum over the group dim
     # ran at 1.5 TB/s)
-    fused = grouped and FUSE_GROUP_SUM["gdn" if gdn else "gla"] and chunks.NT * H >= FUSE_GROUP_MIN_PROGRAMS
+    fused = _fuse_group_sum(chunks, H, HV, gdn)
     dq = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
     dk = _alloc((B, T, H if fused else HV, K), q.dtype, q.device)
     dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
