@@ -22,6 +22,10 @@ its byte floor. Variants:
     gate_<n>                        the light sweeps split up to n unsplit programs
     persm_<n>                       the light split planned for n programs per SM
     split                           the sequence split where the recurrences would run unsplit
+    cfg_<key>_<BV>x<warps>[x<BK>][s<stages>]  CONFIGS[key] (e.g. cfg_split_128x8x128s2: the whole
+                                    states' split sweeps at 2 stages)
+    <a>+<b>[+...]                   variants a, b, ... together (e.g. light+light_128x8x128: the
+                                    light path's structure over whole states)
 
 Per shape the defaults and each variant run in turn --rounds times
 (benchmarks/linear_attention.py's measure: do_bench medians, warm, and one CUDA graph replayed);
@@ -78,6 +82,26 @@ INT_SETTINGS = {
 
 def variant(name):
     """(description, apply()) of a variant name; restore() undoes any."""
+    if "+" in name:
+        parts = [variant(n) for n in name.split("+")]
+
+        def apply():
+            for _, part in parts:
+                part()
+        return " and ".join(d for d, _ in parts), apply
+    m = re.fullmatch(r"cfg_([a-z_]+?)_(\d+)x(\d+)(?:x(\d+))?(?:s(\d+))?", name)
+    if m:
+        key = m.group(1)
+        if key not in tc.CONFIGS:
+            raise SystemExit(f"--variants: {name!r}: no CONFIGS[{key!r}] (keys: {sorted(tc.CONFIGS)})")
+        BV, warps, BK, stages = m.group(2, 3, 4, 5)
+        if stages is not None and BK is None:
+            raise SystemExit(f"--variants: {name!r}: stages need a BK (x<BK>) before them")
+        config = tuple(int(x) for x in (BV, warps, BK, stages) if x is not None)
+
+        def apply():
+            tc.CONFIGS[key] = config
+        return f"CONFIGS[{key!r}] = {config}", apply
 
     m = re.fullmatch(r"chunk_(\d+)x(\d+)(?:s(\d+))?(?:r(\d+))?", name)
     if m:

@@ -30,6 +30,10 @@ Switches (SWITCHES):
             set to 0 for the run, so the small shapes fuse too).
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
+    sweep_p  (uncommitted, 2026-12-04) GLA_SWEEP_P: simple GLA's whole-state o sweep forming gam
+            and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
+            prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
+            ms at B1-T32768-H32 against the prep kernel's 0.213); dropped.
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the

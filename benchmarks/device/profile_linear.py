@@ -4,7 +4,8 @@
 
 For each shape and mode (fwd, fwd+bwd) prints every CUDA kernel's time per step (torch.profiler,
 summed over --steps calls after two warm-up calls), the step's kernel total, and the number of
-launches, so that a shape's time can be read kernel by kernel (shape keys: linear_attention.SHAPES).
+launches (a kernel launched several times per step: each launch apart, #0 first), so that a
+shape's time can be read kernel by kernel (shape keys: linear_attention.SHAPES).
 """
 
 import argparse
@@ -29,11 +30,19 @@ def kernel_times(step, steps):
             step()
         torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            name = evt.name if len(evt.name) < 60 else evt.name[:57] + "..."
-            per[name][0] += evt.device_time / 1000 / steps
-            per[name][1] += 1
+    evts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    launches = collections.Counter(e.name for e in evts)
+    seen = collections.Counter()
+    for evt in evts:
+        # a kernel launched n times per step is reported per launch, in launch order (name #i)
+        n = launches[evt.name] // steps
+        name = evt.name if len(evt.name) < 60 else evt.name[:57] + "..."
+        if n > 1:
+            name = f"{name} #{seen[evt.name] % n}"
+        seen[evt.name] += 1
+        per[name][0] += evt.device_time / 1000 / steps
+        per[name][1] += 1
     return per
 
 

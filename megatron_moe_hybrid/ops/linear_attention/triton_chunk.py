@@ -854,10 +854,13 @@ def _wide_v_fits(K: int) -> bool:
     return _blocks(K, 1)[0] <= 128
 
 
-def _split_config(K: int, V: int, gdn: bool) -> tuple[int, int]:
-    """(BV, num_warps) of the recurrences under the sequence split (which supplies the programs)."""
-    BV, num_warps = CONFIGS["split_gdn" if gdn else "split"]
-    return min(BV, max(16, next_power_of_2(V)), 128 if _wide_v_fits(K) else 32), num_warps
+def _split_config(K: int, V: int, gdn: bool) -> tuple:
+    """(BV, num_warps[, BK[, num_stages]]) of the recurrences under the sequence split (which
+    supplies the programs); a BK given is taken as the whole key head dim (_sweep_launch), the
+    split's sweeps forming o."""
+    BV, num_warps, *rest = CONFIGS["split_gdn" if gdn else "split"]
+    rest = (_blocks(K, V)[0], *rest[1:]) if rest else ()
+    return (min(BV, max(16, next_power_of_2(V)), 128 if _wide_v_fits(K) else 32), num_warps, *rest)
 
 
 def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
