@@ -21,6 +21,7 @@ its byte floor. Variants:
     seg_<n>                         the sequence split forced to n-chunk segments (SEGMENT_CHUNKS)
     gate_<n>                        the light sweeps split up to n unsplit programs
     persm_<n>                       the light split planned for n programs per SM
+    wpersm_<n>                      the whole states' split planned for n programs per SM
     split                           the sequence split where the recurrences would run unsplit
     cfg_<key>_<BV>x<warps>[x<BK>][s<stages>]  CONFIGS[key] (e.g. cfg_split_128x8x128s2: the whole
                                     states' split sweeps at 2 stages)
@@ -53,7 +54,7 @@ DEFAULT_VARIANTS = "seq_128x8,seq_128x4,split"
 SAVED = {"_chunk_bwd_config": tc._chunk_bwd_config, "_seq_config": tc._seq_config,
          "SPLIT_MAX_PROGRAMS": dict(tc.SPLIT_MAX_PROGRAMS), "CONFIGS": dict(tc.CONFIGS),
          "SEGMENT_CHUNKS": tc.SEGMENT_CHUNKS, "SPLIT_LIGHT_PROGRAMS_PER_SM": tc.SPLIT_LIGHT_PROGRAMS_PER_SM,
-         "GLA_LIGHT_SWEEPS": tc.GLA_LIGHT_SWEEPS}
+         "GLA_LIGHT_SWEEPS": tc.GLA_LIGHT_SWEEPS, "SPLIT_PROGRAMS_PER_SM": tc.SPLIT_PROGRAMS_PER_SM}
 
 
 def restore():
@@ -67,6 +68,7 @@ def restore():
     tc.SEGMENT_CHUNKS = SAVED["SEGMENT_CHUNKS"]
     tc.SPLIT_LIGHT_PROGRAMS_PER_SM = SAVED["SPLIT_LIGHT_PROGRAMS_PER_SM"]
     tc.GLA_LIGHT_SWEEPS = SAVED["GLA_LIGHT_SWEEPS"]
+    tc.SPLIT_PROGRAMS_PER_SM = SAVED["SPLIT_PROGRAMS_PER_SM"]
 
 
 # variant <key>_<n> -> (description, set n)
@@ -77,6 +79,8 @@ INT_SETTINGS = {
              lambda n: tc.SPLIT_MAX_PROGRAMS.update(gla_light=n)),
     "persm": ("the light split planned for {n} programs per SM",
               lambda n: setattr(tc, "SPLIT_LIGHT_PROGRAMS_PER_SM", n)),
+    "wpersm": ("the whole states' split planned for {n} programs per SM",
+               lambda n: setattr(tc, "SPLIT_PROGRAMS_PER_SM", n)),
 }
 
 
@@ -124,7 +128,7 @@ def variant(name):
         def apply():
             tc.CONFIGS["light"] = config
         return f"the light sweeps at (BV, warps, BK) {config}", apply
-    m = re.fullmatch(r"(prep|seg|gate|persm)_(\d+)", name)
+    m = re.fullmatch(r"(prep|seg|gate|persm|wpersm)_(\d+)", name)
     if m:
         setting, n = INT_SETTINGS[m.group(1)], int(m.group(2))
         return setting[0].format(n=n), lambda: setting[1](n)

@@ -30,6 +30,11 @@ Switches (SWITCHES):
             set to 0 for the run, so the small shapes fuse too).
     gdn_keep_prep  GDN_KEEP_PREP True against False (--op gdn, with its states kept): the
             backward takes the forward's gam, P and w, its prep kernel not run again.
+    h_late  (uncommitted, 2026-12-04) STORE_H_LATE: the sweeps writing the chunk states write the
+            state entering chunk t + 1 right after chunk t's update, not at the start of chunk
+            t + 1's step (the simple GLA o sweep writing them spills 12 registers a thread at 255,
+            benchmarks/device/kernel_asm.py): 0.987x, 0.986x, 0.996x for simple GLA at
+            B1-T32768-H32, -HQK16-HV32, B4-T8192-H16, 0.992x for the delta rule; dropped.
     sweep_p  (uncommitted, 2026-12-04) GLA_SWEEP_P: simple GLA's whole-state o sweep forming gam
             and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
             prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
