@@ -35,6 +35,11 @@ Switches (SWITCHES):
             t + 1's step (the simple GLA o sweep writing them spills 12 registers a thread at 255,
             benchmarks/device/kernel_asm.py): 0.987x, 0.986x, 0.996x for simple GLA at
             B1-T32768-H32, -HQK16-HV32, B4-T8192-H16, 0.992x for the delta rule; dropped.
+    persistent  (uncommitted, 2026-12-04) GLA_PERSISTENT_CHUNK: simple GLA's chunk kernel (dq, dk,
+            dg per value head) as one program per SM walking (chunk, head) items and their V blocks
+            in one pipelined loop (q, k loads masked to the last V block): 0.51x fwd+bwd at
+            B1-T32768-H32 and -H16 (255 registers, 254 spilled), and on the GPU its packed bf16
+            dq was wrong (0.89 relative RMS; bitwise right in the interpreter); dropped.
     sweep_p  (uncommitted, 2026-12-04) GLA_SWEEP_P: simple GLA's whole-state o sweep forming gam
             and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
             prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
