@@ -35,6 +35,12 @@ Switches (SWITCHES):
             t + 1's step (the simple GLA o sweep writing them spills 12 registers a thread at 255,
             benchmarks/device/kernel_asm.py): 0.987x, 0.986x, 0.996x for simple GLA at
             B1-T32768-H32, -HQK16-HV32, B4-T8192-H16, 0.992x for the delta rule; dropped.
+    local_states  (uncommitted, 2026-12-04) GLA_LOCAL_STATES: simple GLA's whole-state split
+            writing the chunk states for the backward from its first pass (segment-local, with
+            each chunk's decay since the segment's start), its o sweep none, the chunk kernel
+            adding e^decay times the segment's entering state (fp32, from L2) as it loads them.
+            The forward gained what probe_sweep_stores.py showed (0.925 -> 0.808 ms of sweeps at
+            B1-T32768-H32) but the chunk kernel lost more (1.20 -> 1.41 ms): 0.92-0.97x; dropped.
     persistent  (uncommitted, 2026-12-04) GLA_PERSISTENT_CHUNK: simple GLA's chunk kernel (dq, dk,
             dg per value head) as one program per SM walking (chunk, head) items and their V blocks
             in one pipelined loop (q, k loads masked to the last V block): 0.51x fwd+bwd at
