@@ -246,7 +246,8 @@ def ab_row(name, shape, x, med, peak, out, new, old, anchor, notes, **extra):
 def kernel_resources():
     """Registers, spills, warps and shared memory of each compiled variant of our kernels."""
     lines = []
-    for kern in (tc._prep_kernel, tc._recurrence_fwd_kernel, tc._recurrence_bwd_kernel, tc._bwd_chunk_kernel):
+    for kern in (tc._prep_kernel, tc._recurrence_fwd_kernel, tc._recurrence_bwd_kernel, tc._bwd_chunk_kernel,
+                 tc._bwd_chunk_gdn_w_kernel):
         jit = kern if hasattr(kern, "device_caches") else getattr(kern, "fn", kern)
         try:
             caches = jit.device_caches

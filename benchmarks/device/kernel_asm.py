@@ -24,6 +24,7 @@ import linear_attention as bench  # noqa: E402
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
 
 KERNELS = ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
+           "_bwd_chunk_gdn_w_kernel",
            "_segment_scan_kernel", "_group_sum_kernel")
 
 

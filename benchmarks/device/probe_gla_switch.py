@@ -35,6 +35,9 @@ Switches (SWITCHES):
             t + 1's step (the simple GLA o sweep writing them spills 12 registers a thread at 255,
             benchmarks/device/kernel_asm.py): 0.987x, 0.986x, 0.996x for simple GLA at
             B1-T32768-H32, -HQK16-HV32, B4-T8192-H16, 0.992x for the delta rule; dropped.
+    gdn_split  GDN_SPLIT_CHUNK_BWD True against False (--op gdn): the delta rule's per-chunk
+            backward as two kernels (simple GLA's with U for v, then the terms through w and u),
+            against the fused kernel that spills 82 registers a thread.
     local_states  (uncommitted, 2026-12-04) GLA_LOCAL_STATES: simple GLA's whole-state split
             writing the chunk states for the backward from its first pass (segment-local, with
             each chunk's decay since the segment's start), its o sweep none, the chunk kernel
@@ -80,6 +83,8 @@ SWITCHES = {
               "the same with whole-key-dim recurrences forming o (and dv where split)"),
     "group_sum": ("FUSE_GROUP_SUM", ("gla", "gdn"), "{op} fwd+bwd, grouped heads' dq and dk summed in the chunk kernel (A/B)",
                   "the same with _group_sum passes over per-value-head copies"),
+    "gdn_split": ("GDN_SPLIT_CHUNK_BWD", ("gdn",), "gdn fwd+bwd, the per-chunk backward as two kernels (A/B)",
+                  "the same with the fused per-chunk kernel"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }

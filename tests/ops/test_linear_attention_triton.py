@@ -225,6 +225,38 @@ def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, lig
 
 
 @interpreter
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+@pytest.mark.parametrize("case", ["B2-T130-H2-K16-V32", "varlen-H1-HV2-K32-V16", "B2-T19-H2-HV4-K16-V16-strong-decay"])
+def test_gated_delta_rule_chunk_backward_in_two_kernels_cpu(case, segment_chunks, monkeypatch):
+    """GDN_SPLIT_CHUNK_BWD: the delta rule's per-chunk backward as simple GLA's kernel over U and
+    then the terms through w and u (_bwd_chunk_gdn_w_kernel, in place on dk and dg), against the
+    fused kernel and the reference: every gradient (batch, packed with empty and length-1
+    sequences, grouped heads, unsplit and split, initial and final states; and a decay strong
+    enough that e^(-gam) overflows on the padded rows of a short chunk unless masked there)."""
+    if case.startswith("varlen"):
+        cu = torch.tensor([0, 70, 70, 71, 200])
+        x = make_inputs(1, 200, 1, 32, 16, HV=2, N=4, seed=47)
+    elif case.endswith("strong-decay"):
+        cu = None
+        x = make_inputs(2, 19, 2, 16, 16, HV=4, seed=47)
+        x["g"] = x["g"] * 200  # gam down to about -100 within the chunk
+    else:
+        cu = None
+        x = make_inputs(2, 130, 2, 16, 32, seed=47)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    launched = []
+    real = triton_chunk._chunk_bwd_gdn_w
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd_gdn_w", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    runs = {}
+    for split in (True, False):
+        monkeypatch.setattr(triton_chunk, "GDN_SPLIT_CHUNK_BWD", split)
+        runs[split] = outputs_and_grads("gated_delta_rule", x, "triton", cu_seqlens=cu)
+    assert launched == [1]
+    assert_rel_rms(runs[True], runs[False], 1e-5, 1e-5)  # fp32: the same terms, summed in another order
+    assert_rel_rms(runs[True], outputs_and_grads("gated_delta_rule", x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
+
+
+@interpreter
 def test_gradient_of_the_initial_state_alone_cpu():
     """Only the initial state needs a gradient: the forward keeps no A and the backward forms it."""
     x = make_inputs(1, 70, 1, 16, 16, HV=2, seed=5)
@@ -704,7 +736,7 @@ def stub_kernels(monkeypatch):
             return lambda *args, **kwargs: None
 
     for name in ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
-                 "_segment_scan_kernel", "_group_sum_kernel"):
+                 "_bwd_chunk_gdn_w_kernel", "_segment_scan_kernel", "_group_sum_kernel"):
         monkeypatch.setattr(triton_chunk, name, Stub())
 
 
@@ -896,6 +928,24 @@ def test_simple_gla_light_and_whole_sweeps_bf16_gpu(case, segment_chunks, light,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("case", ["B2-T1000-H4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128", "B2-T777-H4-D64"])
+def test_gated_delta_rule_chunk_backward_in_two_kernels_bf16_gpu(case, split, monkeypatch):
+    """GDN_SPLIT_CHUNK_BWD both ways compiled for the GPU (Triton 3.6 miscompiles some gated
+    backward kernels on Hopper, fla issue #640): bf16 against the fp32 reference."""
+    B, T, H, HV, K, V, lengths = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=53)
+    monkeypatch.setattr(triton_chunk, "GDN_SPLIT_CHUNK_BWD", split)
+    got = outputs_and_grads("gated_delta_rule", x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads("gated_delta_rule", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\ngated_delta_rule {case} split chunk backward {split} relative RMS: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", ["B1-T1000-H2-HV4-D128", "varlen-300-0-1-700-64-935-H2-HV4-D128"])
 def test_grouped_heads_summed_in_the_chunk_kernel_bf16_gpu(op, case, monkeypatch):
@@ -939,7 +989,7 @@ def test_fast_launch_gives_bitwise_the_same_results_gpu(op, case, monkeypatch):
     x = make_inputs(B, T, 2, 128, 128, HV=4, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
                     device="cuda", seed=19)
     kernels = [getattr(triton_chunk, n) for n in dir(triton_chunk) if isinstance(getattr(triton_chunk, n), _launch.FastKernel)]
-    assert len(kernels) == 6
+    assert len(kernels) == 7
     monkeypatch.setattr(_launch, "VERIFY", False)
     for segment_chunks in (None, 8):
         monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)

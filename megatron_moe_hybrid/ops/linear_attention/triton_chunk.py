@@ -23,7 +23,9 @@ Kernels (each program one chunk of one value head, or one V block of one sequenc
               (state gradient on chip, reverse over chunks, writes dh and, for the delta rule,
               dU), _bwd_chunk_kernel (every input gradient of one chunk, including the WY
               backward, the reverse cumsum of dg inside the chunk and simple GLA's
-              dv = P^T do + k' dS', formed there from P and dh rather than in the sweep).
+              dv = P^T do + k' dS', formed there from P and dh rather than in the sweep); for the
+              delta rule, by default, _bwd_chunk_kernel in simple GLA's form over U and then
+              _bwd_chunk_gdn_w_kernel for the terms through w and u (GDN_SPLIT_CHUNK_BWD).
     sequence split (_Segments; simple GLA with few sequence-heads, README.md): the recurrences
               run per segment, first from a zero state, then, after _segment_scan_kernel joins
               the segments, from each segment's true entering state.
@@ -134,6 +136,18 @@ GDN_KEEP_PREP = False
 # is the pass and the halved dq, dk writes, not fewer programs: 2 value heads per program without
 # a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16.
 FUSE_GROUP_SUM = {"gla": True, "gdn": False}
+# The delta rule's per-chunk backward as two kernels (where it does not sum groups): the output and
+# state paths as simple GLA's kernel with U for v (dq; dk and dg's terms from do S^T, do U^T, U dS'^T),
+# then _bwd_chunk_gdn_w_kernel (Y = A^T dU: dv, dbeta, and dk and dg's terms through w and u, added
+# in place). The fused kernel holds both halves' accumulators and spilled 82 registers a thread at
+# Triton's 255 (kernel_asm.py, B1-T32768-HQK16-HV32); the halves compile to 196 and 224, none
+# spilled, and read h, U and k twice. dk's first half is rounded to dk's dtype between the two
+# (3.2e-3 relative RMS from the fused kernel's dk in bf16). H200, fwd+bwd, both forms in one
+# process (linear_attention.json, "the per-chunk backward as two kernels (A/B)"): 6.860 -> 6.751 ms
+# at B1-T32768-HQK16-HV32, 2.765 -> 2.695 at B4-T8192-H16, 4.612 -> 4.492 at B1-T8192-H96, 1.015x
+# at TP=8 by do_bench (0.994x as one CUDA graph), 0.990x packed [28672, 4096]: the spills were not
+# what holds the kernel at 35% of its byte floor. False: the fused kernel.
+GDN_SPLIT_CHUNK_BWD = True
 FUSE_GROUP_MIN_PROGRAMS = 1024
 # Simple GLA's light sweeps (_fwd_gla_light): the recurrences form only the chunk states, forward
 # (h) and backward (dh), each program a [BK, BV] block (CONFIGS["light"]: 64 x 64, a quarter of a
@@ -642,6 +656,91 @@ def _bwd_chunk_kernel(
         tl.store(dk + p_dqk, b_dk_sum.to(dk.dtype.element_ty), mask=m_tk)
 
 
+@fast_launch
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _bwd_chunk_gdn_w_kernel(
+    k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, cu_seqlens, chunk_indices, T,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """The delta rule's chunk-kernel terms through w and u (GDN_SPLIT_CHUNK_BWD), after
+    _bwd_chunk_kernel has run as for simple GLA with U for v: that wrote dq, the dk and dg terms
+    of the output and state paths. This one, per chunk and value head: Y = A^T dU, dv = beta Y,
+    dbeta, and the dk and dg terms through w = A (beta e^gam k) and u = A (beta v) (README.md),
+    added to dk and dg in place. Its accumulators (Y U^T, Y S^T) are the fused kernel's other
+    half, so neither kernel spills where the fused one did."""
+    i_tg, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_tg * 2)
+        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_tg = i_tg.to(tl.int64)
+    else:
+        i_t = i_tg
+        bos = i_b.to(tl.int64) * T
+        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    dt = k.dtype.element_ty
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    r_t = bos + o_t
+    o_c = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    i_hk = i_h // (HV // H)
+
+    b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+    b_AT = tl.trans(b_A)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
+    b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+    p_h = h + (i_tg * HV + i_h) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+        b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
+        b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_Y * b_v, axis=1)
+        b_Yd = b_Y.to(dt)
+        b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
+        b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+
+    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_kf = b_k.to(tl.float32)
+    b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+    b_eg = tl.exp(b_gam)
+    # mask before exp, padded rows too: there gam_i reads 0 and e^(0 - gam_j) can overflow
+    m_strict = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
+    b_D = tl.where(m_strict, tl.exp(tl.where(m_strict, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+    p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
+    b_r = tl.sum(b_kf * b_acc_kw, axis=1)
+    b_kbs = b_beta * b_eg
+    b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32) - b_acc_kw * b_kbs[:, None]
+    b_dgam = -b_kbs * b_r
+    b_db -= b_eg * b_r
+    b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
+    b_T1 = tl.dot(b_dMD.to(dt), b_k)
+    b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
+    b_dk += b_T1 * b_beta[:, None] + b_T2
+    b_rk = tl.sum(b_kf * b_T1, axis=1)
+    b_db += b_rk
+    b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+    tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    b_dgam = tl.where(m_t, b_dgam, 0.0)
+    b_dg = tl.load(dg + r_t * HV + i_h, mask=m_t, other=0.0) + tl.cumsum(b_dgam, axis=0, reverse=True)
+    tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
+    tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
     """_Chunks(B, T, cu_seqlens), built once per packed cu_seqlens tensor (ops/_packed.py):
     the linear-attention layers of one step share their batch's cu_seqlens."""
@@ -1095,7 +1194,12 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
-    _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale, P=P)
+    if gdn and GDN_SPLIT_CHUNK_BWD and not fused:
+        # the output and state paths as simple GLA's (U for v: dq, dk and dg's terms), then w's and u's
+        _chunk_bwd(chunks, q, k, U, gam, None, None, h, dh, None, None, do, dq, dk, None, dg, None, scale)
+        _chunk_bwd_gdn_w(chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta)
+    else:
+        _chunk_bwd(chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale, P=P)
     # freed before the group sums, where the backward's peak memory is (the chunk states alone
     # are [NT, HV, K, V])
     del gam, P, h, dh, U, dU
@@ -1121,6 +1225,19 @@ def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV,
         IS_GDN=beta is not None, IS_VARLEN=varlen, DV_FROM_DH=P is not None, GROUP=HV // heads,
         num_warps=num_warps, **options,
+    )
+
+
+def _chunk_bwd_gdn_w(chunks: _Chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta) -> None:
+    """_bwd_chunk_gdn_w_kernel over every chunk and value head (GDN_SPLIT_CHUNK_BWD), at
+    _chunk_bwd_config's config."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = chunks.indices is not None
+    BV, num_warps = _chunk_bwd_config(K, V)
+    _bwd_chunk_gdn_w_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
+        k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, chunks.cu_seqlens, chunks.indices, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV, IS_VARLEN=varlen, num_warps=num_warps,
     )
 
 
