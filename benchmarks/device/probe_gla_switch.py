@@ -1,10 +1,10 @@
 """Probe: one of the backward switches in triton_chunk, on against off, on the H200, both in one
 process.
 
-    python benchmarks/device/probe_gla_switch.py --switch dv|keep_p|keep_states [--op gla|gdn]
+    python benchmarks/device/probe_gla_switch.py --switch NAME [--op gla|gdn]
         [--shapes gla_t32k,gla_b4,qwen,h32,h96,tp8,varlen] [--rounds 2] [--out results.json]
 
-Switches (SWITCHES):
+Switches (SWITCHES; those marked uncommitted were tried and dropped, their rows kept):
     dv      GLA_DV_FROM_DH True against False at every shape, split or not: dv formed by the
             chunk kernel from P and dh (the reverse sweep then takes one product per chunk step,
             the state gradient, not three, and no longer reads P and k or writes dU; the chunk
