@@ -41,6 +41,7 @@ from common import cuda_graph, write_results
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe_hybrid.ops import linear_attention as la
 from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc
+from megatron_moe_hybrid.ops._launch import FastKernel
 
 C = 64
 SHAPES = {  # name -> (B, T, H qk heads, HV v heads, D, packed lengths or None)
@@ -243,21 +244,28 @@ def ab_row(name, shape, x, med, peak, out, new, old, anchor, notes, **extra):
     }
 
 
+def fast_kernels() -> dict:
+    """triton_chunk's kernels (each launched through ops/_launch.py's FastKernel), by name."""
+    return {n: getattr(tc, n) for n in sorted(dir(tc)) if isinstance(getattr(tc, n), FastKernel)}
+
+
+def resources(compiled) -> str:
+    """A compiled kernel's launch options, registers and spills per thread, and shared memory."""
+    md = compiled.metadata
+    return (f"warps {md.num_warps} stages {md.num_stages} regs {compiled.n_regs} spills {compiled.n_spills} "
+            f"shared {md.shared}")
+
+
 def kernel_resources():
     """Registers, spills, warps and shared memory of each compiled variant of our kernels."""
     lines = []
-    for kern in (tc._prep_kernel, tc._recurrence_fwd_kernel, tc._recurrence_bwd_kernel, tc._bwd_chunk_kernel,
-                 tc._bwd_chunk_gdn_w_kernel):
-        jit = kern if hasattr(kern, "device_caches") else getattr(kern, "fn", kern)
+    for kern in fast_kernels().values():
+        jit = kern.fn
         try:
             caches = jit.device_caches
             for dev_cache in caches.values():
                 for compiled in dev_cache[0].values():
-                    md = compiled.metadata
-                    lines.append(
-                        f"{jit.__name__}: warps {md.num_warps} stages {md.num_stages} regs {compiled.n_regs} "
-                        f"spills {compiled.n_spills} shared {md.shared}"
-                    )
+                    lines.append(f"{jit.__name__}: {resources(compiled)}")
         except (AttributeError, KeyError, TypeError, IndexError) as exc:  # differs between Triton versions
             lines.append(f"{jit.__name__}: no resource report ({type(exc).__name__}: {exc})")
         best = getattr(kern, "best_config", None)

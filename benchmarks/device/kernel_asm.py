@@ -21,12 +21,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import linear_attention as bench  # noqa: E402
-from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc  # noqa: E402
-
-KERNELS = ("_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
-           "_bwd_chunk_gdn_w_kernel",
-           "_segment_scan_kernel", "_group_sum_kernel")
-
 
 def ttgir_summary(ttgir: str) -> dict:
     """Counts of the operations that show how data moves, by the layout they take."""
@@ -34,7 +28,7 @@ def ttgir_summary(ttgir: str) -> dict:
     for line in ttgir.splitlines():
         for op in ("tt.store", "tt.load", "ttg.convert_layout", "ttg.local_alloc", "ttg.async_copy_global_to_local",
                    "ttng.warp_group_dot", "tt.dot", "ttng.async_tma_copy_local_to_global"):
-            if f"{op} " in line or line.strip().startswith(f"%") and f" = {op} " in line:
+            if f"{op} " in line:
                 layout = re.findall(r"#(mma|blocked\d*|linear\d*|shared\d*|dot_op)", line)
                 out[f"{op} [{layout[-1] if layout else '?'}]"] += 1
     return dict(sorted(out.items()))
@@ -50,14 +44,11 @@ def main():
     fn = bench.ours_fn(a.op, cu)
     torch.autograd.grad(fn(x), list(x.values()), do)
     torch.cuda.synchronize()
-    for name in KERNELS:
-        kern = getattr(tc, name)
-        for i, (compiled, tail) in enumerate(getattr(kern, "cache", {}).values()):
-            md = compiled.metadata
+    for name, kern in bench.fast_kernels().items():
+        for i, (compiled, tail) in enumerate(kern.cache.values()):  # the keyword arguments launched with
             consts = {n: v for n, v in zip(kern.names[len(kern.names) - len(tail):], tail)
                       if isinstance(v, (bool, int)) and (v is not False)}
-            print(f"== {name} #{i}: warps {md.num_warps} stages {md.num_stages} shared {md.shared} B, "
-                  f"registers {compiled.n_regs}, spills {compiled.n_spills}; {consts}", flush=True)
+            print(f"== {name} #{i}: {bench.resources(compiled)}; {consts}", flush=True)
             for k, v in ttgir_summary(compiled.asm["ttgir"]).items():
                 print(f"     {v:4d}  {k}", flush=True)
             if a.dump:

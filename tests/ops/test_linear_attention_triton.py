@@ -728,6 +728,25 @@ GPU_CASES = {  # B, T, H, HV, K, V, lengths (packed) or None
 }
 
 
+def gpu_inputs(case, seed):
+    """(shape fields, inputs in bf16 on the GPU, cu_seqlens or None) of GPU_CASES[case]."""
+    B, T, H, HV, K, V, lengths = shape = GPU_CASES[case]
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
+                    device="cuda", seed=seed)
+    return shape, x, cu
+
+
+def bf16_against_reference(op, x, cu, label):
+    """The Triton op in bf16 against the fp32 reference on the same bf16-rounded values: relative
+    RMS error <= 5e-3 for outputs and 1e-2 for gradients, printed under label; (results, errors)."""
+    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
+    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
+    print(f"\n{op} {label} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    return got, errors
+
+
 def stub_kernels(monkeypatch):
     """Every Triton kernel of triton_chunk launched as a no-op: what remains is the host side,
     its allocations and the arguments it passes."""
@@ -833,16 +852,10 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_triton_bf16_matches_fp32_reference_gpu(op, case):
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    N = B if lengths is None else len(lengths)
-    x = make_inputs(B, T, H, K, V, HV=HV, N=N, dtype=torch.bfloat16, device="cuda", seed=11)
-    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
-    assert got["o"].dtype == torch.bfloat16 and got["state"].dtype == torch.float32
+    _, x, cu = gpu_inputs(case, seed=11)
     # the reference sees the same bf16-rounded values, in fp32
-    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
-    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(f"\n{op} {case} relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    got, _ = bf16_against_reference(op, x, cu, case)
+    assert got["o"].dtype == torch.bfloat16 and got["state"].dtype == torch.float32
 
 
 @pytest.mark.gpu
@@ -870,20 +883,14 @@ def test_wide_recurrences_bf16_matches_fp32_reference_gpu(op, case, monkeypatch)
     """The unsplit recurrences past one wave (here: with the GPU taken for 2 SMs), as
     B1-T8192-H96 runs them: simple GLA at BV 128 with 8 warps, the delta rule at BV 64; bf16
     against the fp32 reference."""
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
-                    device="cuda", seed=17)
+    (B, T, H, HV, K, V, lengths), x, cu = gpu_inputs(case, seed=17)
     monkeypatch.setattr(triton_chunk, "_num_sms", lambda device: 2)
     monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 0, "gdn": 0})
     monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # simple GLA over whole key dims
     gdn = op == "gated_delta_rule"
     N = B if lengths is None else len(lengths)
     assert triton_chunk._seq_config(K, V, N * HV, "cuda", gdn=gdn) == ((64, 4) if gdn else (128, 8))
-    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
-    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
-    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(f"\n{op} {case} wide relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    bf16_against_reference(op, x, cu, f"{case} wide")
 
 
 @pytest.mark.gpu
@@ -891,10 +898,7 @@ def test_wide_recurrences_bf16_matches_fp32_reference_gpu(op, case, monkeypatch)
 def test_simple_gla_dv_from_the_chunk_kernel_bf16_gpu(case, monkeypatch):
     """Both forms of simple GLA's dv (GLA_DV_FROM_DH) compiled for the GPU, unsplit: bf16
     against the fp32 reference, and bitwise the same results."""
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
-                    device="cuda", seed=17)
+    _, x, cu = gpu_inputs(case, seed=17)
     monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 0, "gdn": 0})
     monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)  # where the reverse sweep can form dv
     got = {}
@@ -914,17 +918,10 @@ def test_simple_gla_dv_from_the_chunk_kernel_bf16_gpu(case, monkeypatch):
 def test_simple_gla_light_and_whole_sweeps_bf16_gpu(case, segment_chunks, light, monkeypatch):
     """Simple GLA's two forms compiled for the GPU, the light sweeps (K 128 in two blocks of 64)
     and the whole-key-dim recurrences, unsplit and split: bf16 against the fp32 reference."""
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
-                    device="cuda", seed=37)
+    _, x, cu = gpu_inputs(case, seed=37)
     monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
     monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
-    got = outputs_and_grads("simple_gla", x, "triton", cu_seqlens=cu)
-    ref = outputs_and_grads("simple_gla", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
-    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(f"\nsimple_gla {case} light {light} segments {segment_chunks} relative RMS: "
-          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    bf16_against_reference("simple_gla", x, cu, f"{case} light {light} segments {segment_chunks}")
 
 
 @pytest.mark.gpu
@@ -933,16 +930,9 @@ def test_simple_gla_light_and_whole_sweeps_bf16_gpu(case, segment_chunks, light,
 def test_gated_delta_rule_chunk_backward_in_two_kernels_bf16_gpu(case, split, monkeypatch):
     """GDN_SPLIT_CHUNK_BWD both ways compiled for the GPU (Triton 3.6 miscompiles some gated
     backward kernels on Hopper, fla issue #640): bf16 against the fp32 reference."""
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
-                    device="cuda", seed=53)
+    _, x, cu = gpu_inputs(case, seed=53)
     monkeypatch.setattr(triton_chunk, "GDN_SPLIT_CHUNK_BWD", split)
-    got = outputs_and_grads("gated_delta_rule", x, "triton", cu_seqlens=cu)
-    ref = outputs_and_grads("gated_delta_rule", {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
-    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(f"\ngated_delta_rule {case} split chunk backward {split} relative RMS: "
-          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    bf16_against_reference("gated_delta_rule", x, cu, f"{case} split chunk backward {split}")
 
 
 @pytest.mark.gpu
@@ -951,16 +941,10 @@ def test_gated_delta_rule_chunk_backward_in_two_kernels_bf16_gpu(case, split, mo
 def test_grouped_heads_summed_in_the_chunk_kernel_bf16_gpu(op, case, monkeypatch):
     """FUSE_GROUP_SUM forced for both ops at any size, compiled for the GPU: bf16 against the fp32
     reference."""
-    B, T, H, HV, K, V, lengths = GPU_CASES[case]
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = make_inputs(B, T, H, K, V, HV=HV, N=B if lengths is None else len(lengths), dtype=torch.bfloat16,
-                    device="cuda", seed=43)
+    _, x, cu = gpu_inputs(case, seed=43)
     monkeypatch.setattr(triton_chunk, "FUSE_GROUP_MIN_PROGRAMS", 0)
     monkeypatch.setattr(triton_chunk, "FUSE_GROUP_SUM", {"gla": True, "gdn": True})
-    got = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
-    ref = outputs_and_grads(op, {n: t.float() for n, t in x.items()}, "torch", cu_seqlens=cu)
-    errors = assert_rel_rms(got, ref, 5e-3, 1e-2)
-    print(f"\n{op} {case} group sum fused relative RMS: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    bf16_against_reference(op, x, cu, f"{case} group sum fused")
 
 
 @pytest.mark.gpu

@@ -201,6 +201,61 @@ def _unit_lower_inverse(b_M, BT: tl.constexpr):
     return tl.dot(b_T, b_Dinv)
 
 
+@triton.jit
+def _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where a chunk-parallel program's chunk is: (its index within its sequence, the sequence's
+    first token row, the sequence's length, the chunk's global index over every sequence), from
+    program_id(0) i_tg (the chunk within row i_b, or when packed the global chunk) and batch row i_b."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_tg * 2)
+        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_c = i_tg.to(tl.int64)
+    else:
+        i_t = i_tg
+        bos = i_b.to(tl.int64) * T
+        i_c = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    return i_t, bos, T, i_c
+
+
+@triton.jit
+def _gdn_y_terms(b_AT, b_dU, b_U, b_ST, b_beta, v, dv, p_tv, m_tv, b_db, b_dMn, b_acc_kw):
+    """One V block of the delta rule's terms through Y = A^T dU: dv = beta Y written, and the
+    sums dbeta += rowsum(Y . v), Y U^T (dM = -Y U^T) and Y S^T (d(beta e^gam k) = -Y S^T)."""
+    dt = b_U.dtype
+    b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
+    b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+    tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+    b_db += tl.sum(b_Y * b_v, axis=1)
+    b_Yd = b_Y.to(dt)
+    b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
+    b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+    return b_db, b_dMn, b_acc_kw
+
+
+@triton.jit
+def _gdn_w_terms(b_k, b_beta, b_eg, b_D, m_strict, b_acc_kw, b_dMn, b_dk, b_dgam, b_db):
+    """The delta rule's dk, dgam and dbeta terms through w = A (beta e^gam k) and M, from the
+    sums _gdn_y_terms formed (b_D: the decay matrix, m_strict: its strictly lower part to take),
+    added to b_dk, b_dgam and b_db."""
+    dt = b_k.dtype
+    b_kf = b_k.to(tl.float32)
+    b_r = tl.sum(b_kf * b_acc_kw, axis=1)
+    b_kbs = b_beta * b_eg
+    b_dk -= b_acc_kw * b_kbs[:, None]
+    b_dgam -= b_kbs * b_r
+    b_db -= b_eg * b_r
+    b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
+    b_T1 = tl.dot(b_dMD.to(dt), b_k)
+    b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
+    b_dk += b_T1 * b_beta[:, None] + b_T2
+    b_rk = tl.sum(b_kf * b_T1, axis=1)
+    b_db += b_rk
+    b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+    return b_dk, b_dgam, b_db
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _prep_kernel(
@@ -216,16 +271,7 @@ def _prep_kernel(
     after its light sweeps): also o = q^ S + P v from the state S entering the chunk (h)."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_tg * 2)
-        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        i_tg = i_tg.to(tl.int64)
-    else:
-        i_t = i_tg
-        bos = i_b.to(tl.int64) * T
-        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     i_hk = i_h // (HV // H)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -531,16 +577,7 @@ def _bwd_chunk_kernel(
     their dq and dk summed in fp32 and stored once ([B, T, H, K])."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_p = i_bh // (HV // GROUP), i_bh % (HV // GROUP)  # i_p: the program's first value head / GROUP
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_tg * 2)
-        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        i_tg = i_tg.to(tl.int64)
-    else:
-        i_t = i_tg
-        bos = i_b.to(tl.int64) * T
-        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     dt = k.dtype.element_ty
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -600,13 +637,8 @@ def _bwd_chunk_kernel(
             b_acc_ks = tl.dot(b_U, b_dST.to(dt), b_acc_ks)
             b_sds += tl.sum(b_ST.to(tl.float32) * b_dST.to(tl.float32), axis=0)
             if IS_GDN:
-                b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
-                b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-                tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-                b_db += tl.sum(b_Y * b_v, axis=1)
-                b_Yd = b_Y.to(dt)
-                b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
-                b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+                b_db, b_dMn, b_acc_kw = _gdn_y_terms(b_AT, b_dU, b_U, b_ST, b_beta, v, dv, p_tv, m_tv,
+                                                     b_db, b_dMn, b_acc_kw)
 
         # q and k are loaded only now: loaded before the V loop (whose dv stores keep the compiler from
         # sinking the loads) they held two [BT, BK] tiles live through it, where the kernel spills
@@ -624,20 +656,9 @@ def _bwd_chunk_kernel(
         # gam enters as e^gam with q and as e^-gam with k (output and state paths), hence this form.
         b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dk, axis=1)
         b_dglast = tl.exp(b_glast) * tl.sum(b_sds, axis=0) + tl.sum(tl.sum(b_kf * b_dk_s, axis=1), axis=0)
-        if IS_GDN:
-            b_r = tl.sum(b_kf * b_acc_kw, axis=1)
-            b_kbs = b_beta * b_eg
-            b_dk -= b_acc_kw * b_kbs[:, None]
-            b_dgam -= b_kbs * b_r
-            b_db -= b_eg * b_r
-            m_strict = o_c[:, None] > o_c[None, :]
-            b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
-            b_T1 = tl.dot(b_dMD.to(dt), b_k)
-            b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
-            b_dk += b_T1 * b_beta[:, None] + b_T2
-            b_rk = tl.sum(b_kf * b_T1, axis=1)
-            b_db += b_rk
-            b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+        if IS_GDN:  # b_D is masked to the chunk's rows (m_incl), so the strict triangle suffices
+            b_dk, b_dgam, b_db = _gdn_w_terms(b_k, b_beta, b_eg, b_D, o_c[:, None] > o_c[None, :], b_acc_kw, b_dMn,
+                                              b_dk, b_dgam, b_db)
             tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
         b_dgam = tl.where(o_t == last, b_dgam + b_dglast, b_dgam)
         b_dgam = tl.where(m_t, b_dgam, 0.0)
@@ -671,16 +692,7 @@ def _bwd_chunk_gdn_w_kernel(
     half, so neither kernel spills where the fused one did."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_tg * 2)
-        i_t = tl.load(chunk_indices + i_tg * 2 + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        i_tg = i_tg.to(tl.int64)
-    else:
-        i_t = i_tg
-        bos = i_b.to(tl.int64) * T
-        i_tg = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
+    i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     dt = k.dtype.element_ty
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -706,34 +718,17 @@ def _bwd_chunk_gdn_w_kernel(
         b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
         b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
         b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_Y = tl.dot(b_AT, b_dU)  # [BT, BV] = A^T dU
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(dv + p_tv, (b_Y * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_db += tl.sum(b_Y * b_v, axis=1)
-        b_Yd = b_Y.to(dt)
-        b_dMn = tl.dot(b_Yd, tl.trans(b_U), b_dMn)
-        b_acc_kw = tl.dot(b_Yd, b_ST.to(dt), b_acc_kw)
+        b_db, b_dMn, b_acc_kw = _gdn_y_terms(b_AT, b_dU, b_U, b_ST, b_beta, v, dv, p_tv, m_tv, b_db, b_dMn, b_acc_kw)
 
     b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_kf = b_k.to(tl.float32)
     b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
-    b_eg = tl.exp(b_gam)
     # mask before exp, padded rows too: there gam_i reads 0 and e^(0 - gam_j) can overflow
     m_strict = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
     b_D = tl.where(m_strict, tl.exp(tl.where(m_strict, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
     p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
-    b_r = tl.sum(b_kf * b_acc_kw, axis=1)
-    b_kbs = b_beta * b_eg
-    b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32) - b_acc_kw * b_kbs[:, None]
-    b_dgam = -b_kbs * b_r
-    b_db -= b_eg * b_r
-    b_dMD = tl.where(m_strict, -b_dMn * b_D, 0.0)  # dM . D
-    b_T1 = tl.dot(b_dMD.to(dt), b_k)
-    b_T2 = tl.dot(tl.trans(b_dMD).to(dt), (b_kf * b_beta[:, None]).to(dt))
-    b_dk += b_T1 * b_beta[:, None] + b_T2
-    b_rk = tl.sum(b_kf * b_T1, axis=1)
-    b_db += b_rk
-    b_dgam += b_beta * b_rk - tl.sum(b_kf * b_T2, axis=1)
+    b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32)
+    b_dk, b_dgam, b_db = _gdn_w_terms(b_k, b_beta, tl.exp(b_gam), b_D, m_strict, b_acc_kw, b_dMn,
+                                      b_dk, tl.zeros([BT], dtype=tl.float32), b_db)
     tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     b_dgam = tl.where(m_t, b_dgam, 0.0)
     b_dg = tl.load(dg + r_t * HV + i_h, mask=m_t, other=0.0) + tl.cumsum(b_dgam, axis=0, reverse=True)
