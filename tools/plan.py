@@ -1,7 +1,8 @@
 """Plan a run before launching it: parameters, memory per device, All-to-All traffic, fit.
 
     python tools/plan.py --config examples/configs/flagship_2p8t.yaml \
-        --cluster examples/clusters/h200_128.yaml [--cluster.training full] [--json]
+        --cluster examples/clusters/h200_128.yaml [--cluster.training full] [--json] \
+        [--probe-load examples/probes/flagship_2p8t_h200.json]
     python tools/plan.py --config examples/configs/tiny.yaml --cluster.accelerators 1 \
         --cluster.expert_model_parallel_size 1 --cluster.weight_bytes 4 --measure   # check it here
 
@@ -16,9 +17,19 @@ numel()). Memory is a model of what a rank holds at its peak:
     activations  saved activations of the layers of one micro-batch: the model of fused kernels
                  (_activation_bytes_per_token), or with --probe what our layers save, measured by
                  running one layer of each kind (probe_activations)
-    loss         one fp32 [token chunk, vocabulary chunk] tile of the chunked cross-entropy
-    comm         All-to-All send/receive buffers of one MoE layer (and, with context parallelism,
-                 one sparse layer's gathered keys and their gradient)
+                 Under expert parallelism the experts' rows are the static dispatcher's fixed
+                 buffers (dispatch_rows: moe.dispatch_capacity_factor x the balanced share), not
+                 the top-k copies: at the flagship's EP=64 and factor 2.0, 32 rows per token.
+    loss         the worst moment of the backward above the saved activations: one fp32
+                 [token chunk, vocabulary chunk] tile of the chunked cross-entropy, or one layer's
+                 backward working set (_backward_working_bytes_per_token, or measured), whichever
+                 is larger
+    comm         All-to-All send/receive buffers of one MoE layer, padding included (and, with
+                 context parallelism, one sparse layer's gathered keys and their gradient)
+
+A layer too large for one device is probed at two smaller expert counts and carried to its own
+(--probe-experts; probe_scaled); a probe saved on a GPU (--probe-save) plans the cluster here
+(--probe-load): examples/probes/flagship_2p8t_h200.json is the flagship's, measured on an H200.
 
 Shapes: h hidden, V vocabulary, E experts, K top-k, F expert FFN, S sequence, b micro-batch.
 """
@@ -243,10 +254,48 @@ def lora_parameters(c: HybridMoEConfig, rank: int, expert_adapter: str = "per_ex
 # Memory ---------------------------------------------------------------------------------------
 
 
+def dispatch_rows(c: HybridMoEConfig, cl: Cluster) -> tuple[float, float]:
+    """Rows per token of one MoE layer's fixed buffers on a rank, as the static dispatcher sizes
+    them (ops.moe.layout, moe.dispatch_capacity_factor): (rows it sends and receives, ep x C;
+    expert-grouped rows it computes, R). At EP=1 the layout is the identity (T sent, T x K
+    computed); under EP a factor f holds f x the balanced share whether or not the tokens need
+    it: the flagship's EP=64 at f=2 computes on 2 x 16 = 32 rows per token, not 16."""
+    from megatron_moe_hybrid.ops.moe import layout
+
+    m, ep = c.moe, cl.expert_model_parallel_size
+    if m.dispatcher != "static":  # exact sizes: the top-k copies (one host sync per layer)
+        return float(m.topk), float(m.topk)
+    chunks = m.dispatch_chunks
+    tokens = max(1, cl.micro_batch_size * cl.seq_length // cl.context_parallel_size // chunks)
+    per_pair = layout.token_capacity(tokens, m.topk, ep, m.dispatch_capacity_factor)
+    rows = layout.expert_rows(ep * per_pair, tokens, m.topk, m.num_experts // ep, m.dispatch_capacity_factor, ep)
+    return ep * per_pair / tokens, rows / tokens
+
+
+def expert_row_bytes(c: HybridMoEConfig, act_bytes: int = 2) -> int:
+    """What the experts save per expert-grouped row: its input, fc1 output, activation, fc2 output."""
+    h, F = c.hidden_size, c.moe.ffn_hidden_size
+    return (h + 2 * F + F + h) * act_bytes
+
+
+def _backward_working_bytes_per_token(c: HybridMoEConfig, moe: bool, expert_rows: float, act_bytes: int = 2) -> float:
+    """What a layer's backward holds above what it saved, per token, at its worst moment, less
+    the parameter gradients it creates: an MoE layer's is one [R, h] buffer of its experts'
+    input gradient (the H200 at the flagship's widths, EP=1: 222.6 KiB per token against
+    K x h x 2 = 224 KiB, in linear and sparse layers alike), a dense MLP's its [T, 3F] (107.8 KiB
+    against 108). The attention's backward is smaller there and not modelled
+    (benchmarks/results/h200/plan_memory.json, flagship rows)."""
+    if moe:
+        return expert_rows * c.hidden_size * act_bytes
+    return 3 * c.moe.dense_ffn_hidden_size * act_bytes
+
+
 def _activation_bytes_per_token(
-    c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2, seq_length: int = 0
+    c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2, seq_length: int = 0,
+    expert_rows: Optional[float] = None,
 ) -> float:
-    """Bytes a layer saves for its backward, per token (bf16 activations, fp32 where kept so)."""
+    """Bytes a layer saves for its backward, per token (bf16 activations, fp32 where kept so);
+    expert_rows: the experts' rows per token (dispatch_rows; the top-k where not given)."""
     h = c.hidden_size
     la, sa, m = c.linear_attention, c.sparse_attention, c.moe
     n = 2 * h * act_bytes  # the two norm inputs
@@ -277,9 +326,9 @@ def _activation_bytes_per_token(
         n += sa.index_n_heads * sa.index_head_dim * act_bytes + sa.index_head_dim * act_bytes
         n += sa.topk * 4  # selected indices (int32)
     if moe:
-        k, F = m.topk, m.ffn_hidden_size
+        k, F = m.topk if expert_rows is None else expert_rows, m.ffn_hidden_size
         n += m.num_experts * 4  # router scores
-        n += k * (h + 2 * F + F + h) * act_bytes  # permuted input, fc1 out, activation, fc2 out
+        n += k * expert_row_bytes(c, act_bytes)
         if m.shared_expert_ffn_hidden_size:
             n += 3 * m.shared_expert_ffn_hidden_size * act_bytes
     else:
@@ -344,13 +393,23 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
 
     tokens = cl.micro_batch_size * cl.seq_length / cl.context_parallel_size
     layers_local = c.num_layers / pp
+    send_rows, rows = dispatch_rows(c, cl)
+    m = c.moe
     if probe is not None:
-        per_layer = list(probe["layers"])
+        # The probe ran one process (EP=1: T x K expert rows); under EP the static buffers hold
+        # R rows per token instead: the difference, by the analytic model's bytes per row.
+        extra = rows - m.topk
+        per_layer = [a + (extra * expert_row_bytes(c) if c.is_moe_layer(i) else 0.0)
+                     for i, a in enumerate(probe["layers"])]  # fmt: skip
+        work = [w + (extra * c.hidden_size * 2 if c.is_moe_layer(i) else 0.0)
+                for i, w in enumerate(probe["layers_backward"])]  # fmt: skip
     else:
         per_layer = [
-            _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length)
+            _activation_bytes_per_token(c, c.layer_kind(i), c.is_moe_layer(i), seq_length=cl.seq_length,
+                                        expert_rows=rows)
             for i in range(c.num_layers)
         ]
+        work = [_backward_working_bytes_per_token(c, c.is_moe_layer(i), rows) for i in range(c.num_layers)]
     held = kept_for_recompute(c, cl)
     if cl.recompute == "full":
         # each layer keeps its input; layer i's backward also finds the selections that the
@@ -362,7 +421,7 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
             raise ValueError("probe: measured activations do not separate the MoE part; plan offload analytically")
         if cl.activation_offload:  # MoE activations go to the host; keep one layer's worth in flight
             moe_part = [
-                _activation_bytes_per_token(c, c.layer_kind(i), True, seq_length=cl.seq_length)
+                _activation_bytes_per_token(c, c.layer_kind(i), True, seq_length=cl.seq_length, expert_rows=rows)
                 - _activation_bytes_per_token(c, c.layer_kind(i), False, seq_length=cl.seq_length)
                 if c.is_moe_layer(i) else 0.0 for i in range(c.num_layers)
             ]
@@ -372,19 +431,18 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     loss = 4 * min(c.memory.ce_chunk_size, tokens) * min(c.vocab_size / tp, 8192) * 2 + tokens * (
         c.hidden_size * 4
     )
-    if probe is not None:
-        # Measured: the head's saved tensors and the worst moment of the backward: the loss's
-        # (everything still saved) or layer i's (the layers above it have freed theirs).
-        act, work = probe["layers"], probe["layers_backward"]
-        if cl.recompute == "full":
-            worst = max(work[i] + act[i] + held[i] for i in range(c.num_layers)) - max(a + k for a, k in zip(act, held))
-        else:
-            worst = max(work[i] - sum(act[i + 1 :]) for i in range(c.num_layers))
-        # The loss's working set is chunked (memory.ce_chunk_size): the model above, not the
-        # probe's single micro-batch scaled by tokens.
-        loss = max(tokens * probe["head"] + loss, tokens * worst)
-    a2a_tokens = tokens * c.moe.topk
-    comm = 2 * a2a_tokens * c.hidden_size * wb  # send + receive of one layer in flight
+    # The worst moment of the backward: the loss's (everything still saved) or layer i's (the
+    # layers above it have freed theirs), measured (probe) or modelled.
+    act = per_layer
+    if cl.recompute == "full":
+        worst = max(work[i] + act[i] + held[i] for i in range(c.num_layers)) - max(a + k for a, k in zip(act, held))
+    else:
+        worst = max(work[i] - sum(act[i + 1 :]) for i in range(c.num_layers))
+    # The loss's working set is chunked (memory.ce_chunk_size): the model above, not the
+    # probe's single micro-batch scaled by tokens.
+    loss = max(tokens * (probe["head"] if probe is not None else 0.0) + loss, tokens * worst)
+    a2a_tokens = tokens * send_rows  # rows each rank sends, padding included (fixed split sizes)
+    comm = 2 * a2a_tokens * c.hidden_size * wb if ep > 1 else 0.0  # send + receive of one layer in flight
     if cl.fsdp:  # one unsharded layer gathered at a time (+ prefetch of the next)
         biggest = max(
             (linear_attention_params(c) if k == "L" else sparse_attention_params(c)) for k in set(c.pattern)
@@ -401,7 +459,9 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         groups = c.num_query_groups or c.num_attention_heads
         kv_token = (2 * groups * c.kv_channels + sa.index_head_dim) * wb  # bytes per token
         state = 2 * cp * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
-        cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + cp * state
+        # state is the gathered tensor itself (two pieces per rank, fp32 state | transition), and
+        # the fold over the pieces keeps their incoming states (its V part) beside it
+        cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
         n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
         n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp
         sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
@@ -466,7 +526,8 @@ def _build(c: HybridMoEConfig, device: str):
     from megatron_moe_hybrid.models import build_model
 
     torch.manual_seed(0)
-    model = build_model(c)
+    with torch.device(device):  # initialised where it runs: a flagship-wide layer takes minutes on a CPU
+        model = build_model(c)
     if c.lora.enabled:
         from megatron_moe_hybrid.layers.lora import apply_lora
 
@@ -503,11 +564,15 @@ def _peak_during(fn, device: str) -> int:
     return peak
 
 
-def probe_activations(c: HybridMoEConfig, cl: Cluster, device: str = "cpu") -> dict:
+def probe_activations(
+    c: HybridMoEConfig, cl: Cluster, device: str = "cpu", num_experts: Optional[int] = None,
+    seq_length: Optional[int] = None,
+) -> dict:
     """What our layers hold for the backward, measured by running them: one decoder layer of
     each (letter, MoE or dense) kind in the model (one period of the pattern; two when the
-    model has dense first layers) at the cluster's sequence length and micro-batch 1. Returns
-    bytes per token:
+    model has dense first layers) at micro-batch 1 and the cluster's sequence length, or
+    `seq_length` (per-token bytes of the linear and top-k sparse layers do not depend on it),
+    with the model's experts or `num_experts` (see probe_scaled). Returns bytes per token:
       "layers":   saved for the backward by layer i of the real model (unique storages that
                   are not parameters; a storage two layers save counts once);
       "head":     saved outside the layers (embedding, final norm, loss);
@@ -518,11 +583,13 @@ def probe_activations(c: HybridMoEConfig, cl: Cluster, device: str = "cpu") -> d
     from megatron_moe_hybrid.testing import init_megatron, teardown
 
     dense = min(c.moe.first_k_dense, 1)  # with dense first layers, two periods hold every kind
+    tokens_n = seq_length or cl.seq_length
     # stored activations (no recompute): what each layer saves is what the probe measures
     small = _run_config(c, cl, **{"model.num_layers": len(c.pattern) * (1 + dense), "moe.first_k_dense": dense,
-                                  "training.micro_batch_size": 1, "memory.recompute_layers": 0})  # fmt: skip
+                                  "training.micro_batch_size": 1, "memory.recompute_layers": 0,
+                                  "training.seq_length": tokens_n,
+                                  "moe.num_experts": num_experts or c.moe.num_experts})  # fmt: skip
     key = lambda cfg, i: (cfg.layer_kind(i), cfg.is_moe_layer(i))  # noqa: E731
-    tokens_n = cl.seq_length
     with _maybe_megatron(init_megatron, teardown):
         model = _build(small, device)
         layers = list(model.decoder.layers)
@@ -584,7 +651,81 @@ def probe_activations(c: HybridMoEConfig, cl: Cluster, device: str = "cpu") -> d
         by_kind = {key(small, i): (per[i], working[i] / tokens_n) for i in range(small.num_layers)}
     return {"layers": [by_kind[key(c, i)][0] for i in range(c.num_layers)], "head": per["head"],
             "layers_backward": [by_kind[key(c, i)][1] for i in range(c.num_layers)],
-            "head_backward": head_working / tokens_n}  # fmt: skip
+            "head_backward": head_working / tokens_n,
+            "probed": {"device": device, "num_experts": small.moe.num_experts, "seq_length": tokens_n}}  # fmt: skip
+
+
+PROBE_KEYS = ("layers", "head", "layers_backward", "head_backward")
+
+
+def probe_scaled(
+    c: HybridMoEConfig, cl: Cluster, device: str, experts: tuple[int, int], seq_length: Optional[int] = None
+) -> dict:
+    """probe_activations for a model whose layers do not fit one device whole: probed at two
+    smaller expert counts and carried to the model's (carry_probes). Per token, what an MoE
+    layer saves is its top-k copies (independent of the count) plus [tokens, experts] router
+    tensors and per-expert padding (proportional to it), so two counts fix both. Under expert
+    parallelism each rank computes, on average, as many token copies as it sends, so the same
+    per-token bytes hold per device."""
+    e1, e2 = experts
+    if not (c.moe.topk <= e1 < e2):
+        raise ConfigError("probe_experts", f"need moe.topk={c.moe.topk} <= E1 < E2, got {e1},{e2}")
+    a = probe_activations(c, cl, device, num_experts=e1, seq_length=seq_length)
+    b = probe_activations(c, cl, device, num_experts=e2, seq_length=seq_length)
+    return carry_probes(a, b, c.moe.num_experts)
+
+
+def carry_probes(a: dict, b: dict, num_experts: int) -> dict:
+    """Two probes of one model at expert counts E1 < E2, carried to num_experts: what the layers
+    save, linearly; the backward working sets, as the larger of the two. Those are net of the
+    parameter gradients the backward creates, which are a fixed size per expert (LoRA's
+    per-expert adapters), not per token: per token at the probe's length they fall with the
+    count (on the H200 at the flagship's layer, -160 bytes per expert per token at 4096
+    tokens), which a real rank does not see (its 14 experts' gradients, in the gradients
+    term), so their slope is not carried."""
+    e1, e2 = a["probed"]["num_experts"], b["probed"]["num_experts"]
+    if not e1 < e2 or a["probed"]["seq_length"] != b["probed"]["seq_length"]:
+        raise ValueError(f"carry_probes: need E1 < E2 at one length, got {a['probed']} and {b['probed']}")
+    t = (num_experts - e1) / (e2 - e1)
+
+    def carry(x, y):
+        return [u + (v - u) * t for u, v in zip(x, y)] if isinstance(x, list) else x + (y - x) * t
+
+    def larger(x, y):
+        return [max(u, v) for u, v in zip(x, y)] if isinstance(x, list) else max(x, y)
+
+    out = {k: (larger if k.endswith("_backward") else carry)(a[k], b[k]) for k in PROBE_KEYS}
+    out["probed"] = {"device": a["probed"]["device"], "num_experts": [e1, e2], "seq_length": a["probed"]["seq_length"],
+                     "carried_to_num_experts": num_experts,
+                     "at": {str(e1): {k: a[k] for k in PROBE_KEYS}, str(e2): {k: b[k] for k in PROBE_KEYS}}}  # fmt: skip
+    return out
+
+
+def load_probe(path: str, c: HybridMoEConfig) -> dict:
+    """A probe saved by --probe-save, checked against the model it is used for."""
+    with open(path) as f:
+        probe = json.load(f)
+    missing = [k for k in PROBE_KEYS if k not in probe]
+    if missing:
+        raise ConfigError("probe_load", f"{path} lacks {', '.join(missing)}; write it with --probe --probe-save")
+    want = probe_model(c)
+    got = probe.get("model", {})
+    differ = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items() if got.get(k) != v]
+    if differ:
+        raise ConfigError("probe_load", f"{path} probed another model: {'; '.join(differ)}; probe this model again")
+    return probe
+
+
+def probe_model(c: HybridMoEConfig) -> dict:
+    """What a saved probe must match: the dimensions that set the per-token bytes."""
+    la, sa, m = c.linear_attention, c.sparse_attention, c.moe
+    return {"num_layers": c.num_layers, "pattern": c.pattern, "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads, "num_query_groups": c.num_query_groups,
+            "linear_attention": [la.variant, la.num_qk_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim],
+            "sparse_attention": [sa.topk, sa.index_n_heads, sa.index_head_dim],
+            "moe": [m.num_experts, m.topk, m.ffn_hidden_size, m.shared_expert_ffn_hidden_size, m.first_k_dense,
+                    m.dense_ffn_hidden_size],
+            "vocab_size": c.vocab_size, "params_dtype": str(c.params_dtype)}  # fmt: skip
 
 
 class _maybe_megatron:
@@ -707,6 +848,14 @@ def main(argv=None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="also run a training step of the model here (one process) and print its measured peak")
     parser.add_argument("--device", default="cpu", help="where --probe / --measure run: cpu or cuda")
+    parser.add_argument("--probe-experts", default=None, metavar="E1,E2",
+                        help="--probe at two smaller expert counts and carry the bytes linearly to the model's "
+                             "(for layers too large to run whole on one device)")
+    parser.add_argument("--probe-seq-length", type=int, default=None,
+                        help="--probe at this sequence length instead of cluster.seq_length")
+    parser.add_argument("--probe-save", default=None, metavar="PATH", help="write the probe's bytes per token as JSON")
+    parser.add_argument("--probe-load", default=None, metavar="PATH",
+                        help="plan with a probe saved by --probe-save (for example on a GPU) instead of probing")
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
@@ -720,9 +869,33 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if (args.probe or args.measure) and (cluster.accelerators != 1 or cluster.context_parallel_size != 1):
-        print("error: cluster.accelerators: --probe / --measure run one process here; plan a 1-accelerator, "
+    try:
+        experts = None
+        if args.probe_experts is not None:
+            try:
+                experts = tuple(int(x) for x in args.probe_experts.split(","))
+                assert len(experts) == 2
+            except (ValueError, AssertionError):
+                raise ConfigError("probe_experts", f"{args.probe_experts!r} is not two counts E1,E2 (e.g. 16,32)")
+            if not args.probe:
+                raise ConfigError("probe_experts", "applies to --probe; add --probe")
+        if args.probe_load and (args.probe or args.measure):
+            raise ConfigError("probe_load", "plans with a saved probe; drop --probe / --measure, or --probe-load")
+        if args.probe_seq_length is not None and args.probe_seq_length <= 0:
+            raise ConfigError("probe_seq_length", f"must be > 0, got {args.probe_seq_length}")
+        probe = load_probe(args.probe_load, config) if args.probe_load else None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.measure and (cluster.accelerators != 1 or cluster.context_parallel_size != 1):
+        print("error: cluster.accelerators: --measure runs one process here; plan a 1-accelerator, "
               "CP=1 cluster (EP=1) to compare with a measurement", file=sys.stderr)  # fmt: skip
+        return 2
+    if (args.probe or probe is not None) and (
+        cluster.tensor_model_parallel_size != 1 or cluster.context_parallel_size != 1
+    ):
+        print("error: cluster.tensor_model_parallel_size / context_parallel_size: a probe measures one process's "
+              "unsharded layers, which TP and CP shard; plan TP=1, CP=1 with --probe, or drop it", file=sys.stderr)  # fmt: skip
         return 2
     if args.probe or args.measure:
         held = config.params_dtype if cluster.training == "full" or config.lora.base_dtype == "float32" else torch.bfloat16
@@ -732,7 +905,18 @@ def main(argv=None) -> int:
             print(f"error: cluster.weight_bytes: {cluster.weight_bytes}, but this model holds its weights in {held} "
                   f"({where}); pass --cluster.weight_bytes {size}", file=sys.stderr)  # fmt: skip
             return 2
-    probe = probe_activations(config, cluster, args.device) if (args.probe or args.measure) else None
+    if args.probe or args.measure:
+        if experts is not None:
+            probe = probe_scaled(config, cluster, args.device, experts, args.probe_seq_length)
+        else:
+            probe = probe_activations(config, cluster, args.device, seq_length=args.probe_seq_length)
+        probe["model"] = probe_model(config)
+        if args.probe_save:
+            tmp = args.probe_save + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(probe, f, indent=1, default=float)
+                f.write("\n")
+            os.replace(tmp, args.probe_save)
     result = plan(config, cluster, probe)
     if args.measure:
         measured = measure_peak(config, cluster, args.device)
@@ -742,7 +926,14 @@ def main(argv=None) -> int:
     else:
         print(report(config, cluster, result))
         if probe is not None:
-            print(f"activations measured per token per layer: {', '.join(f'{b / 1024:.1f} KiB' for b in probe['layers'])}")
+            kinds = {}
+            for i, (a, w) in enumerate(zip(probe["layers"], probe["layers_backward"])):
+                name = config.layer_kind(i) + ("+MoE" if config.is_moe_layer(i) else "+dense")
+                kinds.setdefault(name, (a, w))
+            where = probe.get("probed", {})
+            print(f"measured per token ({where.get('device', '?')}, {where.get('num_experts', '?')} experts, "
+                  f"{where.get('seq_length', '?')} tokens), saved / backward working set: "
+                  + ", ".join(f"{k} {a / 1024:.1f} / {w / 1024:.1f} KiB" for k, (a, w) in kinds.items()))
         if args.measure:
             print(f"measured peak {result['measured_peak_bytes'] / GiB:.3f} GiB; predicted / measured = "
                   f"{result['predicted_over_measured']:.3f}")
