@@ -590,6 +590,7 @@ def probe_activations(
                                   "training.seq_length": tokens_n,
                                   "moe.num_experts": num_experts or c.moe.num_experts})  # fmt: skip
     key = lambda cfg, i: (cfg.layer_kind(i), cfg.is_moe_layer(i))  # noqa: E731
+    _check_probe_fits(small, cl, device)
     with _maybe_megatron(init_megatron, teardown):
         model = _build(small, device)
         layers = list(model.decoder.layers)
@@ -653,6 +654,25 @@ def probe_activations(
             "layers_backward": [by_kind[key(c, i)][1] for i in range(c.num_layers)],
             "head_backward": head_working / tokens_n,
             "probed": {"device": device, "num_experts": small.moe.num_experts, "seq_length": tokens_n}}  # fmt: skip
+
+
+def _memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_probe_fits(small: HybridMoEConfig, cl: Cluster, device: str) -> None:
+    """Refuse, before building anything, a probe whose weights alone take over half the device."""
+    weights = count_parameters(small)["total"] * cl.weight_bytes
+    have = _memory_bytes(device)
+    if weights > have / 2:
+        raise ConfigError(
+            "probe_experts",
+            f"the probe's {small.num_layers} layers at {small.moe.num_experts} experts hold {weights / GiB:.1f} GiB of "
+            f"weights, over half of this {device}'s {have / GiB:.0f} GiB; probe at fewer experts and carry the "
+            "bytes to the model's: --probe-experts E1,E2 (the flagship's: 16,64 on an H200)",
+        )
 
 
 PROBE_KEYS = ("layers", "head", "layers_backward", "head_backward")
@@ -906,10 +926,14 @@ def main(argv=None) -> int:
                   f"({where}); pass --cluster.weight_bytes {size}", file=sys.stderr)  # fmt: skip
             return 2
     if args.probe or args.measure:
-        if experts is not None:
-            probe = probe_scaled(config, cluster, args.device, experts, args.probe_seq_length)
-        else:
-            probe = probe_activations(config, cluster, args.device, seq_length=args.probe_seq_length)
+        try:
+            if experts is not None:
+                probe = probe_scaled(config, cluster, args.device, experts, args.probe_seq_length)
+            else:
+                probe = probe_activations(config, cluster, args.device, seq_length=args.probe_seq_length)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         probe["model"] = probe_model(config)
         if args.probe_save:
             tmp = args.probe_save + ".tmp"

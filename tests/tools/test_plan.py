@@ -338,3 +338,12 @@ def test_flagship_lora_verdict_by_length_analytic_and_measured(seq_length, fits)
     measured = plan.plan(config, cluster, plan.load_probe(H200_PROBE, config))
     assert analytic["fits"] == measured["fits"] == fits
     assert abs(analytic["peak_bytes"] / measured["peak_bytes"] - 1) <= 0.01
+
+
+def test_probe_too_large_for_this_machine_is_refused_before_building(capsys):
+    """The flagship's layers at 896 experts would take hundreds of GiB to probe: refused at
+    once, naming --probe-experts, not after minutes of allocation."""
+    args = ["--config", os.path.join(ROOT, "examples", "configs", "flagship_2p8t.yaml"),
+            "--cluster", os.path.join(ROOT, "examples", "clusters", "h200_128.yaml"), "--probe"]  # fmt: skip
+    assert plan.main(args) == 2
+    assert "--probe-experts E1,E2" in capsys.readouterr().err
