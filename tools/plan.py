@@ -398,10 +398,10 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     if probe is not None:
         # The probe ran one process (EP=1: T x K expert rows); under EP the static buffers hold
         # R rows per token instead: the difference, by the analytic model's bytes per row.
-        extra = rows - m.topk
-        per_layer = [a + (extra * expert_row_bytes(c) if c.is_moe_layer(i) else 0.0)
+        extra, ab = rows - m.topk, torch.empty((), dtype=c.params_dtype).element_size()
+        per_layer = [a + (extra * expert_row_bytes(c, ab) if c.is_moe_layer(i) else 0.0)
                      for i, a in enumerate(probe["layers"])]  # fmt: skip
-        work = [w + (extra * c.hidden_size * 2 if c.is_moe_layer(i) else 0.0)
+        work = [w + (extra * c.hidden_size * ab if c.is_moe_layer(i) else 0.0)
                 for i, w in enumerate(probe["layers_backward"])]  # fmt: skip
     else:
         per_layer = [
@@ -775,23 +775,34 @@ def _live_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def measure_peak(c: HybridMoEConfig, cl: Cluster, device: str = "cpu", micro_batches: int = 2) -> int:
+def measure_peak(
+    c: HybridMoEConfig, cl: Cluster, device: str = "cpu", micro_batches: int = 2, distributed: bool = False
+) -> int:
     """Peak bytes of tensor memory over one training step of our model as the trainer runs it in
     one process (LoRA per the cluster, AdamW on the trainable parameters, gradients accumulated
     over `micro_batches` micro-batches), after a first step has created the optimizer state.
     CUDA: torch.cuda.max_memory_allocated; CPU: the profiler's allocation events on top of the
-    tensors alive when the step starts."""
+    tensors alive when the step starts. distributed: this process is one rank of the model's
+    parallel layout (Megatron's parallel_state initialised for it, c's parallel fields as they
+    are): its own peak, on its own tokens (no data-parallel gradient reduction)."""
     import torch
 
     from megatron_moe_hybrid.testing import init_megatron, teardown
     from megatron_moe_hybrid.training.optim import make_optimizer
 
-    run = _run_config(c, cl)
+    if distributed:
+        import torch.distributed as dist
+
+        run = _run_config(c, cl, **{"parallel.world_size": c.parallel.world_size,
+                                    "parallel.expert_model_parallel_size": c.parallel.expert_model_parallel_size})  # fmt: skip
+        seed = 1000 * dist.get_rank()
+    else:
+        run, seed = _run_config(c, cl), 0
     with _maybe_megatron(init_megatron, teardown):
         model = _build(run, device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, 1e-5, (0.9, 0.95), 0.0, cl.optimizer_state_dtype)
-        batches = [_batch(run, cl.micro_batch_size, cl.seq_length, device, seed=m) for m in range(micro_batches)]
+        batches = [_batch(run, cl.micro_batch_size, cl.seq_length, device, seed=seed + m) for m in range(micro_batches)]
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -347,3 +347,43 @@ def test_probe_too_large_for_this_machine_is_refused_before_building(capsys):
             "--cluster", os.path.join(ROOT, "examples", "clusters", "h200_128.yaml"), "--probe"]  # fmt: skip
     assert plan.main(args) == 2
     assert "--probe-experts E1,E2" in capsys.readouterr().err
+
+
+def _measure_ep_worker(rank, world_size, model_ov, cluster_ov):
+    """This rank's peak over a training step of the tiny model at EP=world_size (no FSDP)."""
+    torch.set_num_threads(1)
+    init_megatron(rank, world_size, ep=world_size)
+    config = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"),
+                         {"parallel.world_size": world_size, "parallel.expert_model_parallel_size": world_size,
+                          **model_ov})  # fmt: skip
+    cluster = plan.Cluster(**cluster_ov)
+    return plan.measure_peak(config, cluster, distributed=True)
+
+
+EP_MEASURED = {
+    "full-f2": ({}, {"training": "full"}),
+    "lora-f2": ({}, {"training": "lora"}),
+    "full-f1": ({"moe.dispatch_capacity_factor": 1.0}, {"training": "full"}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_ov,cluster_ov", list(EP_MEASURED.values()), ids=list(EP_MEASURED))
+def test_planned_peak_at_expert_parallel_is_within_10_percent_of_measured(model_ov, cluster_ov):
+    """EP=2 over gloo, each rank's measured peak against the plan of a 2-accelerator cluster
+    with the one-process probe: the plan adds what EP holds beyond EP=1 (the static
+    dispatcher's capacity-sized expert rows, the send and receive buffers) and halves the
+    experts' weights. Factor 2.0 doubles the expert rows here (4 per token for the top-2)."""
+    from megatron_moe_hybrid.testing import spawn
+
+    base = {"accelerators": 2, "devices_per_node": 2, "expert_model_parallel_size": 2, "fsdp": False,
+            "micro_batch_size": 2, "seq_length": 128, "weight_bytes": 4, **cluster_ov}  # fmt: skip
+    measured = spawn(_measure_ep_worker, 2, model_ov, base)
+    config = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"),
+                         {"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, **model_ov})  # fmt: skip
+    cluster = plan.Cluster(**base)
+    one = plan.Cluster(**{**base, "accelerators": 1, "devices_per_node": 1, "expert_model_parallel_size": 1})
+    probe = plan.probe_activations(config, one)
+    predicted = plan.plan(config, cluster, probe)
+    for m in measured:
+        assert 0.9 <= predicted["peak_bytes"] / m <= 1.1, (predicted["per_device_bytes"], measured)
