@@ -290,6 +290,24 @@ def _backward_working_bytes_per_token(c: HybridMoEConfig, moe: bool, expert_rows
     return 3 * c.moe.dense_ffn_hidden_size * act_bytes
 
 
+def _kept_linear_state_bytes(c: HybridMoEConfig, act_bytes: int = 2) -> float:
+    """What the Triton chunk kernels keep from forward to backward beyond their inputs, per
+    token, under triton_chunk's switches: the chunk states h (KEEP_STATES; and the delta rule's
+    U), the prep's gam and P (GLA_KEEP_P; GDN_KEEP_PREP also w). The flagship's linear layer:
+    72 KiB per token, 8% of what it saves (the H200 probe)."""
+    from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc
+
+    la = c.linear_attention
+    gdn = la.variant == "gated_delta_rule"
+    HV, K, V, C = la.num_v_heads, la.head_k_dim, la.head_v_dim, tc.CHUNK
+    n = 0.0
+    if tc.KEEP_STATES["gdn" if gdn else "gla"]:
+        n += HV * K * V * act_bytes / C + (HV * V * act_bytes if gdn else 0)
+    if (gdn and tc.KEEP_STATES["gdn"] and tc.GDN_KEEP_PREP) or (not gdn and tc.GLA_KEEP_P):
+        n += HV * 4 + HV * C * act_bytes + (HV * K * act_bytes if gdn else 0)
+    return n
+
+
 def _activation_bytes_per_token(
     c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2, seq_length: int = 0,
     expert_rows: Optional[float] = None,
@@ -304,6 +322,7 @@ def _activation_bytes_per_token(
         n += (2 * qk + 2 * v + 2 * la.num_v_heads) * act_bytes  # in_proj output
         n += (2 * qk + v) * act_bytes * 2  # conv output and its activation
         n += 3 * v * 4  # chunk output and gated-norm input (fp32)
+        n += _kept_linear_state_bytes(c, act_bytes)
     elif kind == "M":  # MLA: q and the kv latent, then per form; the indexer as in S
         heads, mla = c.num_attention_heads, c.mla
         qk, latent = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim

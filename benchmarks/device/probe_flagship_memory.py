@@ -52,7 +52,7 @@ def main(out: str, seq: int = 8192) -> None:
         json.dump(carried, f, indent=1, default=float)
         f.write("\n")
     verdicts = {}
-    for name, over in (("lora-T32768", {}), ("lora-T16384", {"seq_length": 16384}),
+    for name, over in (("lora-T32768", {"seq_length": 32768}), ("lora-T16384", {"seq_length": 16384}),
                        ("lora-T8192", {"seq_length": 8192})):
         cl = plan.load_cluster(os.path.join(ROOT, "examples", "clusters", "h200_128.yaml"), over)
         measured, analytic = plan.plan(config, cl, carried), plan.plan(config, cl)

@@ -814,7 +814,7 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
     default since 2026-12-03) counts 2298479104 at the Qwen shape, the H200's peak to the byte
     (fla's 3.23 GB), and 79954432 at TP=8. Keeping the forward's chunk states (KEEP_STATES, the
     default since 2026-12-04) leaves every count the same: the backward held them anyway. The
-    delta rule keeping its forward's gam, P and w too (GDN_KEEP_PREP, off by default) counts
+    delta rule keeping its forward's gam, P and w too (GDN_KEEP_PREP, the default since 2026-12-04) counts
     105250816 at TP=8 and 3233808384 at the Qwen shape (fla's 117.9 MB and 3.77 GB): they stay
     until the backward ends, where the backward's own copies were freed before its last kernel.
     At the flagship's linear layer (HQK32-HV64, 32k tokens) the delta rule counts 5662310400
@@ -832,13 +832,15 @@ def test_backward_peak_memory_cpu(op, HQK, HV, T, bound, keep_prep, monkeypatch)
 @pytest.mark.parametrize("op", OPS)
 def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     """KEEP_STATES adds exactly the chunk states h ([NT, HV, K, V], bf16) and for the delta rule U
-    (v's shape) to what the forward holds for the backward, and nothing to the peak (the Qwen
+    (v's shape) to what the forward holds for the backward (GDN_KEEP_PREP then adds the prep's
+    gam, P and w: fp32 [T, HV], bf16 [T, HV, C] and [T, HV, K]), and nothing to the peak (the Qwen
     shape, B1-T32768-HQK16-HV32-D128: the delta rule holds 0.40 -> 1.21 GB, simple GLA 0.42 ->
     0.95 GB, o included). Where the chunk kernel sums the grouped heads (FUSE_GROUP_SUM, simple
     GLA here) the peak can be where a recomputing backward writes the states, so keeping them
     may lower it."""
     T, HV, K = 32768, 32, 128
     counts = {}
+    monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", False)
     for keep in (False, True):
         monkeypatch.setattr(triton_chunk, "KEEP_STATES", {"gla": keep, "gdn": keep})
         counts[keep] = count_buffers(op, 16, HV, T, monkeypatch)
@@ -846,6 +848,11 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     U_bytes = T * HV * K * 2 if op == "gated_delta_rule" else 0
     assert counts[True][1] - counts[False][1] == h_bytes + U_bytes
     assert counts[True][0] <= counts[False][0]
+    if op == "gated_delta_rule":  # GDN_KEEP_PREP (the default) adds the prep's gam, P and w
+        monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", True)
+        kept = count_buffers(op, 16, HV, T, monkeypatch)
+        prep_bytes = T * HV * 4 + T * HV * triton_chunk.CHUNK * 2 + T * HV * K * 2
+        assert kept[1] - counts[True][1] == prep_bytes
 
 
 @pytest.mark.gpu

@@ -122,10 +122,12 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # [B, T, HV, C] and [B, T, HV, K] in the input dtype: 1.5x v's bytes at K 128) for the backward,
 # whose prep kernel then does not run (it would read A, k, q and g to write them again). H200, both
 # forms in one process: fwd+bwd 6.732 -> 6.377 ms at B1-T32768-HQK16-HV32, 2.728 -> 2.563 at
-# B4-T8192-H16 (linear_attention.json). Off: unlike the kept states it raises one call's peak (the
-# backward freed its own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, 5.3 -> 6.0
-# GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), which memory-bound runs need more.
-GDN_KEEP_PREP = False
+# B4-T8192-H16 (linear_attention.json); with the two-kernel chunk backward 1.049-1.065x at five
+# shapes (2026-12-04). On by default since then: it raises one call's peak (the backward freed its
+# own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, under fla's 3.77; 5.3 -> 6.0
+# GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), and a memory-bound run can set
+# it False.
+GDN_KEEP_PREP = True
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
 # that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
