@@ -477,9 +477,10 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         sa, la = c.sparse_attention, c.linear_attention
         groups = c.num_query_groups or c.num_attention_heads
         kv_token = (2 * groups * c.kv_channels + sa.index_head_dim) * wb  # bytes per token
-        state = 2 * cp * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
-        # state is the gathered tensor itself (two pieces per rank, fp32 state | transition), and
-        # the fold over the pieces keeps their incoming states (its V part) beside it
+        # the linear layers' gathered tensor itself ([cp x 2 pieces x b, HV, K, V + K] fp32: state |
+        # transition, as cp_linear_attention gathers it), and the fold over the pieces keeps
+        # their incoming states (its V part) beside it
+        state = 2 * cp * cl.micro_batch_size * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
         cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
         n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
         n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp
