@@ -308,6 +308,15 @@ def _kept_linear_state_bytes(c: HybridMoEConfig, act_bytes: int = 2) -> float:
     return n
 
 
+def cp_linear_gather_bytes(c: HybridMoEConfig, cl: Cluster) -> float:
+    """One linear layer's context-parallel all-gather, as cp_linear_attention gathers it: every
+    piece's state and transition, [cp x 2 pieces x b, HV, K, V + K] in fp32 (zigzag: two pieces
+    per rank; without the final state's rows), whatever the length."""
+    la = c.linear_attention
+    rows = 2 * cl.context_parallel_size * cl.micro_batch_size
+    return rows * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
+
+
 def _activation_bytes_per_token(
     c: HybridMoEConfig, kind: str, moe: bool, act_bytes: int = 2, seq_length: int = 0,
     expert_rows: Optional[float] = None,
@@ -477,10 +486,9 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         sa, la = c.sparse_attention, c.linear_attention
         groups = c.num_query_groups or c.num_attention_heads
         kv_token = (2 * groups * c.kv_channels + sa.index_head_dim) * wb  # bytes per token
-        # the linear layers' gathered tensor itself ([cp x 2 pieces x b, HV, K, V + K] fp32: state |
-        # transition, as cp_linear_attention gathers it), and the fold over the pieces keeps
-        # their incoming states (its V part) beside it
-        state = 2 * cp * cl.micro_batch_size * la.num_v_heads * la.head_k_dim * (la.head_k_dim + la.head_v_dim) * 4
+        # the linear layers' gathered tensor itself, and the fold over the pieces keeps their
+        # incoming states (its V part) beside it
+        state = cp_linear_gather_bytes(c, cl)
         cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
         n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
         n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp

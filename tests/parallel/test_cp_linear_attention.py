@@ -350,3 +350,33 @@ def test_cp_layer_matches_single_process(single_process_megatron):
     # The conv halo and the state fold, each one gather whose size does not grow with T.
     shapes = results[0]["gathered"]
     assert len(shapes) == 4 and shapes[:2] == shapes[2:]
+
+
+def _one_gather_worker(rank, world):
+    layout = CPLayout(23 * 2 * world, world, rank, "zigzag", dist.group.WORLD)
+    return _record_gathers(lambda: _op_case_on_rank(layout, "gated_delta_rule", ("plan", 23, None, False), seed=0))
+
+
+@pytest.mark.distributed
+def test_planner_counts_the_gather_this_op_makes():
+    """tools/plan.py's context-parallel buffer for a linear layer (cp_linear_gather_bytes) is
+    the all-gather this op makes: here CP=2, B=2, each rank's [2 pieces x B, H, K, V + K]."""
+    import importlib.util
+    import os
+
+    from megatron_moe_hybrid.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(root, "tools", "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    shapes = spawn(_one_gather_worker, 2)[0]
+    assert shapes == [(2 * 2, H, K, V + K)]
+    config = load_config(os.path.join(root, "examples", "configs", "tiny.yaml"),
+                         {"parallel.world_size": 2, "parallel.context_parallel_size": 2,
+                          "linear_attention.num_qk_heads": H, "linear_attention.num_v_heads": H,
+                          "linear_attention.head_k_dim": K, "linear_attention.head_v_dim": V})  # fmt: skip
+    cluster = plan.Cluster(accelerators=2, devices_per_node=2, expert_model_parallel_size=1, context_parallel_size=2,
+                           micro_batch_size=2, seq_length=23 * 4)  # fmt: skip
+    gathered = 2 * 2 * 2 * H * K * (V + K)  # both ranks' rows; fp32 where the op runs in bf16
+    assert plan.cp_linear_gather_bytes(config, cluster) == gathered * 4
