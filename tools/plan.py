@@ -291,21 +291,15 @@ def _backward_working_bytes_per_token(c: HybridMoEConfig, moe: bool, expert_rows
 
 
 def _kept_linear_state_bytes(c: HybridMoEConfig, act_bytes: int = 2) -> float:
-    """What the Triton chunk kernels keep from forward to backward beyond their inputs, per
-    token, under triton_chunk's switches: the chunk states h (KEEP_STATES; and the delta rule's
-    U), the prep's gam and P (GLA_KEEP_P; GDN_KEEP_PREP also w). The flagship's linear layer:
-    72 KiB per token, 8% of what it saves (the H200 probe)."""
+    """What the Triton chunk kernels keep from forward to backward beyond their inputs, per token
+    (triton_chunk.kept_bytes_per_token: the chunk states, the delta rule's U, the prep's gam, P
+    and w, under its switches). The flagship's linear layer: 72 KiB per token, 8% of what it
+    saves (the H200 probe)."""
     from megatron_moe_hybrid.ops.linear_attention import triton_chunk as tc
 
     la = c.linear_attention
     gdn = la.variant == "gated_delta_rule"
-    HV, K, V, C = la.num_v_heads, la.head_k_dim, la.head_v_dim, tc.CHUNK
-    n = 0.0
-    if tc.KEEP_STATES["gdn" if gdn else "gla"]:
-        n += HV * K * V * act_bytes / C + (HV * V * act_bytes if gdn else 0)
-    if (gdn and tc.KEEP_STATES["gdn"] and tc.GDN_KEEP_PREP) or (not gdn and tc.GLA_KEEP_P):
-        n += HV * 4 + HV * C * act_bytes + (HV * K * act_bytes if gdn else 0)
-    return n
+    return tc.kept_bytes_per_token(gdn, la.num_v_heads, la.head_k_dim, la.head_v_dim, act_bytes)
 
 
 def cp_linear_gather_bytes(c: HybridMoEConfig, cl: Cluster) -> float:
@@ -495,8 +489,6 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
         cp_bytes = 2 * sparse_gather * n_sparse + 2 * state * (cp - 1) / cp * n_linear
         cp_bytes *= 1 if cl.recompute == "none" else 1.5
-    if probe is not None and ep == 1:  # one process: the dispatch buffers are in what the probe saw
-        comm = 0.0
     terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
              "loss": loss, "comm_buffers": comm + cp_buffer}
     peak = sum(terms.values())
@@ -599,7 +591,10 @@ def probe_activations(
     """What our layers hold for the backward, measured by running them: one decoder layer of
     each (letter, MoE or dense) kind in the model (one period of the pattern; two when the
     model has dense first layers) at micro-batch 1 and the cluster's sequence length, or
-    `seq_length` (per-token bytes of the linear and top-k sparse layers do not depend on it),
+    `seq_length` (what the linear and top-k sparse layers save per token does not depend on it;
+    a sparse layer's backward working set is about fixed in bytes, so a shorter probe
+    overstates it per token: on the H200 at the flagship's widths 408.5 KiB at 4096 tokens,
+    222.7 at 8192),
     with the model's experts or `num_experts` (see probe_scaled). Returns bytes per token:
       "layers":   saved for the backward by layer i of the real model (unique storages that
                   are not parameters; a storage two layers save counts once);
@@ -931,11 +926,10 @@ def main(argv=None) -> int:
     try:
         experts = None
         if args.probe_experts is not None:
-            try:
-                experts = tuple(int(x) for x in args.probe_experts.split(","))
-                assert len(experts) == 2
-            except (ValueError, AssertionError):
+            parts = args.probe_experts.split(",")
+            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
                 raise ConfigError("probe_experts", f"{args.probe_experts!r} is not two counts E1,E2 (e.g. 16,32)")
+            experts = tuple(int(p) for p in parts)
             if not args.probe:
                 raise ConfigError("probe_experts", "applies to --probe; add --probe")
         if args.probe_load and (args.probe or args.measure):

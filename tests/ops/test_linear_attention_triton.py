@@ -848,11 +848,18 @@ def test_kept_chunk_states_are_what_the_forward_holds_more_cpu(op, monkeypatch):
     U_bytes = T * HV * K * 2 if op == "gated_delta_rule" else 0
     assert counts[True][1] - counts[False][1] == h_bytes + U_bytes
     assert counts[True][0] <= counts[False][0]
-    if op == "gated_delta_rule":  # GDN_KEEP_PREP (the default) adds the prep's gam, P and w
+    gdn = op == "gated_delta_rule"
+    if gdn:  # GDN_KEEP_PREP (the default) adds the prep's gam, P and w
         monkeypatch.setattr(triton_chunk, "GDN_KEEP_PREP", True)
         kept = count_buffers(op, 16, HV, T, monkeypatch)
         prep_bytes = T * HV * 4 + T * HV * triton_chunk.CHUNK * 2 + T * HV * K * 2
         assert kept[1] - counts[True][1] == prep_bytes
+    # what tools/plan.py counts (kept_bytes_per_token) is what the forward held more: the states
+    # and, where kept, the prep (simple GLA's gam and P under GLA_KEEP_P, held in both counts)
+    prep_always = 0 if gdn else T * HV * 4 + T * HV * triton_chunk.CHUNK * 2
+    assert T * triton_chunk.kept_bytes_per_token(gdn, HV, K, K, 2) == (
+        (kept[1] if gdn else counts[True][1]) - counts[False][1] + prep_always
+    )
 
 
 @pytest.mark.gpu

@@ -1250,6 +1250,23 @@ def _group_sum(x: Tensor, H: int) -> Tensor:
     return out
 
 
+def kept_for_backward(gdn: bool) -> tuple[bool, bool]:
+    """(keep_states, keep_prep) where a backward follows: the chunk states under KEEP_STATES; the
+    prep's gam and P under GLA_KEEP_P (simple GLA), or with w under GDN_KEEP_PREP where the delta
+    rule keeps its states."""
+    states = KEEP_STATES["gdn" if gdn else "gla"]
+    return states, (GDN_KEEP_PREP and states) if gdn else GLA_KEEP_P
+
+
+def kept_bytes_per_token(gdn: bool, HV: int, K: int, V: int, elem: int) -> float:
+    """What the forward keeps for the backward beyond its inputs, per token, as _fwd allocates it
+    under kept_for_backward: h [NT, HV, K, V] and the delta rule's U (v's shape), gam [T, HV] fp32,
+    P [T, HV, CHUNK] and the delta rule's w [T, HV, K]; elem: the inputs' element size."""
+    states, prep = kept_for_backward(gdn)
+    n = (HV * K * V * elem / CHUNK + (HV * V * elem if gdn else 0)) if states else 0.0
+    return n + ((HV * 4 + HV * CHUNK * elem + (HV * K * elem if gdn else 0)) if prep else 0)
+
+
 class ChunkLinearAttentionFunction(torch.autograd.Function):
     """Autograd of the chunked gated delta rule (beta given) or simple GLA (beta None)."""
 
@@ -1259,8 +1276,8 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         # needs_input_grad stays True under no_grad: the caller's grad mode decides too
         backward_follows = grad_enabled and any(ctx.needs_input_grad[:5])
         keep_A = beta is not None and backward_follows
-        keep_states = KEEP_STATES["gdn" if beta is not None else "gla"] and backward_follows
-        keep_prep = backward_follows and (GLA_KEEP_P if beta is None else GDN_KEEP_PREP and keep_states)
+        states, prep = kept_for_backward(beta is not None)
+        keep_states, keep_prep = backward_follows and states, backward_follows and prep
         o, ht, split, A, prep, states = _fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
                                              keep_A, keep_prep, keep_states)
         gam, P, w = prep or (None, None, None)
