@@ -2,7 +2,7 @@
 process.
 
     python benchmarks/device/probe_gla_configs.py [--variants seq_128x8,...] [--shapes h96]
-        [--rounds 2] [--out results.json]
+        [--op gla|gdn] [--rounds 2] [--out results.json]
 
 The unsplit recurrences past one wave take CONFIGS["seq_wide"] (BV 64, 4 warps: 192 programs at
 B1-T8192-H96, 1.45 waves of the H200's 132 SMs), chosen against BV 32 only
@@ -18,6 +18,9 @@ its byte floor. Variants:
     light_<BV>x<warps>x<BK>[s<stages>]  the light sweeps (GLA_LIGHT_SWEEPS) at that config
     light, nolight                  GLA_LIGHT_SWEEPS True (at every shape); False
     prep_<warps>                    the prep kernel (which forms o under the light sweeps)
+    prep_<warps>r<maxnreg>          the prep kernel at that many warps and at most maxnreg registers
+                                    a thread (the delta rule's forward prep compiled to 217 at 4
+                                    warps: two programs per SM)
     seg_<n>                         the sequence split forced to n-chunk segments (SEGMENT_CHUNKS)
     gate_<n>                        the light sweeps split up to n unsplit programs
     persm_<n>                       the light split planned for n programs per SM
@@ -128,6 +131,13 @@ def variant(name):
         def apply():
             tc.CONFIGS["light"] = config
         return f"the light sweeps at (BV, warps, BK) {config}", apply
+    m = re.fullmatch(r"prep_(\d+)r(\d+)", name)
+    if m:
+        config = (None, int(m.group(1)), int(m.group(2)))
+
+        def apply():
+            tc.CONFIGS["prep"] = config
+        return f"the prep kernel at {config[1]} warps, at most {config[2]} registers a thread", apply
     m = re.fullmatch(r"(prep|seg|gate|persm|wpersm)_(\d+)", name)
     if m:
         setting, n = INT_SETTINGS[m.group(1)], int(m.group(2))
@@ -147,6 +157,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--shapes", default="h96")
+    p.add_argument("--op", default="gla", choices=("gla", "gdn"), help="the op (the variants' names keep 'gla')")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -154,14 +165,14 @@ def main():
     variants = {n: variant(n) for n in names}
     rows = []
     for key in a.shapes.split(","):
-        shape, x, cu, do = bench.case("gla", key)
+        shape, x, cu, do = bench.case(a.op, key)
 
         def apply(label):
             restore()
             if label != "default":
                 variants[label][1]()
 
-        fn, runnable = bench.ours_fn("gla", cu), []
+        fn, runnable = bench.ours_fn(a.op, cu), []
         for n in names:  # a config that does not compile (shared memory) is reported and left out
             try:
                 apply(n)
@@ -179,7 +190,7 @@ def main():
             apply("default")
         for n in runnable:
             row = bench.ab_row(
-                f"gla fwd+bwd, {variants[n][0]} (A/B)", shape, x, med, peak, out, n, "default",
+                f"{a.op} fwd+bwd, {variants[n][0]} (A/B)", shape, x, med, peak, out, n, "default",
                 f"the defaults (GLA_KEEP_P {tc.GLA_KEEP_P})",
                 f"benchmarks/device/probe_gla_configs.py --variants {a.variants}: every variant and the defaults in "
                 f"turn, {a.rounds} rounds in one process",

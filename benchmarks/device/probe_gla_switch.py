@@ -53,6 +53,11 @@ Switches (SWITCHES; those marked uncommitted were tried and dropped, their rows 
             and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
             prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
             ms at B1-T32768-H32 against the prep kernel's 0.213); dropped.
+    states_tma  STATES_TMA "whole" (the default; --states-tma true: True) against False (either
+            op): the sweeps write the chunk states h (forward; True: and dh, backward) through
+            host-made TMA descriptors (bulk tensor stores from shared memory) rather than
+            per-thread stores through a layout conversion; "whole" only where a forward sweep
+            holds whole [K, V] states (simple GLA's split).
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the
@@ -85,6 +90,8 @@ SWITCHES = {
                   "the same with _group_sum passes over per-value-head copies"),
     "gdn_split": ("GDN_SPLIT_CHUNK_BWD", ("gdn",), "gdn fwd+bwd, the per-chunk backward as two kernels (A/B)",
                   "the same with the fused per-chunk kernel"),
+    "states_tma": ("STATES_TMA", ("gla", "gdn"), "{op} fwd+bwd, the chunk states and their gradients written by TMA (A/B)",
+                   "the same with per-thread stores"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }
@@ -97,6 +104,8 @@ def main():
     p.add_argument("--shapes", default="gla_t32k,gla_b4,qwen,h32,h96,tp8,varlen")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--states-tma", default="whole", choices=("whole", "true"),
+                   help="--switch states_tma: the 'on' form (STATES_TMA 'whole' or True)")
     a = p.parse_args()
     attr, ops, row_name, anchor = SWITCHES[a.switch]
     if a.op not in ops:
@@ -105,6 +114,8 @@ def main():
     default = getattr(tc, attr)
 
     def set_switch(value):
+        if value and a.switch == "states_tma" and a.states_tma != "true":
+            value = a.states_tma  # "whole", the default's form
         setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
 
     if a.switch == "group_sum":  # for the whole run

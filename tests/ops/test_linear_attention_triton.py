@@ -225,6 +225,49 @@ def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, lig
 
 
 @interpreter
+@pytest.mark.parametrize("op, light", [("gated_delta_rule", False), ("simple_gla", True), ("simple_gla", False)],
+                         ids=["gated_delta_rule", "simple_gla-light", "simple_gla-whole"])
+@pytest.mark.parametrize("split", [False, True])
+def test_chunk_states_written_by_tma_are_bitwise_the_plain_stores_cpu(op, light, split, monkeypatch):
+    """STATES_TMA: the sweeps write h (forward) and dh (backward) through TMA descriptors over
+    [NT * HV * K, V] in [BK, BV] blocks (the interpreter takes them as the GPU does). True: every
+    sweep writing them; "whole" (the default): only the forward sweeps holding whole [K, V] states;
+    False: none. Bitwise the same outputs and gradients in every form, packed with grouped heads,
+    split or not, and each form writes through exactly the descriptors it names (a block that does
+    not tile K exactly, K 24 in [32, BV] blocks, falls back to plain stores)."""
+    cu = torch.tensor([0, 70, 75, 200])
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 256, "gdn": 32})
+    made = []
+    real = triton_chunk._states_desc
+
+    def desc(h, BK, BV, q, backward=False):
+        d = real(h, BK, BV, q, backward)
+        if h is not None:
+            made.append((backward, BK == h.shape[2] and BV == h.shape[3], d is not None))
+        return d
+
+    monkeypatch.setattr(triton_chunk, "_states_desc", desc)
+    for K in (16, 24):
+        x = make_inputs(1, 200, 1, K, 32, HV=2, N=3, seed=31)
+        runs = {}
+        for form in (False, True, "whole"):
+            monkeypatch.setattr(triton_chunk, "STATES_TMA", form)
+            made.clear()
+            runs[form] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+            assert made and {m[0] for m in made} == {False, True}  # h and dh both written
+            for backward, whole, used in made:
+                tiles = K == 16  # the blocks are [16 or 32, BV]: K 24 pads to 32
+                assert used == (tiles and (form is True or (form == "whole" and whole and not backward))), (form, made)
+            if K == 16 and (form is True or (form == "whole" and op == "simple_gla" and not light and split)):
+                assert any(used for _, _, used in made), made  # simple GLA's split: whole states
+        for form in (True, "whole"):
+            for name in runs[False]:
+                assert torch.equal(runs[False][name], runs[form][name]), (K, form, name)
+
+
+@interpreter
 @pytest.mark.parametrize("segment_chunks", [None, 1])
 @pytest.mark.parametrize("case", ["B2-T130-H2-K16-V32", "varlen-H1-HV2-K32-V16", "B2-T19-H2-HV4-K16-V16-strong-decay"])
 def test_gated_delta_rule_chunk_backward_in_two_kernels_cpu(case, segment_chunks, monkeypatch):

@@ -45,6 +45,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # Triton without host-side TMA descriptors: plain stores
+    _TensorDescriptor = None
+
 from . import _TRITON_MAX_HEAD_DIM_K
 from .._intmath import cdiv, next_power_of_2
 from .._launch import fast_launch
@@ -128,6 +133,16 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), and a memory-bound run can set
 # it False.
 GDN_KEEP_PREP = True
+# The sweeps write the chunk states h (forward) and their gradients dh (backward) through TMA
+# descriptors (Hopper's bulk tensor stores from shared memory) rather than per-thread stores
+# through a layout conversion (_states_desc). "whole": only the forward sweeps that hold whole
+# [K, V] states (simple GLA's split and wide sweeps, BV 128 with 8 warps, whose o sweep writing
+# h spilled 12 registers a thread); True: every sweep writing h or dh; False: none. H200, fwd+bwd,
+# both forms in one process (linear_attention.json, "... written by TMA (A/B)"), every sweep: the
+# forward 5% faster at B1-T32768-H32 and -HQK16-HV32 (1.155 -> 1.100 and 1.089 -> 1.033 ms) but
+# the backward's dh sweep slower by as much (1.908 -> 1.970), and the 4-warp [64, 64] light sweeps
+# (B4-T8192-H16 0.92x) and the delta rule's [128, 32] sweeps (0.91-0.93x) slower.
+STATES_TMA: bool | str = "whole"
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
 # that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
@@ -342,7 +357,7 @@ def _recurrence_fwd_kernel(
     IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     ZERO_U: tl.constexpr = False, H0_EYE: tl.constexpr = False, STORE_GT: tl.constexpr = False,
-    GAM_FROM_G: tl.constexpr = False,
+    GAM_FROM_G: tl.constexpr = False, H_TMA: tl.constexpr = False,
 ):
     """One [BK, BV] block of one sequence-head's state, chunk after chunk: U = u - w S,
     o = q^ S + P U, S'.
@@ -391,7 +406,10 @@ def _recurrence_fwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
         if STORE_H:
-            tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+            if H_TMA:  # h: a descriptor of [NT * HV * K, V] in blocks [BK, BV] (_states_desc)
+                h.store([(((boh + i_t) * HV + i_h) * K + i_k * BK).to(tl.int32), i_v * BV], b_S.to(dt))
+            else:
+                tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         if GAM_FROM_G:  # as _prep_kernel forms gam
             b_gam = tl.cumsum(tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
             b_glast = tl.sum(tl.where(o_c == tl.minimum(BT, T - i_t * BT) - 1, b_gam, 0.0), axis=0)
@@ -436,7 +454,7 @@ def _recurrence_bwd_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_GDN: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STORE: tl.constexpr = True, STORE_DU: tl.constexpr = True,
+    STORE: tl.constexpr = True, STORE_DU: tl.constexpr = True, H_TMA: tl.constexpr = False,
 ):
     """One V block of one sequence-head, chunks in reverse: dU = P^T do + k' dS',
     dS = e^gC dS' + q^T do - w^T dU. Writes dh (the gradient of the state leaving each chunk)
@@ -476,7 +494,10 @@ def _recurrence_bwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
         if STORE:
-            tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+            if H_TMA:  # as _recurrence_fwd_kernel's h
+                dh.store([(((boh + i_t) * HV + i_h) * K + i_k * BK).to(tl.int32), i_v * BV], b_dS.to(dt))
+            else:
+                tl.store(dh + ((boh + i_t) * HV + i_h) * K * V + o_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_h)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(dt)
@@ -997,6 +1018,7 @@ def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | N
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=gdn, STORE_A=store_A, LOAD_A=load_A, IS_VARLEN=chunks.indices is not None,
         STORE_U=u is not None, STORE_O=o is not None, num_warps=CONFIGS["prep"][1],
+        **({"maxnreg": CONFIGS["prep"][2]} if len(CONFIGS["prep"]) > 2 else {}),
     )
     return gam, P, A if gdn else None, w, u
 
@@ -1009,6 +1031,23 @@ def _sweep_launch(config, K: int, V: int) -> tuple[int, int, int, dict]:
     return BV, num_warps, BK, {"num_stages": rest[1]} if len(rest) > 1 else {}
 
 
+def _states_desc(h, BK: int, BV: int, q, backward: bool = False):
+    """A TMA descriptor over the chunk states h [NT, HV, K, V] (or their gradients, backward) as
+    [NT * HV * K, V] in [BK, BV] blocks, for the sweeps to write them under STATES_TMA; None: written
+    by plain stores (STATES_TMA off or "whole" and not a forward sweep over whole states, no h, blocks that do not tile K and V exactly, rows past int32 offsets, or a
+    GPU before sm_90; the interpreter takes the descriptors, so the CPU tests run this path)."""
+    if h is None or not STATES_TMA or _TensorDescriptor is None:
+        return None
+    NT, HV, K, V = h.shape
+    if STATES_TMA == "whole" and (backward or BK < K or BV < V):
+        return None
+    if K % BK or V % BV or NT * HV * K >= 2**31 or h.dtype != q.dtype or h.data_ptr() % 16 or (V * h.element_size()) % 16:
+        return None
+    if not _INTERPRET and (h.device.type != "cuda" or torch.cuda.get_device_capability(h.device)[0] < 9):
+        return None
+    return _TensorDescriptor(h, [NT * HV * K, V], [V, 1], [BK, BV])
+
+
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
                h=None, U=None, gt=None, zero_u=False, h0_eye=False, gam_from_g=False):
     """_recurrence_fwd_kernel over layout's sequences; each output given is written. config:
@@ -1019,12 +1058,13 @@ def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=
     V = u.shape[3] if V is None else V
     BV, num_warps, BK, options = _sweep_launch(config, K, V)
     assert BK >= K or (w is None and o is None), "only simple GLA's sweeps without o take a block of K"
+    h_desc = _states_desc(h, BK, BV, q)
     _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
-        q, k, w, u, gam, P, o, h0, ht, h, U, gt, layout.cu, layout.offsets, scale, T,
+        q, k, w, u, gam, P, o, h0, ht, h if h_desc is None else h_desc, U, gt, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
         STORE_HT=ht is not None, IS_VARLEN=layout.varlen, ZERO_U=zero_u, H0_EYE=h0_eye,
-        STORE_GT=gt is not None, GAM_FROM_G=gam_from_g, num_warps=num_warps, **options,
+        STORE_GT=gt is not None, GAM_FROM_G=gam_from_g, H_TMA=h_desc is not None, num_warps=num_warps, **options,
     )
 
 
@@ -1035,11 +1075,12 @@ def _sweep_bwd(layout: _Layout, config, q, k, w, gam, P, do, scale, *, dU=None, 
     HV, V = do.shape[2], do.shape[3]
     BV, num_warps, BK, options = _sweep_launch(config, K, V)
     assert BK >= K or (w is None and dU is None), "only simple GLA's sweeps without dU take a block of K"
+    dh_desc = _states_desc(dh, BK, BV, q, backward=True)
     _recurrence_bwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
-        q, k, w, gam, P, do, dU, dh, dht, dh0, layout.cu, layout.offsets, scale, T,
+        q, k, w, gam, P, do, dU, dh if dh_desc is None else dh_desc, dht, dh0, layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=w is not None, USE_DHT=dht is not None, USE_DH0=dh0 is not None, IS_VARLEN=layout.varlen,
-        STORE=dh is not None, STORE_DU=dU is not None, num_warps=num_warps, **options,
+        STORE=dh is not None, STORE_DU=dU is not None, H_TMA=dh_desc is not None, num_warps=num_warps, **options,
     )
 
 
