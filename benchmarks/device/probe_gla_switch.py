@@ -53,11 +53,13 @@ Switches (SWITCHES; those marked uncommitted were tried and dropped, their rows 
             and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
             prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
             ms at B1-T32768-H32 against the prep kernel's 0.213); dropped.
-    states_tma  STATES_TMA "whole" (the default; --states-tma true: True) against False (either
-            op): the sweeps write the chunk states h (forward; True: and dh, backward) through
-            host-made TMA descriptors (bulk tensor stores from shared memory) rather than
-            per-thread stores through a layout conversion; "whole" only where a forward sweep
-            holds whole [K, V] states (simple GLA's split).
+    states_tma  STATES_TMA "whole" (--states-tma true: True) against False, the default
+            (either op): the sweeps write the chunk states h (forward; True: and dh, backward)
+            through host-made TMA descriptors (bulk tensor stores from shared memory) rather
+            than per-thread stores through a layout conversion; "whole" only where a forward
+            sweep holds whole [K, V] states (simple GLA's split). True ran 0.998x and 1.003x at
+            B1-T32768-H32 and -HQK16-HV32 (the forward faster, the backward's dh sweep slower),
+            0.92x at B4-T8192-H16 and 0.91-0.93x for the delta rule; "whole" is not yet run.
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the

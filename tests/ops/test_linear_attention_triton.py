@@ -231,10 +231,10 @@ def test_backward_from_the_forwards_chunk_states_is_bitwise_the_same_cpu(op, lig
 def test_chunk_states_written_by_tma_are_bitwise_the_plain_stores_cpu(op, light, split, monkeypatch):
     """STATES_TMA: the sweeps write h (forward) and dh (backward) through TMA descriptors over
     [NT * HV * K, V] in [BK, BV] blocks (the interpreter takes them as the GPU does). True: every
-    sweep writing them; "whole" (the default): only the forward sweeps holding whole [K, V] states;
-    False: none. Bitwise the same outputs and gradients in every form, packed with grouped heads,
-    split or not, and each form writes through exactly the descriptors it names (a block that does
-    not tile K exactly, K 24 in [32, BV] blocks, falls back to plain stores)."""
+    sweep writing them; "whole": only the forward sweeps holding whole [K, V] states; False (the
+    default): none. Bitwise the same outputs and gradients in every form, packed with grouped
+    heads, split or not, and each form writes through exactly the descriptors it names (a block
+    that does not tile K exactly, K 24 in [32, BV] blocks, falls back to plain stores)."""
     cu = torch.tensor([0, 70, 75, 200])
     monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
     monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)

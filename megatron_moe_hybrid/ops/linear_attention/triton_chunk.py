@@ -135,14 +135,20 @@ KEEP_STATES = {"gla": True, "gdn": True}
 GDN_KEEP_PREP = True
 # The sweeps write the chunk states h (forward) and their gradients dh (backward) through TMA
 # descriptors (Hopper's bulk tensor stores from shared memory) rather than per-thread stores
-# through a layout conversion (_states_desc). "whole": only the forward sweeps that hold whole
-# [K, V] states (simple GLA's split and wide sweeps, BV 128 with 8 warps, whose o sweep writing
-# h spilled 12 registers a thread); True: every sweep writing h or dh; False: none. H200, fwd+bwd,
-# both forms in one process (linear_attention.json, "... written by TMA (A/B)"), every sweep: the
-# forward 5% faster at B1-T32768-H32 and -HQK16-HV32 (1.155 -> 1.100 and 1.089 -> 1.033 ms) but
-# the backward's dh sweep slower by as much (1.908 -> 1.970), and the 4-warp [64, 64] light sweeps
-# (B4-T8192-H16 0.92x) and the delta rule's [128, 32] sweeps (0.91-0.93x) slower.
-STATES_TMA: bool | str = "whole"
+# through a layout conversion (_states_desc). True: every sweep writing h or dh; "whole": only the
+# forward sweeps that hold whole [K, V] states (simple GLA's split, BV 128 with 8 warps, whose o
+# sweep writing h spilled 12 registers a thread and took 0.785 ms against 0.530 without h at
+# B1-T32768-H32); False: none. Bitwise the same results in every form. H200, fwd+bwd, True against
+# False in one process (linear_attention.json, "... written by TMA (A/B; every sweep)"): 0.998x and
+# 1.003x at B1-T32768-H32 and -HQK16-HV32, whose backward alone ran 3.2% and 2.7% slower (the dh
+# sweep), so that the forward writing h ran about 0.056 ms faster at both (the fwd+bwd difference
+# less the backward's; inferred, the forward with states is not timed alone); 0.92x at
+# B4-T8192-H16 (the 4-warp [64, 64] light sweeps) and 0.91-0.93x for the delta rule ([128, 32]
+# blocks). "whole" is that forward gain without the backward's loss, but its fwd+bwd is not yet
+# measured (no device was lent after that run): off until it is (probe_gla_switch.py --switch
+# states_tma --op gla --shapes h32,qwen,gla_t32k,varlen). A sweep given a descriptor launches
+# through Triton's own path (fast_launch keys no descriptors): about 20 us more host time a launch.
+STATES_TMA: bool | str = False
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
 # that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
@@ -1033,9 +1039,10 @@ def _sweep_launch(config, K: int, V: int) -> tuple[int, int, int, dict]:
 
 def _states_desc(h, BK: int, BV: int, q, backward: bool = False):
     """A TMA descriptor over the chunk states h [NT, HV, K, V] (or their gradients, backward) as
-    [NT * HV * K, V] in [BK, BV] blocks, for the sweeps to write them under STATES_TMA; None: written
-    by plain stores (STATES_TMA off or "whole" and not a forward sweep over whole states, no h, blocks that do not tile K and V exactly, rows past int32 offsets, or a
-    GPU before sm_90; the interpreter takes the descriptors, so the CPU tests run this path)."""
+    [NT * HV * K, V] in [BK, BV] blocks, for the sweeps to write them under STATES_TMA. None: written
+    by plain stores (STATES_TMA off, or "whole" and not a forward sweep over whole states; no h;
+    blocks that do not tile K and V exactly; rows past int32 offsets; a GPU before sm_90). The
+    interpreter takes the descriptors, so the CPU tests run this path."""
     if h is None or not STATES_TMA or _TensorDescriptor is None:
         return None
     NT, HV, K, V = h.shape
