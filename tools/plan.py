@@ -46,6 +46,10 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_moe_hybrid.training.cli import quiet_imports  # noqa: E402
+
+quiet_imports()  # before Megatron's import-time warnings that TE / Apex are missing
+
 from megatron_moe_hybrid.config import (  # noqa: E402
     ConfigError,
     HybridMoEConfig,

@@ -10,15 +10,15 @@ import sys
 import warnings
 
 
-def _quiet_imports() -> None:
-    # Megatron warns at import time that TE / Apex are missing; we report backends ourselves
-    # (`python -m megatron_moe_hybrid.env`).
+def quiet_imports() -> None:
+    """Silence Megatron's import-time warnings that TE / Apex are missing: we report backends
+    ourselves (`python -m megatron_moe_hybrid.env`). Called first by these CLIs and tools/plan.py."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
 
 
 def main(mode: str, argv=None) -> int:
-    _quiet_imports()
+    quiet_imports()
     parser = argparse.ArgumentParser(
         prog=f"python -m megatron_moe_hybrid.{'train' if mode == 'pretrain' else 'finetune'}",
         description="Overrides are dotted config fields, e.g. --moe.num_experts 8 --training.lr 1e-3",
