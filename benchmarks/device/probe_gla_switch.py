@@ -53,13 +53,17 @@ Switches (SWITCHES; those marked uncommitted were tried and dropped, their rows 
             and P itself (one more [C, K] x [K, C] product and the decay mask per chunk step), no
             prep kernel in the forward: 0.90x at the four long shapes (the o sweep 0.785 -> 1.294
             ms at B1-T32768-H32 against the prep kernel's 0.213); dropped.
-    states_tma  STATES_TMA "whole" (--states-tma true: True) against False, the default
+    states_tma  STATES_TMA "whole" (--tma true: True) against False, the default
             (either op): the sweeps write the chunk states h (forward; True: and dh, backward)
             through host-made TMA descriptors (bulk tensor stores from shared memory) rather
             than per-thread stores through a layout conversion; "whole" only where a forward
             sweep holds whole [K, V] states (simple GLA's split). True ran 0.998x and 1.003x at
             B1-T32768-H32 and -HQK16-HV32 (the forward faster, the backward's dh sweep slower),
             0.92x at B4-T8192-H16 and 0.91-0.93x for the delta rule; "whole" is not yet run.
+    o_tma   O_TMA "whole" (--tma true: True) against False, the default: the forward sweeps
+            forming o write it through a descriptor too, where every length is a multiple of
+            the chunk. Not yet run.
+    tma     STATES_TMA and O_TMA together, at the --tma form, against both off.
 
 Per shape both forms run in turn --rounds times (benchmarks/linear_attention.py's measure:
 do_bench medians, warm, and one CUDA graph replayed); one results row per shape, ours_* the
@@ -92,8 +96,12 @@ SWITCHES = {
                   "the same with _group_sum passes over per-value-head copies"),
     "gdn_split": ("GDN_SPLIT_CHUNK_BWD", ("gdn",), "gdn fwd+bwd, the per-chunk backward as two kernels (A/B)",
                   "the same with the fused per-chunk kernel"),
-    "states_tma": ("STATES_TMA", ("gla", "gdn"), "{op} fwd+bwd, the chunk states and their gradients written by TMA (A/B)",
+    "states_tma": ("STATES_TMA", ("gla", "gdn"), "{op} fwd+bwd, the chunk states written by TMA, form {tma} (A/B)",
                    "the same with per-thread stores"),
+    "o_tma": ("O_TMA", ("gla", "gdn"), "{op} fwd+bwd, o written by TMA, form {tma} (A/B)",
+              "the same with per-thread stores"),
+    "tma": (("STATES_TMA", "O_TMA"), ("gla", "gdn"), "{op} fwd+bwd, the chunk states and o written by TMA, form {tma} (A/B)",
+            "the same with per-thread stores"),
     "gdn_keep_prep": ("GDN_KEEP_PREP", ("gdn",), "gdn fwd+bwd, the backward from the forward's gam, P and w (A/B)",
                       "the same with the backward's prep kernel run again (reading A)"),
 }
@@ -106,19 +114,21 @@ def main():
     p.add_argument("--shapes", default="gla_t32k,gla_b4,qwen,h32,h96,tp8,varlen")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
-    p.add_argument("--states-tma", default="whole", choices=("whole", "true"),
-                   help="--switch states_tma: the 'on' form (STATES_TMA 'whole' or True)")
+    p.add_argument("--tma", default="whole", choices=("whole", "true"),
+                   help="--switch states_tma, o_tma, tma: the 'on' form ('whole' or True)")
     a = p.parse_args()
     attr, ops, row_name, anchor = SWITCHES[a.switch]
     if a.op not in ops:
         p.error(f"--switch {a.switch} takes --op {' or '.join(ops)}")
-    row_name = row_name.format(op=a.op)
-    default = getattr(tc, attr)
+    row_name = row_name.format(op=a.op, tma=a.tma)
+    attrs = attr if isinstance(attr, tuple) else (attr,)
+    defaults = {name: getattr(tc, name) for name in attrs}
 
     def set_switch(value):
-        if value and a.switch == "states_tma" and a.states_tma != "true":
-            value = a.states_tma  # "whole", the default's form
-        setattr(tc, attr, {**default, a.op: value} if isinstance(default, dict) else value)
+        if value and a.switch in ("states_tma", "o_tma", "tma"):
+            value = True if a.tma == "true" else a.tma
+        for name, default in defaults.items():
+            setattr(tc, name, {**default, a.op: value} if isinstance(default, dict) else value)
 
     if a.switch == "group_sum":  # for the whole run
         tc.FUSE_GROUP_MIN_PROGRAMS = 0
@@ -130,7 +140,8 @@ def main():
             med, peak, out = bench.measure_in_turn(bench.ours_fn(a.op, cu), x, do, ("off", "on"),
                                                    lambda label: set_switch(label == "on"), a.rounds)
         finally:
-            setattr(tc, attr, default)
+            for name, default in defaults.items():
+                setattr(tc, name, default)
         row = bench.ab_row(
             row_name, name, x, med, peak, out, "on", "off", anchor,
             f"benchmarks/device/probe_gla_switch.py --switch {a.switch} --op {a.op}: both forms in turn, {a.rounds} rounds in one "

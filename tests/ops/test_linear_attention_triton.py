@@ -268,6 +268,53 @@ def test_chunk_states_written_by_tma_are_bitwise_the_plain_stores_cpu(op, light,
 
 
 @interpreter
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("case", ["B2-T128", "varlen-64-0-128", "varlen-64-70"])
+def test_output_written_by_tma_is_bitwise_the_plain_stores_cpu(op, split, case, monkeypatch):
+    """O_TMA: the forward sweeps forming o write it through a descriptor over [B * T, HV, V] in
+    [C, 1, BV] blocks, only where every sequence's length is a multiple of the chunk (a block store
+    writes a short last chunk's rows, which belong to the next sequence); True: at every such
+    sweep, "whole": where it holds whole [K, V] states. Bitwise the same outputs and gradients,
+    with the states' descriptors too (STATES_TMA True), and no descriptor where a length is not a
+    multiple of the chunk (here 70)."""
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", 1 if split else None)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)
+    monkeypatch.setattr(triton_chunk, "SPLIT_MAX_PROGRAMS", {**triton_chunk.SPLIT_MAX_PROGRAMS, "gla": 256, "gdn": 32})
+    if case == "B2-T128":
+        cu, x = None, make_inputs(2, 128, 1, 16, 32, HV=2, seed=41)
+    else:
+        lengths = [int(n) for n in case.split("-")[1:]]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        x = make_inputs(1, sum(lengths), 1, 16, 32, HV=2, N=len(lengths), seed=41)
+    aligned = case != "varlen-64-70"
+    made = []
+    real = triton_chunk._out_desc
+
+    def desc(o, BK, BV, q, whole_chunks):
+        d = real(o, BK, BV, q, whole_chunks)
+        if o is not None:
+            made.append((whole_chunks, BK == q.shape[3] and BV == o.shape[3], d is not None))
+        return d
+
+    monkeypatch.setattr(triton_chunk, "_out_desc", desc)
+    runs = {}
+    for form, states in ((False, False), (True, False), ("whole", False), (True, True)):
+        monkeypatch.setattr(triton_chunk, "O_TMA", form)
+        monkeypatch.setattr(triton_chunk, "STATES_TMA", states)
+        made.clear()
+        runs[form, states] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+        assert made and all(m[0] == aligned for m in made)  # the forward's sweep forming o, told the lengths
+        for whole_chunks, whole, used in made:
+            assert used == (whole_chunks and (form is True or (form == "whole" and whole))), (form, made)
+        if form is True:
+            assert any(used for _, _, used in made) == aligned
+    for form in list(runs)[1:]:
+        for name in runs[False, False]:
+            assert torch.equal(runs[False, False][name], runs[form][name]), (form, name)
+
+
+@interpreter
 @pytest.mark.parametrize("segment_chunks", [None, 1])
 @pytest.mark.parametrize("case", ["B2-T130-H2-K16-V32", "varlen-H1-HV2-K32-V16", "B2-T19-H2-HV4-K16-V16-strong-decay"])
 def test_gated_delta_rule_chunk_backward_in_two_kernels_cpu(case, segment_chunks, monkeypatch):
@@ -990,6 +1037,31 @@ def test_gated_delta_rule_chunk_backward_in_two_kernels_bf16_gpu(case, split, mo
     _, x, cu = gpu_inputs(case, seed=53)
     monkeypatch.setattr(triton_chunk, "GDN_SPLIT_CHUNK_BWD", split)
     bf16_against_reference("gated_delta_rule", x, cu, f"{case} split chunk backward {split}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("segment_chunks", [None, 8])
+@pytest.mark.parametrize("case", ["B2-T1024-H2-HV4-D128", "varlen-320-0-1024-H2-HV4-D128", "B2-T1000-H4-D128"])
+def test_tma_stores_bf16_gpu(op, case, segment_chunks, monkeypatch):
+    """STATES_TMA and O_TMA compiled for the GPU (Hopper's bulk tensor stores), every form against
+    the plain stores, unsplit and split, with chunk-aligned lengths (where o takes its descriptor)
+    and not: bitwise the same in bf16, and bf16 against the fp32 reference."""
+    lengths = [320, 0, 1024] if case.startswith("varlen") else None
+    B, T = (1, 1344) if lengths else (2, int(case.split("-")[1][1:]))
+    H, HV = (2, 4) if "HV4" in case else (4, 4)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = make_inputs(B, T, H, 128, 128, HV=HV, N=len(lengths) if lengths else B, dtype=torch.bfloat16,
+                    device="cuda", seed=59)
+    monkeypatch.setattr(triton_chunk, "SEGMENT_CHUNKS", segment_chunks)
+    monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", False)
+    plain = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
+    for form in (True, "whole"):
+        monkeypatch.setattr(triton_chunk, "STATES_TMA", form)
+        monkeypatch.setattr(triton_chunk, "O_TMA", form)
+        got, _ = bf16_against_reference(op, x, cu, f"{case} segments {segment_chunks} TMA {form}")
+        for name in plain:
+            assert torch.equal(plain[name], got[name]), (form, name)
 
 
 @pytest.mark.gpu

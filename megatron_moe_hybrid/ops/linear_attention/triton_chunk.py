@@ -149,6 +149,11 @@ GDN_KEEP_PREP = True
 # states_tma --op gla --shapes h32,qwen,gla_t32k,varlen). A sweep given a descriptor launches
 # through Triton's own path (fast_launch keys no descriptors): about 20 us more host time a launch.
 STATES_TMA: bool | str = False
+# The forward sweeps that form o write it through a TMA descriptor too ([B * T, HV, V] in [C, 1, BV]
+# blocks: _out_desc), where every sequence's length is a multiple of the chunk (a block store
+# cannot mask a short last chunk's rows, which belong to the next sequence). Forms as STATES_TMA's
+# (True, "whole", False); not yet run on the device: off.
+O_TMA: bool | str = False
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
 # that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
@@ -363,7 +368,7 @@ def _recurrence_fwd_kernel(
     IS_GDN: tl.constexpr, STORE_O: tl.constexpr, STORE_H: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     ZERO_U: tl.constexpr = False, H0_EYE: tl.constexpr = False, STORE_GT: tl.constexpr = False,
-    GAM_FROM_G: tl.constexpr = False, H_TMA: tl.constexpr = False,
+    GAM_FROM_G: tl.constexpr = False, H_TMA: tl.constexpr = False, O_TMA: tl.constexpr = False,
 ):
     """One [BK, BV] block of one sequence-head's state, chunk after chunk: U = u - w S,
     o = q^ S + P U, S'.
@@ -441,7 +446,10 @@ def _recurrence_fwd_kernel(
             b_qh = (b_q * (scale * tl.exp(b_gam))[:, None]).to(dt)
             b_P = tl.load(P + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
             b_o = tl.dot(b_qh, b_S.to(dt)) + tl.dot(b_P.to(dt), b_Ud)
-            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+            if O_TMA:  # o: a descriptor of [rows, HV, V] in blocks [BT, 1, BV], every chunk whole (_out_desc)
+                o.store([(bos + i_t * BT).to(tl.int32), i_h, i_v * BV], tl.expand_dims(b_o.to(dt), 1))
+            else:
+                tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         # k^T loaded transposed [BK, BT]; padded tokens load k = 0
         b_kT = tl.load(k + (r_t * H + i_hk)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_kT = (b_kT * tl.exp(b_glast - b_gam)[None, :]).to(dt)
@@ -810,6 +818,11 @@ class _Layout(NamedTuple):
     varlen: bool
 
 
+def _whole_chunks(chunks: _Chunks) -> bool:
+    """Whether every sequence's length is a multiple of the chunk (host ints: no sync)."""
+    return all(n % CHUNK == 0 for n in chunks.lengths)
+
+
 def _layout(chunks: _Chunks) -> _Layout:
     return _Layout(chunks.N, chunks.cu_seqlens, chunks.offsets, chunks.indices is not None)
 
@@ -1055,23 +1068,45 @@ def _states_desc(h, BK: int, BV: int, q, backward: bool = False):
     return _TensorDescriptor(h, [NT * HV * K, V], [V, 1], [BK, BV])
 
 
+def _out_desc(o, BK: int, BV: int, q, whole_chunks: bool):
+    """A TMA descriptor over o [B, T, HV, V] as [B * T, HV, V] in [CHUNK, 1, BV] blocks, for the
+    forward sweeps to write o under O_TMA; None: plain stores. A block store writes whole chunks,
+    so only where every sequence's length is a multiple of the chunk (whole_chunks), and under
+    "whole" only where the sweep holds whole [K, V] states; else as _states_desc."""
+    if o is None or not O_TMA or not whole_chunks or _TensorDescriptor is None:
+        return None
+    B, T, HV, V = o.shape
+    K = q.shape[3]
+    if O_TMA == "whole" and (BK < K or BV < V):
+        return None
+    if V % BV or B * T >= 2**31 or o.dtype != q.dtype or o.data_ptr() % 16 or (V * o.element_size()) % 16:
+        return None
+    if not _INTERPRET and (o.device.type != "cuda" or torch.cuda.get_device_capability(o.device)[0] < 9):
+        return None
+    return _TensorDescriptor(o, [B * T, HV, V], [HV * V, V, 1], [CHUNK, 1, BV])
+
+
 def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=None, h0=None, ht=None,
-               h=None, U=None, gt=None, zero_u=False, h0_eye=False, gam_from_g=False):
+               h=None, U=None, gt=None, zero_u=False, h0_eye=False, gam_from_g=False, whole_chunks=False):
     """_recurrence_fwd_kernel over layout's sequences; each output given is written. config:
     _sweep_launch's (a BK below the key head dim: simple GLA's light sweeps); gam_from_g: gam is
-    g (the sweep forms its chunk cumsum)."""
+    g (the sweep forms its chunk cumsum); whole_chunks: every sequence's length is a multiple of
+    the chunk (o may then be written through a descriptor, O_TMA)."""
     T, H, K = q.shape[1:]
     HV = gam.shape[2]
     V = u.shape[3] if V is None else V
     BV, num_warps, BK, options = _sweep_launch(config, K, V)
     assert BK >= K or (w is None and o is None), "only simple GLA's sweeps without o take a block of K"
     h_desc = _states_desc(h, BK, BV, q)
+    o_desc = _out_desc(o, BK, BV, q, whole_chunks)
     _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
-        q, k, w, u, gam, P, o, h0, ht, h if h_desc is None else h_desc, U, gt, layout.cu, layout.offsets, scale, T,
+        q, k, w, u, gam, P, o if o_desc is None else o_desc, h0, ht, h if h_desc is None else h_desc, U, gt,
+        layout.cu, layout.offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         IS_GDN=w is not None, STORE_O=o is not None, STORE_H=h is not None, USE_H0=h0 is not None,
         STORE_HT=ht is not None, IS_VARLEN=layout.varlen, ZERO_U=zero_u, H0_EYE=h0_eye,
-        STORE_GT=gt is not None, GAM_FROM_G=gam_from_g, H_TMA=h_desc is not None, num_warps=num_warps, **options,
+        STORE_GT=gt is not None, GAM_FROM_G=gam_from_g, H_TMA=h_desc is not None, O_TMA=o_desc is not None,
+        num_warps=num_warps, **options,
     )
 
 
@@ -1131,7 +1166,8 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
-        _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht, h=h, U=U)
+        _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht, h=h, U=U,
+                   whole_chunks=_whole_chunks(chunks))
         return o, ht, None, A, kept_prep, states
     config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
@@ -1145,7 +1181,8 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
         _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, ht=L, gt=trans)
     # 2. the states entering the segments; 3. each segment from its state, writing o
     S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
-    _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in, h=h, U=U)
+    _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in, h=h, U=U,
+               whole_chunks=_whole_chunks(chunks))
     return o, ht, (seg, S_in, trans), A, kept_prep, states
 
 
