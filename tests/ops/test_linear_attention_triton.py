@@ -584,15 +584,22 @@ def test_light_sweeps_take_blocks_of_the_key_dim_cpu(segment_chunks, lengths, mo
 
 
 @interpreter
-@pytest.mark.parametrize("op, light", [("gated_delta_rule", False), ("simple_gla", True), ("simple_gla", False)],
-                         ids=["gated_delta_rule", "simple_gla-light", "simple_gla-whole"])
+@pytest.mark.parametrize("op, light, split_bwd", [("gated_delta_rule", False, True), ("gated_delta_rule", False, False),
+                                                  ("simple_gla", True, False), ("simple_gla", False, False)],
+                         ids=["gated_delta_rule-two-kernels", "gated_delta_rule-one-kernel", "simple_gla-light",
+                              "simple_gla-whole"])
 @pytest.mark.parametrize("case", ["B1-T130-H1-HV2-K32-V16", "B1-T70-H2-HV6-K16-V16", "varlen"])
-def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, light, case, monkeypatch):
+def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, light, split_bwd, case, monkeypatch):
     """FUSE_GROUP_SUM: the chunk kernel takes a q/k head's value heads in turn and sums their dq
     and dk in fp32 (no _group_sum pass), forced here for both ops at any size (simple GLA with its
-    light sweeps, the chunk kernel then forming dv too, and over whole key dims): every output and
-    gradient against the reference and against the per-value-head copies summed afterwards."""
+    light sweeps, the chunk kernel then forming dv too, and over whole key dims; the delta rule's
+    backward in two kernels, both summing groups, and in one): every output and gradient against
+    the reference and against the per-value-head copies summed afterwards."""
     monkeypatch.setattr(triton_chunk, "GLA_LIGHT_SWEEPS", light)
+    monkeypatch.setattr(triton_chunk, "GDN_SPLIT_CHUNK_BWD", split_bwd)
+    launched = []
+    real_w = triton_chunk._chunk_bwd_gdn_w
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd_gdn_w", lambda *a: launched.append(a[9].shape[2]) or real_w(*a))
     if case == "varlen":
         B, T, H, HV, K, V, cu = 1, 200, 2, 4, 16, 32, torch.tensor([0, 70, 75, 200])
     else:
@@ -606,8 +613,11 @@ def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, light, case, monkeypat
     for fused in (True, False):
         monkeypatch.setattr(triton_chunk, "FUSE_GROUP_SUM", {"gla": fused, "gdn": fused})
         sums.clear()
+        launched.clear()
         runs[fused] = outputs_and_grads(op, x, "triton", cu_seqlens=cu)
         assert len(sums) == (0 if fused else 2)
+        # the second kernel's dk: per q/k head where fused, else per value head
+        assert launched == ([H if fused else HV] if split_bwd else [])
     assert_rel_rms(runs[True], runs[False], 1e-6, 1e-6)
     assert_rel_rms(runs[True], outputs_and_grads(op, x, "torch", cu_seqlens=cu), 2e-5, 2e-5)
 

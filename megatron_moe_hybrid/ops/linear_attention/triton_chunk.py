@@ -160,11 +160,15 @@ O_TMA: bool | str = False
 # in one process (linear_attention.json, "... summed in the chunk kernel (A/B)"): simple GLA at
 # B1-T32768-HQK16-HV32 3.158 -> 2.843 ms, packed [28672, 4096] 3.200 -> 2.895 (8192 programs;
 # peak 2.30 -> 2.03 GB); but at TP=8 (256 programs) 0.158 -> 0.167 ms as one CUDA graph, and the
-# delta rule, whose kernel already spills, 6.749 -> 7.981 at the Qwen shape: off for it. The gain
-# is the pass and the halved dq, dk writes, not fewer programs: 2 value heads per program without
-# a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16.
+# delta rule's fused kernel, which already spilled, 6.749 -> 7.981 at the Qwen shape: off for it.
+# The gain is the pass and the halved dq, dk writes, not fewer programs: 2 value heads per program
+# without a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16. The
+# delta rule's two-kernel backward (GDN_SPLIT_CHUNK_BWD) sums groups too since the commit after
+# 3c6a324 (its first half as simple GLA's, its second over a q/k head's value heads, dk read and
+# written once): not yet timed on the device (probe_gla_switch.py --switch group_sum --op gdn), so
+# still off for the delta rule.
 FUSE_GROUP_SUM = {"gla": True, "gdn": False}
-# The delta rule's per-chunk backward as two kernels (where it does not sum groups): the output and
+# The delta rule's per-chunk backward as two kernels (with FUSE_GROUP_SUM, both sum groups): the output and
 # state paths as simple GLA's kernel with U for v (dq; dk and dg's terms from do S^T, do U^T, U dS'^T),
 # then _bwd_chunk_gdn_w_kernel (Y = A^T dU: dv, dbeta, and dk and dg's terms through w and u, added
 # in place). The fused kernel holds both halves' accumulators and spilled 82 registers a thread at
@@ -720,15 +724,18 @@ def _bwd_chunk_gdn_w_kernel(
     k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, cu_seqlens, chunk_indices, T,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    GROUP: tl.constexpr = 1,
 ):
     """The delta rule's chunk-kernel terms through w and u (GDN_SPLIT_CHUNK_BWD), after
     _bwd_chunk_kernel has run as for simple GLA with U for v: that wrote dq, the dk and dg terms
     of the output and state paths. This one, per chunk and value head: Y = A^T dU, dv = beta Y,
     dbeta, and the dk and dg terms through w = A (beta e^gam k) and u = A (beta v) (README.md),
     added to dk and dg in place. Its accumulators (Y U^T, Y S^T) are the fused kernel's other
-    half, so neither kernel spills where the fused one did."""
+    half, so neither kernel spills where the fused one did. GROUP as _bwd_chunk_kernel's: GROUP
+    = HV // H takes a q/k head's value heads in turn, dk [B, T, H, K] (the first half's group
+    sums) read once, their terms added in fp32 and stored once."""
     i_tg, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
+    i_b, i_p = i_bh // (HV // GROUP), i_bh % (HV // GROUP)  # i_p: the program's first value head / GROUP
     i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     dt = k.dtype.element_ty
     o_t = i_t * BT + tl.arange(0, BT)
@@ -738,38 +745,42 @@ def _bwd_chunk_gdn_w_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    i_hk = i_h // (HV // H)
-
-    b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-    b_AT = tl.trans(b_A)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
-    b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
-    p_h = h + (i_tg * HV + i_h) * K * V
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
-        b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
-        b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
-        b_db, b_dMn, b_acc_kw = _gdn_y_terms(b_AT, b_dU, b_U, b_ST, b_beta, v, dv, p_tv, m_tv, b_db, b_dMn, b_acc_kw)
-
-    b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
     # mask before exp, padded rows too: there gam_i reads 0 and e^(0 - gam_j) can overflow
     m_strict = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
-    b_D = tl.where(m_strict, tl.exp(tl.where(m_strict, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
-    p_dqk = (r_t * HV + i_h)[:, None] * K + o_k[None, :]
-    b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32)
-    b_dk, b_dgam, b_db = _gdn_w_terms(b_k, b_beta, tl.exp(b_gam), b_D, m_strict, b_acc_kw, b_dMn,
-                                      b_dk, tl.zeros([BT], dtype=tl.float32), b_db)
-    tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-    b_dgam = tl.where(m_t, b_dgam, 0.0)
-    b_dg = tl.load(dg + r_t * HV + i_h, mask=m_t, other=0.0) + tl.cumsum(b_dgam, axis=0, reverse=True)
-    tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
+    p_dqk = (r_t * (HV // GROUP) + i_p)[:, None] * K + o_k[None, :]
+
+    for i_r in tl.static_range(GROUP):
+        i_h = i_p * GROUP + i_r
+        i_hk = i_h // (HV // H)
+        b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_AT = tl.trans(b_A)
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
+        b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+        p_h = h + (i_tg * HV + i_h) * K * V
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (r_t * HV + i_h)[:, None] * V + o_v[None, :]
+            b_ST = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
+            b_dU = tl.load(dU + p_tv, mask=m_tv, other=0.0).to(dt)
+            b_U = tl.load(U + p_tv, mask=m_tv, other=0.0).to(dt)
+            b_db, b_dMn, b_acc_kw = _gdn_y_terms(b_AT, b_dU, b_U, b_ST, b_beta, v, dv, p_tv, m_tv, b_db, b_dMn,
+                                                 b_acc_kw)
+
+        b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        b_D = tl.where(m_strict, tl.exp(tl.where(m_strict, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
+        if i_r == 0:  # the first half's dk (its group sum where GROUP > 1), loaded only now
+            b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32)
+        b_dk, b_dgam, b_db = _gdn_w_terms(b_k, b_beta, tl.exp(b_gam), b_D, m_strict, b_acc_kw, b_dMn,
+                                          b_dk, tl.zeros([BT], dtype=tl.float32), b_db)
+        tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+        b_dgam = tl.where(m_t, b_dgam, 0.0)
+        b_dg = tl.load(dg + r_t * HV + i_h, mask=m_t, other=0.0) + tl.cumsum(b_dgam, axis=0, reverse=True)
+        tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
     tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
@@ -1276,7 +1287,7 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     dv = _alloc(v.shape, v.dtype, v.device) if gdn or dv_from_dh else dU
     dg = _alloc((B, T, HV), torch.float32, q.device)
     dbeta = _alloc((B, T, HV), torch.float32, q.device) if gdn else None
-    if gdn and GDN_SPLIT_CHUNK_BWD and not fused:
+    if gdn and GDN_SPLIT_CHUNK_BWD:
         # the output and state paths as simple GLA's (U for v: dq, dk and dg's terms), then w's and u's
         _chunk_bwd(chunks, q, k, U, gam, None, None, h, dh, None, None, do, dq, dk, None, dg, None, scale)
         _chunk_bwd_gdn_w(chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta)
@@ -1312,14 +1323,17 @@ def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk,
 
 def _chunk_bwd_gdn_w(chunks: _Chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta) -> None:
     """_bwd_chunk_gdn_w_kernel over every chunk and value head (GDN_SPLIT_CHUNK_BWD), at
-    _chunk_bwd_config's config."""
+    _chunk_bwd_config's config; or, where dk has q/k heads (FUSE_GROUP_SUM), over every chunk
+    and q/k head, its value heads in turn."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
     BV, num_warps = _chunk_bwd_config(K, V)
-    _bwd_chunk_gdn_w_kernel[(chunks.NT // (1 if varlen else B), B * HV)](
+    heads = dk.shape[2]  # HV, or H where the chunk kernels sum each group of value heads
+    _bwd_chunk_gdn_w_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, chunks.cu_seqlens, chunks.indices, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV, IS_VARLEN=varlen, num_warps=num_warps,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV, IS_VARLEN=varlen, GROUP=HV // heads,
+        num_warps=num_warps,
     )
 
 
