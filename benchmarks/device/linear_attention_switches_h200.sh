@@ -1,0 +1,23 @@
+#!/bin/bash
+# The switches of triton_chunk that are built and CPU-tested but not yet timed, in one H200 call:
+#   bash benchmarks/device/linear_attention_switches_h200.sh      (about 3-4 minutes without fla)
+# 1. their bf16 GPU tests (the TMA stores: STATES_TMA, O_TMA; the delta rule's grouped-head sums
+#    in its two-kernel backward: FUSE_GROUP_SUM["gdn"]), against the fp32 reference and bitwise
+#    against the plain forms;
+# 2. each against the default in one process (probe_gla_switch.py; ours only, no fla): the TMA
+#    stores at "whole" for simple GLA's long shapes, where its whole-state split runs, then each of
+#    the two apart; the grouped sums for the delta rule at its grouped shapes.
+# Rows go to $OUT/switches_*.json (merge by hand into results/h200/linear_attention.json); a switch
+# that wins becomes the default, and linear_attention_h200.sh then times the defaults beside fla.
+source .whl/preamble.sh || exit 1
+export PYTHONPATH=$PWD:$PYTHONPATH
+OUT=${OUT:-$PWD/device-logs}; mkdir -p "$OUT"
+timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_attention_triton.py \
+  -k "tma_stores or grouped_heads" 2>&1 | tee "$OUT/switches_gpu_tests.log" | tail -3
+cd benchmarks || exit 1
+for switch in tma states_tma o_tma; do
+  timeout 150 python device/probe_gla_switch.py --switch $switch --op gla --shapes h32,qwen,gla_t32k,varlen \
+    --out "$OUT/switches_gla_$switch.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
+done
+timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shapes qwen,varlen,tp8 \
+  --out "$OUT/switches_gdn_group_sum.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
