@@ -1,12 +1,13 @@
 #!/bin/bash
 # The switches of triton_chunk that are built and CPU-tested but not yet timed, in one H200 call:
-#   bash benchmarks/device/linear_attention_switches_h200.sh      (about 3-4 minutes without fla)
+#   bash benchmarks/device/linear_attention_switches_h200.sh      (about 5-7 minutes; no fla)
 # 1. their bf16 GPU tests (the TMA stores: STATES_TMA, O_TMA; the delta rule's grouped-head sums
 #    in its two-kernel backward: FUSE_GROUP_SUM["gdn"]), against the fp32 reference and bitwise
 #    against the plain forms;
-# 2. each against the default in one process (probe_gla_switch.py; ours only, no fla): the TMA
-#    stores at "whole" for simple GLA's long shapes, where its whole-state split runs, then each of
-#    the two apart; the grouped sums for the delta rule at its grouped shapes.
+# 2. each against the default in one process (probe_gla_switch.py, probe_gla_configs.py; ours
+#    only, no fla): the TMA stores at "whole" for simple GLA's long shapes, where its whole-state
+#    split runs, then each of the two apart; the grouped sums for the delta rule at its grouped
+#    shapes; the delta rule's forward prep kernel under a register cap.
 # Rows go to $OUT/switches_*.json (merge by hand into results/h200/linear_attention.json); a switch
 # that wins becomes the default, and linear_attention_h200.sh then times the defaults beside fla.
 source .whl/preamble.sh || exit 1
@@ -21,3 +22,7 @@ for switch in tma states_tma o_tma; do
 done
 timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shapes qwen,varlen,tp8 \
   --out "$OUT/switches_gdn_group_sum.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
+# the delta rule's forward prep kernel (217 registers at 4 warps: two programs per SM) capped for
+# three (168) and four (128), against the default (probe_gla_configs.py: defaults and variants in turn)
+timeout 150 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128 --shapes qwen,b4 \
+  --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
