@@ -1,8 +1,9 @@
 #!/bin/bash
 # The switches of triton_chunk that are built and CPU-tested but not yet timed, in one H200 call:
 #   bash benchmarks/device/linear_attention_switches_h200.sh      (about 5-7 minutes; no fla)
-# 1. their bf16 GPU tests (the TMA stores: STATES_TMA, O_TMA; the delta rule's grouped-head sums
-#    in its two-kernel backward: FUSE_GROUP_SUM["gdn"]), against the fp32 reference and bitwise
+# 1. the linear-attention GPU tests, theirs among them (the TMA stores: STATES_TMA, O_TMA; the
+#    delta rule's grouped-head sums in its two-kernel backward: FUSE_GROUP_SUM["gdn"], whose
+#    second kernel's source changed for GROUP): bf16 against the fp32 reference and bitwise
 #    against the plain forms;
 # 2. each against the default in one process (probe_gla_switch.py, probe_gla_configs.py; ours
 #    only, no fla): the TMA stores at "whole" for simple GLA's long shapes, where its whole-state
@@ -13,8 +14,8 @@
 source .whl/preamble.sh || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-$PWD/device-logs}; mkdir -p "$OUT"
-timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_attention_triton.py \
-  -k "tma_stores or grouped_heads" 2>&1 | tee "$OUT/switches_gpu_tests.log" | tail -3
+timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_attention_triton.py 2>&1 \
+  | tee "$OUT/switches_gpu_tests.log" | tail -3
 cd benchmarks || exit 1
 for switch in tma states_tma o_tma; do
   timeout 150 python device/probe_gla_switch.py --switch $switch --op gla --shapes h32,qwen,gla_t32k,varlen \

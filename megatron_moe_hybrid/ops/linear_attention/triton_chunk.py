@@ -745,10 +745,9 @@ def _bwd_chunk_gdn_w_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    # mask before exp, padded rows too: there gam_i reads 0 and e^(0 - gam_j) can overflow
-    m_strict = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
-    p_dqk = (r_t * (HV // GROUP) + i_p)[:, None] * K + o_k[None, :]
 
+    # GROUP 1 (the default) keeps the order of the kernel before GROUP: nothing [BT, BT] or
+    # [BT, BK] beyond the accumulators is live through the V loop
     for i_r in tl.static_range(GROUP):
         i_h = i_p * GROUP + i_r
         i_hk = i_h // (HV // H)
@@ -772,16 +771,19 @@ def _bwd_chunk_gdn_w_kernel(
 
         b_k = tl.load(k + (r_t * H + i_hk)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
+        # mask before exp, padded rows too: there gam_i reads 0 and e^(0 - gam_j) can overflow
+        m_strict = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
         b_D = tl.where(m_strict, tl.exp(tl.where(m_strict, b_gam[:, None] - b_gam[None, :], 0.0)), 0.0)
         if i_r == 0:  # the first half's dk (its group sum where GROUP > 1), loaded only now
-            b_dk = tl.load(dk + p_dqk, mask=m_tk, other=0.0).to(tl.float32)
+            b_dk = tl.load(dk + (r_t * (HV // GROUP) + i_p)[:, None] * K + o_k[None, :], mask=m_tk,
+                           other=0.0).to(tl.float32)
         b_dk, b_dgam, b_db = _gdn_w_terms(b_k, b_beta, tl.exp(b_gam), b_D, m_strict, b_acc_kw, b_dMn,
                                           b_dk, tl.zeros([BT], dtype=tl.float32), b_db)
         tl.store(dbeta + r_t * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
         b_dgam = tl.where(m_t, b_dgam, 0.0)
         b_dg = tl.load(dg + r_t * HV + i_h, mask=m_t, other=0.0) + tl.cumsum(b_dgam, axis=0, reverse=True)
         tl.store(dg + r_t * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
-    tl.store(dk + p_dqk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dk + (r_t * (HV // GROUP) + i_p)[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
 def _chunks_of(B: int, T: int, cu_seqlens: Tensor | None) -> "_Chunks":
