@@ -8,7 +8,7 @@
 # 2. each against the default in one process (probe_gla_switch.py, probe_gla_configs.py; ours
 #    only, no fla): the TMA stores at "whole" for simple GLA's long shapes, where its whole-state
 #    split runs, then each of the two apart; the grouped sums for the delta rule at its grouped
-#    shapes; the delta rule's forward prep kernel under a register cap.
+#    shapes; the delta rule's forward prep kernel under a register cap, its chunk backward at 2 stages.
 # Rows go to $OUT/switches_*.json (merge by hand into results/h200/linear_attention.json); a switch
 # that wins becomes the default, and linear_attention_h200.sh then times the defaults beside fla.
 source .whl/preamble.sh || exit 1
@@ -24,6 +24,8 @@ done
 timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shapes qwen,varlen,tp8 \
   --out "$OUT/switches_gdn_group_sum.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
 # the delta rule's forward prep kernel (217 registers at 4 warps: two programs per SM) capped for
-# three (168) and four (128), against the default (probe_gla_configs.py: defaults and variants in turn)
-timeout 150 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128 --shapes qwen,b4 \
+# three (168) and four (128); its two chunk-backward kernels at 2 pipeline stages (the fused kernel
+# ran 1.026x so at B4-T8192-H16, linear_attention_chunk_bwd_config.json); each against the default
+# (probe_gla_configs.py: defaults and variants in turn)
+timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
   --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"

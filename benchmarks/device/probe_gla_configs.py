@@ -11,7 +11,8 @@ tried there. The chunk kernel's configs were (probe_chunk_bwd.py,
 linear_attention_chunk_bwd_config.json: (64, 8) fastest for simple GLA), but not a register cap:
 at (64, 8) it compiled to 196 registers a thread, one program per SM, and ran at about 60% of
 its byte floor. Variants:
-    chunk_<BV>x<warps>[s<stages>][r<maxnreg>]   simple GLA's _bwd_chunk_kernel at that config (BV up
+    chunk_<BV>x<warps>[s<stages>][r<maxnreg>]   the chunk backward at that config (--op gdn: both
+                                    kernels of the two-kernel form; simple GLA's _bwd_chunk_kernel: BV up
                                     to 128; maxnreg caps its registers per thread, e.g. 128 for two
                                     8-warp programs per SM, where 196 allow one)
     seq_<BV>x<warps>                the unsplit recurrences at that config (B1-T8192-H96's path)

@@ -268,6 +268,37 @@ def test_chunk_states_written_by_tma_are_bitwise_the_plain_stores_cpu(op, light,
 
 
 @interpreter
+def test_chunk_backward_configs_with_stages_reach_both_halves_cpu(monkeypatch):
+    """A chunk-backward config with num_stages and maxnreg (probe_gla_configs.py's chunk_<BV>x<warps>
+    s<stages>r<maxnreg>) reaches both kernels of the delta rule's two-kernel backward as launch
+    options; the interpreter ignores them, so the results are bitwise the default's."""
+    x = make_inputs(1, 130, 1, 16, 32, HV=2, seed=61)
+    default = outputs_and_grads("gated_delta_rule", x, "triton")
+    options = []
+    for name in ("_bwd_chunk_kernel", "_bwd_chunk_gdn_w_kernel"):
+        kernel = getattr(triton_chunk, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    options.append((self.name, kwargs.get("num_stages"), kwargs.get("maxnreg")))
+                    kwargs.pop("maxnreg", None)  # the interpreter takes no register cap
+                    return self.kernel[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(triton_chunk, name, Spy(kernel, name))
+    BV, warps = triton_chunk._chunk_bwd_config(16, 32)  # the default's blocks: the same sums
+    monkeypatch.setattr(triton_chunk, "_chunk_bwd_config", lambda K, V: (BV, warps, 2, 128))
+    got = outputs_and_grads("gated_delta_rule", x, "triton")
+    assert options == [("_bwd_chunk_kernel", 2, 128), ("_bwd_chunk_gdn_w_kernel", 2, 128)]
+    for name in default:
+        assert torch.equal(default[name], got[name]), name
+
+
+@interpreter
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("case", ["B2-T128", "varlen-64-0-128", "varlen-64-70"])

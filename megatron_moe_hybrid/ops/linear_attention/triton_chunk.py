@@ -1330,12 +1330,13 @@ def _chunk_bwd_gdn_w(chunks: _Chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
-    BV, num_warps = _chunk_bwd_config(K, V)
+    BV, num_warps, *rest = _chunk_bwd_config(K, V)  # and num_stages, maxnreg as _chunk_bwd takes them
+    options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
     heads = dk.shape[2]  # HV, or H where the chunk kernels sum each group of value heads
     _bwd_chunk_gdn_w_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, chunks.cu_seqlens, chunks.indices, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=_blocks(K, V)[0], BV=BV, IS_VARLEN=varlen, GROUP=HV // heads,
-        num_warps=num_warps,
+        num_warps=num_warps, **options,
     )
 
 
