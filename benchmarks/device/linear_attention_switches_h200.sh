@@ -25,7 +25,7 @@ timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shap
   --out "$OUT/switches_gdn_group_sum.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
 # the delta rule's forward prep kernel (217 registers at 4 warps: two programs per SM) capped for
 # three (168) and four (128); its two chunk-backward kernels at 2 pipeline stages (the fused kernel
-# ran 1.026x so at B4-T8192-H16, linear_attention_chunk_bwd_config.json); each against the default
+# alone ran 1.026x so at B4-T8192-H16, linear_attention_chunk_bwd_config.json); each against the default
 # (probe_gla_configs.py: defaults and variants in turn)
 timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
   --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
