@@ -163,10 +163,10 @@ O_TMA: bool | str = False
 # delta rule's fused kernel, which already spilled, 6.749 -> 7.981 at the Qwen shape: off for it.
 # The gain is the pass and the halved dq, dk writes, not fewer programs: 2 value heads per program
 # without a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16. The
-# delta rule's two-kernel backward (GDN_SPLIT_CHUNK_BWD) sums groups too since the commit after
-# 3c6a324 (its first half as simple GLA's, its second over a q/k head's value heads, dk read and
-# written once): not yet timed on the device (probe_gla_switch.py --switch group_sum --op gdn), so
-# still off for the delta rule.
+# delta rule's two-kernel backward (GDN_SPLIT_CHUNK_BWD) sums groups too since da791da (its
+# first half as simple GLA's, its second over a q/k head's value heads, dk read and written
+# once): not yet timed on the device (probe_gla_switch.py --switch group_sum --op gdn), so still
+# off for the delta rule.
 FUSE_GROUP_SUM = {"gla": True, "gdn": False}
 # The delta rule's per-chunk backward as two kernels (with FUSE_GROUP_SUM, both sum groups): the output and
 # state paths as simple GLA's kernel with U for v (dq; dk and dg's terms from do S^T, do U^T, U dS'^T),
@@ -249,6 +249,18 @@ def _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VA
         bos = i_b.to(tl.int64) * T
         i_c = i_b.to(tl.int64) * tl.cdiv(T, BT) + i_t
     return i_t, bos, T, i_c
+
+
+@triton.jit
+def _gdn_y_init(beta, A, r_t, m_t, o_c, HV, i_h, BT: tl.constexpr, BK: tl.constexpr, dt: tl.constexpr):
+    """What _gdn_y_terms sums into for one chunk of value head i_h: (beta, A^T in dt, and the
+    zero sums dbeta, Y U^T (dM = -Y U^T) and Y S^T (d(beta e^gam k) = -Y S^T))."""
+    b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dMn = tl.zeros([BT, BT], dtype=tl.float32)
+    b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)
+    return b_beta, tl.trans(b_A), b_db, b_dMn, b_acc_kw
 
 
 @triton.jit
@@ -638,12 +650,7 @@ def _bwd_chunk_kernel(
         b_gam = tl.load(gam + r_t * HV + i_h, mask=m_t, other=0.0)
         b_glast = tl.load(gam + (bos + last) * HV + i_h)
         if IS_GDN:
-            b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-            b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-            b_AT = tl.trans(b_A)
-            b_db = tl.zeros([BT], dtype=tl.float32)
-            b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
-            b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+            b_beta, b_AT, b_db, b_dMn, b_acc_kw = _gdn_y_init(beta, A, r_t, m_t, o_c, HV, i_h, BT, BK, dt)
 
         b_acc_q = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
         b_acc_ks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS'^T
@@ -751,12 +758,7 @@ def _bwd_chunk_gdn_w_kernel(
     for i_r in tl.static_range(GROUP):
         i_h = i_p * GROUP + i_r
         i_hk = i_h // (HV // H)
-        b_beta = tl.load(beta + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_A = tl.load(A + (r_t * HV + i_h)[:, None] * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
-        b_AT = tl.trans(b_A)
-        b_db = tl.zeros([BT], dtype=tl.float32)
-        b_dMn = tl.zeros([BT, BT], dtype=tl.float32)  # Y U^T; dM = -Y U^T
-        b_acc_kw = tl.zeros([BT, BK], dtype=tl.float32)  # Y S^T; d(beta e^gam k) = -Y S^T
+        b_beta, b_AT, b_db, b_dMn, b_acc_kw = _gdn_y_init(beta, A, r_t, m_t, o_c, HV, i_h, BT, BK, dt)
         p_h = h + (i_tg * HV + i_h) * K * V
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
@@ -798,7 +800,8 @@ class _Chunks:
     """Where the chunks are: N sequences, NT chunks in all, and for packed sequences the
     (sequence, chunk) of every chunk [NT, 2] and each sequence's first chunk [N + 1].
     starts / lengths: each sequence's first token and token count (host ints, from
-    host_offsets: cu_seqlens is read to the host once per tensor)."""
+    host_offsets: cu_seqlens is read to the host once per tensor); whole: every length a
+    multiple of the chunk (O_TMA's block stores)."""
 
     def __init__(self, B: int, T: int, cu_seqlens):
         self.cu_seqlens = cu_seqlens
@@ -806,6 +809,7 @@ class _Chunks:
             self.N, self.NT = B, B * cdiv(T, CHUNK)
             self.indices = self.offsets = None
             self.starts, self.lengths = [b * T for b in range(B)], [T] * B
+            self.whole = T % CHUNK == 0
             return
         cu = cu_seqlens.to(torch.int64)
         bounds = host_offsets(cu_seqlens)
@@ -814,6 +818,7 @@ class _Chunks:
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self.N = counts.numel()
         self.NT = sum(cdiv(n, CHUNK) for n in self.lengths)
+        self.whole = all(n % CHUNK == 0 for n in self.lengths)
         seq = torch.repeat_interleave(torch.arange(self.N, device=cu.device), counts, output_size=self.NT)
         within = torch.arange(self.NT, device=cu.device) - offsets[seq]
         self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous()
@@ -829,11 +834,6 @@ class _Layout(NamedTuple):
     cu: Tensor | None
     offsets: Tensor | None
     varlen: bool
-
-
-def _whole_chunks(chunks: _Chunks) -> bool:
-    """Whether every sequence's length is a multiple of the chunk (host ints: no sync)."""
-    return all(n % CHUNK == 0 for n in chunks.lengths)
 
 
 def _layout(chunks: _Chunks) -> _Layout:
@@ -1063,20 +1063,33 @@ def _sweep_launch(config, K: int, V: int) -> tuple[int, int, int, dict]:
     return BV, num_warps, BK, {"num_stages": rest[1]} if len(rest) > 1 else {}
 
 
+@functools.cache
+def _device_has_tma(device: torch.device) -> bool:
+    """Hopper's TMA (sm_90 and later); the interpreter takes descriptors too."""
+    return _INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _tma_ok(form, t, q, whole: bool, backward: bool = False) -> bool:
+    """Whether a sweep writes t through a TMA descriptor under the switch's form (STATES_TMA,
+    O_TMA: True every sweep, "whole" only a forward sweep over whole [K, V] states, False none):
+    Triton has host descriptors, t is in q's dtype, 16-byte aligned with 16-byte rows, and the
+    device has TMA. Else plain stores."""
+    if not form or _TensorDescriptor is None or (form == "whole" and (backward or not whole)):
+        return False
+    if t.dtype != q.dtype or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+        return False
+    return _device_has_tma(t.device)
+
+
 def _states_desc(h, BK: int, BV: int, q, backward: bool = False):
     """A TMA descriptor over the chunk states h [NT, HV, K, V] (or their gradients, backward) as
-    [NT * HV * K, V] in [BK, BV] blocks, for the sweeps to write them under STATES_TMA. None: written
-    by plain stores (STATES_TMA off, or "whole" and not a forward sweep over whole states; no h;
-    blocks that do not tile K and V exactly; rows past int32 offsets; a GPU before sm_90). The
-    interpreter takes the descriptors, so the CPU tests run this path."""
-    if h is None or not STATES_TMA or _TensorDescriptor is None:
+    [NT * HV * K, V] in [BK, BV] blocks, for the sweeps to write them under STATES_TMA; None
+    (plain stores) without h, where _tma_ok says no, or where the blocks do not tile K and V
+    exactly or the rows pass int32 offsets."""
+    if h is None:
         return None
     NT, HV, K, V = h.shape
-    if STATES_TMA == "whole" and (backward or BK < K or BV < V):
-        return None
-    if K % BK or V % BV or NT * HV * K >= 2**31 or h.dtype != q.dtype or h.data_ptr() % 16 or (V * h.element_size()) % 16:
-        return None
-    if not _INTERPRET and (h.device.type != "cuda" or torch.cuda.get_device_capability(h.device)[0] < 9):
+    if K % BK or V % BV or NT * HV * K >= 2**31 or not _tma_ok(STATES_TMA, h, q, BK == K and BV == V, backward):
         return None
     return _TensorDescriptor(h, [NT * HV * K, V], [V, 1], [BK, BV])
 
@@ -1084,17 +1097,12 @@ def _states_desc(h, BK: int, BV: int, q, backward: bool = False):
 def _out_desc(o, BK: int, BV: int, q, whole_chunks: bool):
     """A TMA descriptor over o [B, T, HV, V] as [B * T, HV, V] in [CHUNK, 1, BV] blocks, for the
     forward sweeps to write o under O_TMA; None: plain stores. A block store writes whole chunks,
-    so only where every sequence's length is a multiple of the chunk (whole_chunks), and under
-    "whole" only where the sweep holds whole [K, V] states; else as _states_desc."""
-    if o is None or not O_TMA or not whole_chunks or _TensorDescriptor is None:
+    so only where every sequence's length is a multiple of the chunk (whole_chunks); else as
+    _states_desc."""
+    if o is None or not whole_chunks:
         return None
     B, T, HV, V = o.shape
-    K = q.shape[3]
-    if O_TMA == "whole" and (BK < K or BV < V):
-        return None
-    if V % BV or B * T >= 2**31 or o.dtype != q.dtype or o.data_ptr() % 16 or (V * o.element_size()) % 16:
-        return None
-    if not _INTERPRET and (o.device.type != "cuda" or torch.cuda.get_device_capability(o.device)[0] < 9):
+    if V % BV or B * T >= 2**31 or not _tma_ok(O_TMA, o, q, BK == q.shape[3] and BV == V):
         return None
     return _TensorDescriptor(o, [B * T, HV, V], [HV * V, V, 1], [CHUNK, 1, BV])
 
@@ -1180,7 +1188,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
         config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht, h=h, U=U,
-                   whole_chunks=_whole_chunks(chunks))
+                   whole_chunks=chunks.whole)
         return o, ht, None, A, kept_prep, states
     config = _split_config(K, V, gdn)
     # 1. every segment from a zero state: L_s, and its transition (G_s, or M_s from the identity)
@@ -1195,7 +1203,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     # 2. the states entering the segments; 3. each segment from its state, writing o
     S_in, ht = _scan(seg, L, trans, h0, reverse=False, want_end=output_final_state)
     _sweep_fwd(seg.layout, config, q, k, w, u, gam, P, scale, o=o, h0=S_in, h=h, U=U,
-               whole_chunks=_whole_chunks(chunks))
+               whole_chunks=chunks.whole)
     return o, ht, (seg, S_in, trans), A, kept_prep, states
 
 
@@ -1303,6 +1311,13 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     return dq, dk, dv, dg, dbeta, dh0
 
 
+def _chunk_bwd_launch(config) -> tuple[int, int, dict]:
+    """(BV, num_warps, launch options) of a chunk-backward config (BV, num_warps[, num_stages
+    [, maxnreg]]), a None option left to Triton's default; both chunk-backward kernels take it."""
+    BV, num_warps, *rest = config
+    return BV, num_warps, {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
+
+
 def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk, dv, dg, dbeta, scale,
                config=None, P=None) -> None:
     """_bwd_chunk_kernel over every chunk and value head (config: (BV, num_warps[, num_stages
@@ -1311,8 +1326,7 @@ def _chunk_bwd(chunks: _Chunks, q, k, v, gam, beta, A, h, dh, U, dU, do, dq, dk,
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
-    BV, num_warps, *rest = _chunk_bwd_config(K, V) if config is None else config
-    options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
+    BV, num_warps, options = _chunk_bwd_launch(_chunk_bwd_config(K, V) if config is None else config)
     heads = dq.shape[2]  # HV, or H where the kernel sums each group of value heads (FUSE_GROUP_SUM)
     _bwd_chunk_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         q, k, v, gam, beta, A, P, h, dh, U, dU, do, dq, dk, dv, dg, dbeta,
@@ -1330,8 +1344,7 @@ def _chunk_bwd_gdn_w(chunks: _Chunks, k, v, gam, beta, A, h, U, dU, dk, dv, dg, 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = chunks.indices is not None
-    BV, num_warps, *rest = _chunk_bwd_config(K, V)  # and num_stages, maxnreg as _chunk_bwd takes them
-    options = {name: value for name, value in zip(("num_stages", "maxnreg"), rest) if value is not None}
+    BV, num_warps, options = _chunk_bwd_launch(_chunk_bwd_config(K, V))
     heads = dk.shape[2]  # HV, or H where the chunk kernels sum each group of value heads
     _bwd_chunk_gdn_w_kernel[(chunks.NT // (1 if varlen else B), B * heads)](
         k, v, gam, beta, A, h, U, dU, dk, dv, dg, dbeta, chunks.cu_seqlens, chunks.indices, T,
