@@ -1012,18 +1012,20 @@ def _split_config(K: int, V: int, gdn: bool) -> tuple:
     return (min(BV, max(16, next_power_of_2(V)), 128 if _wide_v_fits(K) else 32), num_warps, *rest)
 
 
-def _chunk_bwd_config(K: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) of _bwd_chunk_kernel. K 256 (simple GLA) takes (32, 4): at the default
+def _chunk_bwd_config(K: int, V: int) -> tuple:
+    """(BV, num_warps[, num_stages[, maxnreg]]) of _bwd_chunk_kernel (and of the delta rule's
+    second chunk-backward kernel): CONFIGS["chunk_bwd"], BV at most the value block. K 256 (simple GLA) takes (32, 4): at the default
     (64, 8) it needs 240 KB of shared memory, and (32, 8) gave dq 2.8e-2 off the fp32 reference
     in bf16 on the H200 (Triton 3.6), where (32, 4) and (16, 4) passed; at this config
     test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu passes there. (32, 8) is
     wrong for the delta rule at K 128 too: 7% faster there (2.67 against 2.86 ms at
     B1-T32768-HQK16-HV32), it failed 2 of the 14 bf16 GPU tests (among them the forced split's
     packed case), 2026-12-02."""
-    BV, num_warps = min(CONFIGS["chunk_bwd"][0], _blocks(K, V)[1]), CONFIGS["chunk_bwd"][1]
+    BV, num_warps, *options = CONFIGS["chunk_bwd"]
+    BV = min(BV, _blocks(K, V)[1])
     if _blocks(K, V)[0] > 128:
         return min(BV, 32), 4
-    return BV, num_warps
+    return (BV, num_warps, *options)
 
 
 def _prep(q, k, v, g, beta, scale, chunks: _Chunks, store_A: bool, A: Tensor | None = None, want_u: bool = True,
@@ -1120,6 +1122,11 @@ def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=
     assert BK >= K or (w is None and o is None), "only simple GLA's sweeps without o take a block of K"
     h_desc = _states_desc(h, BK, BV, q)
     o_desc = _out_desc(o, BK, BV, q, whole_chunks)
+    if h_desc is not None and o_desc is not None:
+        # Both stores' staging tiles and three pipeline stages need 238600 B of shared memory in
+        # simple GLA's whole-state sweep (K = V = BV = 128, 8 warps), over the 232448 a block may
+        # take; two stages need 180740 (tools/compile_kernels.py, Triton 3.9).
+        options = {**options, "num_stages": min(options.get("num_stages", 3), 2)}
     _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, u, gam, P, o if o_desc is None else o_desc, h0, ht, h if h_desc is None else h_desc, U, gt,
         layout.cu, layout.offsets, scale, T,

@@ -1,0 +1,167 @@
+"""Compiling our Triton kernels for the H200 on a machine without a GPU.
+
+An op's host code is run on empty CPU tensors with every Triton launch recorded instead of
+run (``recording``); each recorded launch is then compiled for a GPU target, the H200's sm_90a
+by default (``compile_launch``), by Triton's own compiler and ptxas, exactly as a first launch
+on the device would compile it: the same binder, specialisation (dtypes, 16-byte alignment,
+ints equal to 1 or divisible by 16), constexprs and launch options. What comes back is what
+ptxas reports: registers and local (spill) bytes per thread, shared memory, and the SASS.
+
+Why: the Triton interpreter runs our kernels on the CPU, but it accepts programs that the
+compiler rejects or that cannot launch (a tile over the 227 KB of shared memory, a layout the
+dot lowering does not take), and it says nothing of registers. Kernel source edited without a
+device is compiled here before it reaches one (tests/ops/test_kernels_compile.py), and the
+resources a config change would cost are read here for free (tools/compile_kernels.py).
+
+Limits: the local Triton is not the device's (3.9 here, 3.6 on the H200 machine), so the
+registers and code are the local compiler's, close to but not always the device's; and what
+runs fast is not decided here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+
+H200 = ("cuda", 90, 32)  # backend, arch (sm_90a), warp size
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as the host code made it: the @triton.jit function, grid, arguments."""
+
+    name: str
+    fn: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What one launch compiles to for the target, as ptxas reports it (per thread, per block)."""
+
+    name: str
+    grid: tuple
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+    constexprs: dict
+    registers: int
+    local_bytes: int  # the stack frame per thread: spills (Triton's n_spills is this / 4)
+    shared_bytes: int
+    sass: str
+
+    @property
+    def sass_digest(self) -> str:
+        return hashlib.sha256(self.sass.encode()).hexdigest()[:16]
+
+    def line(self) -> str:
+        cap = f" maxnreg {self.maxnreg}" if self.maxnreg else ""
+        return (f"{self.name}: grid {self.grid} warps {self.num_warps} stages {self.num_stages}{cap}: "
+                f"registers {self.registers} local {self.local_bytes} B shared {self.shared_bytes} B "
+                f"sass {self.sass_digest}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it every Triton launch (``kernel[grid](...)``, through ops/_launch.py's FastKernel
+    or not) is appended to the yielded list instead of run; it returns None to the caller, as a
+    launch that is not awaited does. Raises where the kernels are the interpreter's (they cannot
+    be compiled): import with TRITON_INTERPRET unset."""
+    from triton.runtime.jit import JITFunction
+
+    from . import _launch
+
+    if _interpreting():
+        raise RuntimeError("TRITON_INTERPRET=1: the kernels are the interpreter's and cannot be compiled; "
+                           "unset it in the process that records launches")
+    launches: list[Launch] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self.__name__, self, tuple(grid) if not callable(grid) else grid, args, kwargs))
+
+    saved = JITFunction.run, _launch.ENABLED
+    JITFunction.run, _launch.ENABLED = run, False
+    try:
+        yield launches
+    finally:
+        JITFunction.run, _launch.ENABLED = saved
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: Triton's NVIDIA tools are missing; install the triton wheel that ships them")
+    return path
+
+
+def _resource_usage(cubin: bytes, name: str) -> dict:
+    """{REG, STACK, SHARED, LOCAL, ...} of function name in cubin, from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = None
+    for line in out.splitlines():
+        if line.strip().startswith("Function"):
+            fields = line.strip().rstrip(":").split()[-1] == name
+        elif fields and "REG:" in line:
+            usage = {k: int(v) for k, v in re.findall(r"([A-Z]+):(\d+)", line)}
+            # the SASS without the header line that names the temporary file
+            usage["sass"] = "\n".join(l for l in sass.splitlines() if f.name not in l)
+            return usage
+    raise RuntimeError(f"cuobjdump found no function {name} in the compiled kernel:\n{out}")
+
+
+def compile_launch(launch: Launch, target: tuple = H200) -> Compiled:
+    """Compile launch for target as Triton's first launch of it on such a device would."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.fn
+    gpu = GPUTarget(*target)
+    backend = make_backend(gpu)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.kwargs)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX when ptxas fails
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+    usage = _resource_usage(kernel.asm["cubin"], kernel.metadata.name)
+    names = [p.name for p in fn.params]
+    return Compiled(
+        name=launch.name, grid=launch.grid, num_warps=options.num_warps, num_stages=options.num_stages,
+        maxnreg=options.maxnreg, constexprs={names[path[0]]: v for path, v in constexprs.items()},
+        registers=usage["REG"], local_bytes=max(usage.get("STACK", 0), usage.get("LOCAL", 0)),
+        shared_bytes=kernel.metadata.shared, sass=usage["sass"],
+    )
+
+
+# Hopper's limits that a launch must meet: shared memory one block may take (227 KB), and
+# registers per thread.
+MAX_SHARED_BYTES = 227 * 1024
+MAX_REGISTERS = 255
+
+
+def check_fits(c: Compiled) -> None:
+    """Raise where c could not launch on an H200: more shared memory than a block may take."""
+    if c.shared_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{c.name}: {c.shared_bytes} B of shared memory, over the H200's {MAX_SHARED_BYTES} "
+                         f"a block may take ({c.line()})")

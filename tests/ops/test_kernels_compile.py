@@ -1,0 +1,113 @@
+"""Our Triton kernels compiled for the H200 (sm_90a) on the CPU: tools/compile_kernels.py and
+ops/_aot.py. The interpreter runs the kernels' arithmetic in the other tests; these check what
+it cannot: that each launch the host code makes compiles for the GPU and fits in its shared
+memory, at the benchmark's shapes, under the defaults and under each switch built but not yet
+timed on the device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "compile_kernels.py")
+H200_SHARED = 227 * 1024
+
+# The kernels one forward+backward launches at every shape (the split's segment scan and the
+# group sums only at some).
+KERNELS = {
+    "gdn": {"_prep_kernel", "_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel",
+            "_bwd_chunk_gdn_w_kernel"},
+    "gla": {"_recurrence_fwd_kernel", "_recurrence_bwd_kernel", "_bwd_chunk_kernel"},
+}
+
+
+def compile_kernels(tmp_path, *args):
+    """(returncode, printed lines, JSON rows) of the tool run as a user runs it: its own process,
+    without the interpreter that this pytest process sets (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, TOOL, *args, "--json", str(out)], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    if r.returncode not in (0, 1):
+        raise AssertionError(f"tools/compile_kernels.py {args} exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}")
+    return r.returncode, lines, rows
+
+
+def assert_all_fit(rc, lines, rows, ops, shapes, kernels=KERNELS):
+    assert rc == 0 and not [l for l in lines if "FAILED" in l], "\n".join(lines)
+    for op in ops:
+        for shape in shapes:
+            got = {r["kernel"] for r in rows if (r["op"], r["shape"]) == (op, shape)}
+            assert kernels[op] <= got, (op, shape, sorted(got))
+    for r in rows:
+        assert r["shared_bytes"] <= H200_SHARED and r["registers"] <= 255 and r["programs_per_sm"] >= 1, r
+
+
+def test_linear_attention_kernels_compile_for_the_h200_at_the_defaults(tmp_path):
+    """Both ops at the benchmark's Qwen shape (grouped heads), TP=8 (the sequence split) and
+    packed (varlen): every launch compiles and fits."""
+    shapes = ["qwen", "tp8", "varlen"]
+    rc, lines, rows = compile_kernels(tmp_path, "--op", "gdn,gla", "--shape", ",".join(shapes))
+    assert_all_fit(rc, lines, rows, ["gdn", "gla"], shapes)
+    assert {"_segment_scan_kernel", "_group_sum_kernel"} <= {r["kernel"] for r in rows if r["shape"] == "tp8"}
+
+
+@pytest.mark.parametrize("settings", [
+    # the TMA stores together: simple GLA's whole-state sweep took 238600 B of shared memory at
+    # three stages before _sweep_fwd capped it at two
+    ["STATES_TMA=True", "O_TMA=True", "FUSE_GROUP_SUM.gdn=True"],
+    ["GDN_SPLIT_CHUNK_BWD=False", "GDN_KEEP_PREP=False", "KEEP_STATES={'gla': False, 'gdn': False}",
+     "GLA_KEEP_P=False", "GLA_DV_FROM_DH=False"],
+], ids=["tma-group_sum", "fused-unkept"])
+def test_linear_attention_kernels_compile_for_the_h200_under_each_switch(settings, tmp_path):
+    shapes = ["h32", "varlen"]
+    args = [a for s in settings for a in ("--set", s)]
+    rc, lines, rows = compile_kernels(tmp_path, "--op", "gdn,gla", "--shape", ",".join(shapes), *args)
+    fused = "GDN_SPLIT_CHUNK_BWD=False" in settings  # the delta rule's chunk backward in one kernel
+    kernels = {**KERNELS, "gdn": KERNELS["gdn"] - {"_bwd_chunk_gdn_w_kernel"}} if fused else KERNELS
+    assert_all_fit(rc, lines, rows, ["gdn", "gla"], shapes, kernels)
+    assert fused != any(r["kernel"] == "_bwd_chunk_gdn_w_kernel" for r in rows)
+    if "O_TMA=True" in settings:  # the descriptors were made: the kernels took them
+        whole = [r for r in rows if r["kernel"] == "_recurrence_fwd_kernel" and r["constexprs"].get("O_TMA")]
+        assert whole and all(r["constexprs"]["H_TMA"] for r in whole if r["op"] == "gla"), rows
+
+
+def test_a_launch_that_cannot_run_on_the_h200_fails_by_name(tmp_path):
+    """fp32 tiles at head dim 128 (which the op refuses on CUDA for this reason) overflow the
+    sweeps' shared memory; a register cap too low for an instruction fails in ptxas. Each names
+    the kernel, and the tool exits 1."""
+    rc, lines, _ = compile_kernels(tmp_path, "--op", "gdn", "--shape", "b4", "--dtype", "float32")
+    failed = [l for l in lines if "FAILED" in l]
+    assert rc == 1 and failed, lines
+    assert any("_recurrence_fwd_kernel" in l and "shared memory, over the H200's" in l for l in failed), failed
+    rc, lines, _ = compile_kernels(tmp_path, "--op", "gdn", "--shape", "b4", "--set", "CONFIGS.prep=(None, 4, 24)")
+    failed = [l for l in lines if "FAILED" in l]
+    assert rc == 1 and len(failed) == 1 and "_prep_kernel" in failed[0] and "registers" in failed[0], lines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "NO_SUCH=1"], "triton_chunk has no switch NO_SUCH"),
+    (["--set", "FUSE_GROUP_SUM.xyz=True"], "FUSE_GROUP_SUM has no entry 'xyz'"),
+    (["--set", "O_TMA=whole"], "is not a Python literal"),
+    (["--shape", "nope"], "--shape: unknown ['nope']"),
+])
+def test_bad_arguments_are_named(args, message, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_programs_per_sm():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from compile_kernels import programs_per_sm
+
+    assert programs_per_sm(209, 8, 114688) == 1  # registers: 6912 a warp, 55296 of 65536
+    assert programs_per_sm(209, 4, 114688) == 2  # and shared memory: 2 x (112 + 1) KB of 228
+    assert programs_per_sm(128, 8, 65536) == 2
+    assert programs_per_sm(80, 4, 33024) == 6
+    assert programs_per_sm(38, 4, 0) == 12  # 38 registers round to 40: 1280 a warp
