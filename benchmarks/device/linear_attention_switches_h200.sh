@@ -9,7 +9,8 @@
 #    only, no fla): the TMA stores at "whole" for simple GLA's long shapes, where its whole-state
 #    split runs (both together at two pipeline stages: at three that sweep needs more shared
 #    memory than a block may take, tools/compile_kernels.py), then each of the two apart; the grouped sums for the delta rule at its grouped
-#    shapes; the delta rule's forward prep kernel under a register cap, its chunk backward at 2 stages.
+#    shapes; the delta rule's forward prep kernel under a register cap, its chunk backward at 2 stages,
+#    its unsplit recurrences past one wave at 8 warps.
 # Rows go to $OUT/switches_*.json (merge by hand into results/h200/linear_attention.json); a switch
 # that wins becomes the default, and linear_attention_h200.sh then times the defaults beside fla.
 source .whl/preamble.sh || exit 1
@@ -30,3 +31,8 @@ timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shap
 # (probe_gla_configs.py: defaults and variants in turn)
 timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
   --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
+# the delta rule's unsplit recurrences past one wave (CONFIGS["seq_wide"], BV 64) at 8 warps: on the
+# CPU's compile report (tools/compile_kernels.py --set "CONFIGS.seq_wide=(64, 8)") 219 and 188
+# registers without spills, against 255 with 40 and 48 B spilled a thread at the default 4 warps
+timeout 150 python device/probe_gla_configs.py --op gdn --variants cfg_seq_wide_64x8 --shapes b4,h96,varlen \
+  --out "$OUT/switches_gdn_seq_wide.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
