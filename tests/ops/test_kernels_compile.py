@@ -1,8 +1,8 @@
 """Our Triton kernels compiled for the H200 (sm_90a) on the CPU: tools/compile_kernels.py and
 ops/_aot.py. The interpreter runs the kernels' arithmetic in the other tests; these check what
 it cannot: that each launch the host code makes compiles for the GPU and fits in its shared
-memory, at the benchmark's shapes, under the defaults and under each switch built but not yet
-timed on the device."""
+memory, at the benchmarks' shapes, under the defaults and under each switch built but not yet
+timed on the device (linear attention), and in both forms (sparse attention)."""
 
 import json
 import os
@@ -77,6 +77,27 @@ def test_linear_attention_kernels_compile_for_the_h200_under_each_switch(setting
         assert whole and all(r["constexprs"]["H_TMA"] for r in whole if r["op"] == "gla"), rows
 
 
+@pytest.mark.parametrize("forms", ["auto", "kernels"])
+def test_sparse_attention_kernels_compile_for_the_h200(forms, tmp_path):
+    """At every benchmark shape in the forms "auto" takes on the GPU (cuBLAS products around a
+    few kernels from 32 heads on); and in the kernels form, at MLA's 128 heads and GQA's."""
+    if forms == "auto":
+        rc, lines, rows = compile_kernels(tmp_path, "--op", "sparse", "--shape", "all")
+        expect = {"mla": {"_softmax_kernel", "_probs_grads_kernel", "_bwd_reduce_kernel"},
+                  "mla-h32": {"_fwd_kernel", "_probs_grads_kernel", "_bwd_reduce_kernel"},
+                  "gqa32k": {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel", "_bwd_reduce_kernel"}}
+    else:
+        rc, lines, rows = compile_kernels(tmp_path, "--op", "sparse", "--shape", "mla,gqa8k", "--set",
+                                          "FORWARD_FORM='kernels'", "--set", "BACKWARD_FORM='kernels'")
+        expect = {key: {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel", "_bwd_reduce_kernel"}
+                  for key in ("mla", "gqa8k")}
+    assert rc == 0 and not [l for l in lines if "FAILED" in l], "\n".join(lines)
+    for key, kernels in expect.items():
+        assert kernels <= {r["kernel"] for r in rows if r["shape"] == key}, (key, rows)
+    for r in rows:
+        assert r["shared_bytes"] <= H200_SHARED and r["programs_per_sm"] >= 1, r
+
+
 def test_a_launch_that_cannot_run_on_the_h200_fails_by_name(tmp_path):
     """fp32 tiles at head dim 128 (which the op refuses on CUDA for this reason) overflow the
     sweeps' shared memory; a register cap too low for an instruction fails in ptxas. Each names
@@ -95,6 +116,9 @@ def test_a_launch_that_cannot_run_on_the_h200_fails_by_name(tmp_path):
     (["--set", "FUSE_GROUP_SUM.xyz=True"], "FUSE_GROUP_SUM has no entry 'xyz'"),
     (["--set", "O_TMA=whole"], "is not a Python literal"),
     (["--shape", "nope"], "--shape: unknown ['nope']"),
+    (["--op", "gdn,sparse", "--shape", "qwen"], "none of ['qwen'] is a shape of --op sparse"),
+    (["--op", "sparse", "--set", "STATES_TMA=True"], "triton_sparse has no switch STATES_TMA"),
+    (["--op", "sparse", "--shape", "gqa8k", "--dtype", "float32"], "takes bf16 or fp16 on the GPU"),
 ])
 def test_bad_arguments_are_named(args, message, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
