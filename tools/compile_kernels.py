@@ -11,22 +11,32 @@ kernel the launch grid and options, registers and local (spill) bytes per thread
 memory, how many programs fit on one SM, and a digest of the SASS: two sources whose digests
 agree compile to the same machine code.
 
-Ops and their shapes (the benchmarks' SHAPES keys; default the first listed):
+Ops and their shapes (default: the first listed; a shape key applies to the ops that have it):
     gdn, gla   chunk_gated_delta_rule, chunk_simple_gla (ops/linear_attention/triton_chunk.py)
                at benchmarks/linear_attention.py's shapes: qwen, h32, b4, h96, tp8, varlen, ...
-    sparse     sparse_attention (ops/sparse_attention/triton_sparse.py) at
-               benchmarks/sparse_attention.py's: mla, mla-h32, mla128k, gqa8k, gqa32k, with 64
-               queries (the query count sets only the grids) and each pass in the form "auto"
-               takes on the GPU (FORWARD_FORM, BACKWARD_FORM: cuBLAS products around a few
-               kernels at MLA's 128 heads; --set "FORWARD_FORM='kernels'" for the kernels)
-A shape key applies to the ops that have it. The sparse-attention indexer, the cross-entropy,
-MoE, norm and short-conv kernels are not covered yet: their host code reads the kernels'
-results or takes CPU-only paths.
+    layer      the linear-attention layer's short conv, q/k L2 norms and gated output RMSNorm,
+               at the same shapes
+    sparse     sparse_attention with the indexer loss's target (ops/sparse_attention/
+               triton_sparse.py) at benchmarks/sparse_attention.py's shapes: mla, mla-h32,
+               mla128k, gqa8k, gqa32k, with 64 queries (the query count sets only the grids),
+               each pass in the form "auto" takes on the GPU (FORWARD_FORM, BACKWARD_FORM:
+               cuBLAS products around a few kernels from 32-64 heads a group; --set
+               "FORWARD_FORM='kernels'" for the kernels)
+    indexer    the lightning indexer's top-k (token and block mode) and its index scores at the
+               selected keys, forward and backward: dsv32 (B1, T 4096, 64 heads x 128, top-2048)
+    loss       chunked_linear_cross_entropy's Triton path, trainable and frozen weight: v152k,
+               v262k (benchmarks/loss.py's hidden and vocab sizes, 16 tokens)
+    moe        the MoE layer's router, layout, gathers, grouped GEMM and SwiGLU: S1, S2
+               (benchmarks/moe.py's widths, 512 tokens, 8 experts in the GEMMs)
+Every @triton.jit kernel of the package is launched by one of these (tests/ops/
+test_kernels_compile.py checks that).
 
 --set changes a switch of the op's Triton module for the run, e.g. --set STATES_TMA=True,
 --set FUSE_GROUP_SUM.gdn=True, --set "CONFIGS.prep=(None, 4, 168)" (values are Python
-literals). Exits 1 if a kernel does not compile or would not launch on the H200 (over 227 KB
-of shared memory).
+literals). A launch over the 227 KB of shared memory a block may take raises OutOfResources
+in the recording host code, as on the H200: where the host code tries a smaller config then
+(sparse attention), the tool says so and goes on. Exits 1 if a kernel does not compile or an
+op fails so.
 
 The compiler is the local Triton's (3.9 on the CPU machines, 3.6 on the H200 machine), so the
 figures are close to the device's, not always equal; timing still needs the device.
@@ -43,7 +53,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = {"gdn": "linear_attention", "gla": "linear_attention", "sparse": "sparse_attention"}  # op -> benchmark
+OPS = {"gdn": "linear_attention", "gla": "linear_attention", "sparse": "sparse_attention", "loss": None,
+       "moe": "moe", "layer": "linear_attention", "indexer": None}  # op -> its benchmark (SHAPES)
 SPARSE_QUERIES = 64
 
 # Hopper per SM: 64K registers, 228 KB of shared memory of which each block reserves 1 KB.
@@ -125,8 +136,8 @@ def record_linear(op: str, shape: tuple, head_dim: int | None = None, dtype: str
 
 
 def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
-    """The kernel launches of one forward+backward of sparse_attention at a sparse-attention
-    SHAPES entry with SPARSE_QUERIES queries (random inputs, causal random top-k indices: the
+    """The kernel launches of one forward+backward of sparse_attention (with the indexer loss's
+    sparse-stage target, sparse_attention_with_target) at a sparse-attention SHAPES entry with SPARSE_QUERIES queries (random inputs, causal random top-k indices: the
     host's cuBLAS products and gathers run on the CPU, so the values are real)."""
     import torch
 
@@ -147,8 +158,159 @@ def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str
     v = k[..., :DV] if shared else torch.randn(B, S, G, DV, generator=gen).to(dt).requires_grad_()
     leaves = (q, k) if shared else (q, k, v)
     with _aot.recording() as launches:
-        o = sa.sparse_attention(q, k, v, indices, backend="triton")[0]
+        o = sa.sparse_attention_with_target(q, k, v, indices, backend="triton")[0]  # and the indexer's target
         torch.autograd.grad(o, leaves, torch.ones_like(o))
+    return launches
+
+
+LOSS_SHAPES = {  # benchmarks/loss.py's (hidden, vocab), with LOSS_TOKENS tokens
+    "v152k": ("D4096-V151936", 4096, 151936),
+    "v262k": ("D7168-V262144", 7168, 262144),
+}
+LOSS_TOKENS = 16
+
+
+def record_loss(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
+    """The kernel launches of chunked_linear_cross_entropy's Triton path, forward+backward, with
+    a trainable weight and with a frozen one, plus z-loss and label smoothing (their kernels'
+    other variants), on LOSS_TOKENS tokens (the count sets only grids and chunking), zeros for
+    values. The logits products run on the CPU. FAST_EXP, which the host sets from is_cuda, is taken as on
+    the GPU."""
+    import torch
+
+    from megatron_moe_hybrid.ops import _aot
+    from megatron_moe_hybrid.ops.cross_entropy import triton as ce
+
+    if head_dim is not None or dtype not in ("bfloat16", "float16"):
+        raise SystemExit("--op loss: the shapes fix the hidden size, and the GPU path takes bf16 or fp16")
+    _, D, V = shape
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    labels = torch.randint(0, V, (LOSS_TOKENS,), generator=gen)
+    with _aot.recording(as_on_device={"FAST_EXP": True}) as launches:  # the host sets it from is_cuda
+        for trainable, z_loss, smoothing in ((True, 0.0, 0.0), (False, 1e-4, 0.1)):
+            hidden = torch.zeros(LOSS_TOKENS, D, dtype=dt).requires_grad_()
+            weight = torch.zeros(V, D, dtype=dt).requires_grad_(trainable)
+            loss = ce.triton_linear_cross_entropy(hidden, weight, labels, z_loss_weight=z_loss,
+                                                  label_smoothing=smoothing)
+            torch.autograd.grad(loss, [hidden, weight] if trainable else [hidden])
+    return launches
+
+
+MOE_TOKENS = 512
+MOE_GEMM_EXPERTS = 8
+
+
+def record_moe(op: str, shape: dict, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
+    """The kernel launches of the MoE layer's Triton ops, each called as the static dispatcher
+    and the experts call it at a benchmarks/moe.py shape with MOE_TOKENS tokens and, in the
+    grouped GEMMs, MOE_GEMM_EXPERTS experts (the counts set only grids): the fused router (softmax, and sigmoid with an expert bias; forward and
+    backward), the split-precision operands of the router GEMMs, the counting-sort layout, the
+    row gathers (permute, weighted combine, the combine weights' gradient), the grouped GEMM
+    (forward, input and weight gradients) and SwiGLU (forward and backward)."""
+    import torch
+
+    from megatron_moe_hybrid.ops import _aot
+    from megatron_moe_hybrid.ops.moe import gather, grouped_triton, layout, swiglu, topk
+
+    if head_dim is not None or dtype not in ("bfloat16", "float16"):
+        raise SystemExit("--op moe: the shapes fix the widths, and the GPU path takes bf16 or fp16")
+    T, H, E, K, F = MOE_TOKENS, shape["hidden"], shape["experts"], shape["topk"], shape["ffn"]
+    R = T * K  # expert rows: every token's K copies
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, E, (T, K), generator=gen)
+    rows = torch.randperm(R, generator=gen).view(T, K)  # each copy's expert row
+    G = min(E, MOE_GEMM_EXPERTS)  # the GEMMs' experts: the count sets only grids and weight bytes
+    counts = torch.full((G,), R // G, dtype=torch.int32)
+    counts[: R % G] += 1
+    bounds = grouped_triton.row_bounds(counts)
+    with _aot.recording() as launches:
+        logits = torch.zeros(T, E, requires_grad=True)
+        for score_func, bias in (("softmax", None), ("sigmoid", torch.zeros(E))):
+            outs = topk.fused_router_topk(logits, K, score_func, bias, stats=True)
+            grads = [o for o in outs if o.requires_grad]
+            torch.autograd.grad(grads, logits, [torch.ones_like(o) for o in grads])
+        topk.split_hi_lo(torch.zeros(E, H), dt, along_rows=True)
+        topk.split_hi_lo(torch.zeros(T, E), dt, along_rows=False)
+        layout.expand_layout(idx, E, R, backend="triton")
+        x = torch.zeros(T, H, dtype=dt)
+        y = torch.zeros(R, H, dtype=dt)
+        gather.scatter_rows(x, rows, torch.zeros(R, dtype=torch.int64), None, backend="triton")  # permute
+        gather.gather_sum(y, rows, torch.ones(T, K), backend="triton")  # weighted combine
+        gather.gather_sum(y, rows, None, backend="triton")  # the permute's input gradient
+        gather.row_dot(x, y, rows, backend="triton")  # the combine weights' gradient
+        for wgrad in ("auto", "triton"):
+            w1 = torch.zeros(G, H, 2 * F, dtype=dt, requires_grad=True)
+            w2 = torch.zeros(G, F, H, dtype=dt, requires_grad=True)
+            h1 = grouped_triton.GroupedMM.apply(y.requires_grad_(), w1, bounds, wgrad)
+            act = swiglu.swiglu(h1, backend="triton")
+            out = grouped_triton.GroupedMM.apply(act, w2, bounds, wgrad)
+            torch.autograd.grad(out, [y, w1, w2], torch.ones_like(out))
+    return launches
+
+
+def record_layer(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
+    """The kernel launches of the linear-attention layer's other Triton ops at a linear-attention
+    SHAPES entry, forward and backward, as the layer calls them: the short causal conv (+ SiLU)
+    over the q, k, v channels (width 4; packed where the shape is), the q and k L2 norms, the
+    gated output RMSNorm (seq_first); values left empty."""
+    import torch
+
+    from megatron_moe_hybrid.ops import _aot
+    from megatron_moe_hybrid.ops.linear_attention.norms import gated_rms_norm, l2_normalize
+    from megatron_moe_hybrid.ops.linear_attention.short_conv import causal_conv1d
+
+    _, B, T, HQK, HV, D, lengths = shape
+    D, dt = head_dim or D, getattr(torch, dtype)
+    C = 2 * HQK * D + HV * D
+    cu = None
+    if lengths is not None:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    with _aot.recording() as launches:
+        x = torch.empty(B, T, C, dtype=dt, requires_grad=True)
+        w = torch.empty(C, 4, dtype=dt, requires_grad=True)
+        y = causal_conv1d(x, w, cu, backend="triton")
+        torch.autograd.grad(y, [x, w], torch.empty_like(y))
+        q = torch.empty(B, T, HQK, D, dtype=dt, requires_grad=True)
+        y = l2_normalize(q, 1e-6, "triton")
+        torch.autograd.grad(y, q, torch.empty_like(y))
+        o = torch.empty(T, B, HV, D, dtype=dt, requires_grad=True)
+        z = torch.empty(T, B, HV, D, dtype=dt, requires_grad=True)
+        weight = torch.empty(D, dtype=dt, requires_grad=True)
+        y = gated_rms_norm(o, z, weight, 1e-6, seq_first=True, backend="triton")
+        torch.autograd.grad(y, [o, z, weight], torch.empty_like(y))
+    return launches
+
+
+INDEXER_SHAPES = {  # DeepSeek-V3.2's lightning indexer: (name, B, T = S, HI heads, DI dim, top-k)
+    "dsv32": ("B1-T4096-HI64-DI128-K2048", 1, 4096, 64, 128, 2048),
+}
+
+
+def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
+    """The kernel launches of the lightning indexer (ops/sparse_attention/triton_indexer.py):
+    the top-k selection (token and block mode: scoring, then the compaction after torch's
+    selection on the CPU) and the index scores at selected keys, forward and backward (the
+    sparse stage's KL loss input; its per-key reduce is sparse attention's)."""
+    import torch
+
+    from megatron_moe_hybrid.ops import _aot
+    from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
+
+    if head_dim is not None or dtype not in ("bfloat16", "float16"):
+        raise SystemExit("--op indexer: the shapes fix the head dim, and the GPU path takes bf16 or fp16")
+    _, B, T, HI, DI, K = shape
+    dt = getattr(torch, dtype)
+    q = torch.zeros(B, T, HI, DI, dtype=dt, requires_grad=True)
+    k = torch.zeros(B, T, DI, dtype=dt, requires_grad=True)
+    w = torch.zeros(B, T, HI, dtype=dt, requires_grad=True)
+    indices = _benchmark("sparse_attention").causal_indices(B, T, T, K, "cpu")
+    with _aot.recording() as launches:
+        for block_size in (None, 64):
+            ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K, block_size=block_size)
+        scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
+        torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
     return launches
 
 
@@ -168,12 +330,23 @@ def _as_on_the_h200() -> dict:
     # its argument checks refuse bf16 CPU tensors (the interpreter's bf16 loads are wrong); the
     # recorder's inputs are well formed (record_sparse)
     ts._check, ts._form = (lambda q, k, v, indices: None), gpu_form
-    return {"gdn": (tc, record_linear), "gla": (tc, record_linear), "sparse": (ts, record_sparse)}
+    from megatron_moe_hybrid.ops.cross_entropy import triton as ce
+
+    from megatron_moe_hybrid.ops.moe import grouped_triton
+    from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
+
+    return {"gdn": (tc, record_linear), "gla": (tc, record_linear), "sparse": (ts, record_sparse),
+            "loss": (ce, record_loss), "moe": (grouped_triton, record_moe), "layer": (tc, record_layer),
+            "indexer": (ti, record_indexer)}
+
+
+def _plain(constexprs: dict) -> dict:
+    return {k: v for k, v in constexprs.items() if isinstance(v, (bool, int))}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", default="gdn,gla", help="gdn, gla, sparse (comma-separated)")
+    p.add_argument("--op", default="gdn,gla", help=f"comma-separated, of {', '.join(OPS)}")
     p.add_argument("--shape", default="default", help="benchmark shape keys, comma-separated; all; default: "
                    "each op's first")
     p.add_argument("--head-dim", type=int, default=None, help="instead of the shape's head dim (64, 128, 256)")
@@ -192,7 +365,8 @@ def main(argv=None) -> int:
     unknown = [o for o in ops if o not in OPS]
     if unknown:
         raise SystemExit(f"--op: unknown {unknown}; choose from {sorted(OPS)}")
-    shapes = {op: _benchmark(OPS[op]).SHAPES for op in ops}
+    own = {"loss": LOSS_SHAPES, "indexer": INDEXER_SHAPES}
+    shapes = {op: own[op] if op in own else _benchmark(OPS[op]).SHAPES for op in ops}
     known = {k for table in shapes.values() for k in table}
     if a.shape == "all":
         wanted = {op: list(shapes[op]) for op in ops}
@@ -211,19 +385,29 @@ def main(argv=None) -> int:
     for setting in a.set:
         apply_setting(list(dict.fromkeys(families[op][0] for op in ops)), setting)
 
-    rows, done, failed = [], {}, 0
+    rows, rejected, done, failed = [], [], {}, 0
     for op in ops:
         for key in wanted[op]:
-            for launch in families[op][1](op, shapes[op][key], a.head_dim, a.dtype):
-                try:
-                    c = _aot.compile_launch(launch)
-                    _aot.check_fits(c)
-                except Exception as exc:  # a compile error or a launch that cannot fit: say which
-                    failed += 1
-                    lines = [l for l in str(exc).splitlines() if l.strip()]
-                    why = " / ".join([l for l in lines if "fatal" in l or "error" in l.lower()][:2] or lines[:2])
-                    print(f"{op} {key} {launch.name}: FAILED: {type(exc).__name__}: {why}", flush=True)
-                    continue
+            try:
+                launches = families[op][1](op, shapes[op][key], a.head_dim, a.dtype)
+            except Exception as exc:  # a kernel that does not compile or fit, as its launch on the GPU would raise
+                failed += 1
+                launch = getattr(exc, "launch", None)
+                lines = [l for l in str(exc).splitlines() if l.strip()]
+                why = " / ".join([l for l in lines if "fatal" in l or "error" in l.lower()][:2] or lines[:2])
+                where = launch.compiled.line() if launch is not None and launch.compiled else ""
+                print(f"{op} {key} {launch.name if launch else '?'}: FAILED: {type(exc).__name__}: {why}"
+                      + (f" ({where})" if where else ""), flush=True)
+                continue
+            for launch in launches.rejected:  # refused for its shared memory; the host code went on
+                c = launch.compiled
+                print(f"{op} {key} {c.line()}: does not fit ({c.shared_bytes} B of shared memory, over the "
+                      f"{_aot.MAX_SHARED_BYTES} a block may take): the host code took its next config", flush=True)
+                rejected.append({"op": op, "shape": key, "kernel": c.name, "num_warps": c.num_warps,
+                                 "num_stages": c.num_stages, "shared_bytes": c.shared_bytes,
+                                 "constexprs": _plain(c.constexprs)})
+            for launch in launches:
+                c = launch.compiled
                 fit = programs_per_sm(c.registers, c.num_warps, c.shared_bytes)
                 seen = done.setdefault((c.name, c.sass_digest), f"{op} {key}")
                 print(f"{op} {key} {c.line()} per-SM {fit}" + ("" if seen == f"{op} {key}" else f" (as {seen})"),
@@ -232,14 +416,14 @@ def main(argv=None) -> int:
                              "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg,
                              "registers": c.registers, "local_bytes": c.local_bytes,
                              "shared_bytes": c.shared_bytes, "programs_per_sm": fit, "sass": c.sass_digest,
-                             "constexprs": {k: v for k, v in c.constexprs.items() if isinstance(v, (bool, int))}})
+                             "constexprs": _plain(c.constexprs)})
                 if a.sass:
                     os.makedirs(a.sass, exist_ok=True)
                     with open(os.path.join(a.sass, f"{c.name}_{c.sass_digest}.sass"), "w") as f:
                         f.write(c.sass)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"settings": a.set, "rows": rows}, f, indent=2)
+            json.dump({"settings": a.set, "rows": rows, "rejected": rejected}, f, indent=2)
             f.write("\n")
     return 1 if failed else 0
 

@@ -32,6 +32,8 @@ import tempfile
 import triton
 
 H200 = ("cuda", 90, 32)  # backend, arch (sm_90a), warp size
+# Hopper's shared memory one block may take (227 KB): a launch asking more raises OutOfResources.
+MAX_SHARED_BYTES = 227 * 1024
 
 
 @dataclasses.dataclass
@@ -43,6 +45,7 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: dict
+    compiled: "Compiled | None" = None
 
 
 @dataclasses.dataclass
@@ -75,12 +78,29 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+class Recording(list):
+    """The launches made within recording(), in order, each compiled (Launch.compiled); and
+    those the device would have refused for their shared memory (rejected), which raised
+    OutOfResources to the host code as a launch on the device does."""
+
+    def __init__(self):
+        super().__init__()
+        self.rejected: list[Launch] = []
+
+
 @contextlib.contextmanager
-def recording():
+def recording(target: tuple = H200, as_on_device: dict | None = None):
     """Within it every Triton launch (``kernel[grid](...)``, through ops/_launch.py's FastKernel
-    or not) is appended to the yielded list instead of run; it returns None to the caller, as a
-    launch that is not awaited does. Raises where the kernels are the interpreter's (they cannot
-    be compiled): import with TRITON_INTERPRET unset."""
+    or not) is compiled for target instead of run and appended to the yielded Recording; the
+    call returns None to the host code, as a launch that is not awaited does. As on the device,
+    a kernel that does not compile raises the compiler's error there, and one over the shared
+    memory a block may take raises triton's OutOfResources (host code that catches it and tries
+    a smaller config, as sparse attention's _launch does, goes on as it would on the GPU); the
+    error carries the launch that raised it (.launch). as_on_device: keyword arguments (constexprs)
+    that the host code sets from the device it runs on, with the GPU's values (e.g.
+    {"FAST_EXP": True}), put in every launch that passes them. Raises where the kernels are the interpreter's (they cannot be compiled): import with
+    TRITON_INTERPRET unset."""
+    from triton.runtime.errors import OutOfResources
     from triton.runtime.jit import JITFunction
 
     from . import _launch
@@ -88,10 +108,22 @@ def recording():
     if _interpreting():
         raise RuntimeError("TRITON_INTERPRET=1: the kernels are the interpreter's and cannot be compiled; "
                            "unset it in the process that records launches")
-    launches: list[Launch] = []
+    launches = Recording()
 
     def run(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self.__name__, self, tuple(grid) if not callable(grid) else grid, args, kwargs))
+        kwargs.update({k: v for k, v in (as_on_device or {}).items() if k in kwargs})
+        launch = Launch(self.__name__, self, tuple(grid) if not callable(grid) else grid, args, kwargs)
+        try:
+            launch.compiled = compile_launch(launch, target)
+        except Exception as exc:
+            exc.launch = launch  # which launch failed, for the caller's report
+            raise
+        if launch.compiled.shared_bytes > MAX_SHARED_BYTES:
+            launches.rejected.append(launch)
+            err = OutOfResources(launch.compiled.shared_bytes, MAX_SHARED_BYTES, "shared memory")
+            err.launch = launch
+            raise err
+        launches.append(launch)
 
     saved = JITFunction.run, _launch.ENABLED
     JITFunction.run, _launch.ENABLED = run, False
@@ -152,16 +184,3 @@ def compile_launch(launch: Launch, target: tuple = H200) -> Compiled:
         registers=usage["REG"], local_bytes=max(usage.get("STACK", 0), usage.get("LOCAL", 0)),
         shared_bytes=kernel.metadata.shared, sass=usage["sass"],
     )
-
-
-# Hopper's limits that a launch must meet: shared memory one block may take (227 KB), and
-# registers per thread.
-MAX_SHARED_BYTES = 227 * 1024
-MAX_REGISTERS = 255
-
-
-def check_fits(c: Compiled) -> None:
-    """Raise where c could not launch on an H200: more shared memory than a block may take."""
-    if c.shared_bytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{c.name}: {c.shared_bytes} B of shared memory, over the H200's {MAX_SHARED_BYTES} "
-                         f"a block may take ({c.line()})")
