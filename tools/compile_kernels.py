@@ -38,8 +38,13 @@ in the recording host code, as on the H200: where the host code tries a smaller 
 (sparse attention), the tool says so and goes on. Exits 1 if a kernel does not compile or an
 op fails so.
 
-The compiler is the local Triton's (3.9 on the CPU machines, 3.6 on the H200 machine), so the
-figures are close to the device's, not always equal; timing still needs the device.
+The compiler is whichever Triton imports first. The CPU machines' is 3.9, whose registers and
+code differ in places from the H200 machine's 3.6. For the device's compiler, put 3.6.0 first:
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python tools/compile_kernels.py ...
+which reproduces what the H200 runs reported (the delta rule's prep kernel 217 registers;
+simple GLA's whole-state o sweep 255 with 48 B spilled, its chunk kernel 196 at B1-T32768-H32).
+Timing still needs the device.
 """
 
 from __future__ import annotations

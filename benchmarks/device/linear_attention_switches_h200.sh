@@ -31,8 +31,8 @@ timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shap
 # (probe_gla_configs.py: defaults and variants in turn)
 timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
   --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
-# the delta rule's unsplit recurrences past one wave (CONFIGS["seq_wide"], BV 64) at 8 warps: on the
-# CPU's compile report (tools/compile_kernels.py --set "CONFIGS.seq_wide=(64, 8)") 219 and 188
-# registers without spills, against 255 with 40 and 48 B spilled a thread at the default 4 warps
+# the delta rule's unsplit recurrences past one wave (CONFIGS["seq_wide"], BV 64) at 8 warps: 228
+# and 210 registers a thread, against 255 (the cap) at the default 4 warps (tools/compile_kernels.py
+# with Triton 3.6, --set "CONFIGS.seq_wide=(64, 8)")
 timeout 150 python device/probe_gla_configs.py --op gdn --variants cfg_seq_wide_64x8 --shapes b4,h96,varlen \
   --out "$OUT/switches_gdn_seq_wide.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
