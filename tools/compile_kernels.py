@@ -2,7 +2,7 @@
 
     python tools/compile_kernels.py [--op gdn,gla,sparse] [--shape qwen,b4,mla,...|all]
         [--head-dim D] [--dtype bfloat16|float16|float32] [--set NAME=VALUE ...] [--sass DIR]
-        [--json PATH]
+        [--json PATH] [--against REV]
 
 Runs one forward+backward of each op at each shape on CPU tensors with every Triton launch
 recorded instead of run, then compiles each launch for sm_90a with Triton's compiler and
@@ -30,6 +30,11 @@ Ops and their shapes (default: the first listed; a shape key applies to the ops 
                (benchmarks/moe.py's widths, 512 tokens, 8 experts in the GEMMs)
 Every @triton.jit kernel of the package is launched by one of these (tests/ops/
 test_kernels_compile.py checks that).
+
+--against REV runs the same on git revision REV's package (a temporary worktree; this
+checkout's recorders and compiler driver) and compares the SASS launch by launch: a refactor of
+kernel source that compiles to the same machine code at every shape needs no new GPU run.
+Exit 0 when all agree, 2 where any differs.
 
 --set changes a switch of the op's Triton module for the run, e.g. --set STATES_TMA=True,
 --set FUSE_GROUP_SUM.gdn=True, --set "CONFIGS.prep=(None, 4, 168)" (values are Python
@@ -328,7 +333,8 @@ def _as_on_the_h200() -> dict:
     from megatron_moe_hybrid.ops.sparse_attention import triton_sparse as ts
 
     tc._INTERPRET = True  # read by the CPU-tensor check and the TMA gate only
-    tc._device_has_tma.cache_clear()
+    if hasattr(tc, "_device_has_tma"):  # (cached; a revision before the TMA stores has none)
+        tc._device_has_tma.cache_clear()
     def gpu_form(sh, q, which, pass_="forward"):
         return which if which != "auto" else ("products" if sh.R >= ts.PRODUCTS_MIN_HEADS[pass_] else "kernels")
 
@@ -345,6 +351,69 @@ def _as_on_the_h200() -> dict:
             "indexer": (ti, record_indexer)}
 
 
+def _load_package(tree: str):
+    """Import megatron_moe_hybrid from the checkout tree, with this checkout's ops/_aot.py as its
+    ops._aot (a revision from before it still records and compiles); returns that module."""
+    sys.path.insert(0, tree)
+    import megatron_moe_hybrid.ops as ops_package
+
+    if not os.path.abspath(ops_package.__file__).startswith(os.path.abspath(tree) + os.sep):
+        raise SystemExit(f"--tree {tree}: megatron_moe_hybrid imported from {ops_package.__file__} instead")
+    name = "megatron_moe_hybrid.ops._aot"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "megatron_moe_hybrid", "ops", "_aot.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def against(rev: str, argv: list) -> int:
+    """Run this tool on git revision rev's package (a temporary worktree) and on this checkout,
+    with the same arguments, and compare the SASS launch by launch: 0 all the same, 2 some
+    differ, 1 a run failed."""
+    import subprocess
+    import tempfile
+
+    argv = [x for i, x in enumerate(argv) if x != "--against" and (i == 0 or argv[i - 1] != "--against")
+            and not x.startswith("--against=")]
+    argv = [x for i, x in enumerate(argv) if x != "--json" and (i == 0 or argv[i - 1] != "--json")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (
+        {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = os.path.join(tmp, "tree")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, rev], check=True,
+                       capture_output=True, text=True)
+        try:
+            runs = {}
+            for label, extra in ((rev, ["--tree", tree]), ("this checkout", [])):
+                out = os.path.join(tmp, f"{len(runs)}.json")
+                r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, *extra, "--json", out],
+                                   capture_output=True, text=True, env=env)
+                if r.returncode != 0 or not os.path.exists(out):
+                    print(f"{label}: the run failed (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+                    return 1
+                with open(out) as f:
+                    runs[label] = [(x["op"], x["shape"], x["kernel"], x["sass"]) for x in json.load(f)["rows"]]
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
+    return compare(runs[rev], runs["this checkout"], rev)
+
+
+def compare(old: list, new: list, rev: str) -> int:
+    """Print how the launches new [(op, shape, kernel, sass digest)] compare with rev's old:
+    0 all compile to the same SASS, 2 some differ or the launches themselves do."""
+    if [x[:3] for x in old] != [x[:3] for x in new]:
+        first = next(((x[:3], y[:3]) for x, y in zip(old, new) if x[:3] != y[:3]), None)
+        print(f"the launches differ: {rev} made {len(old)}, this checkout {len(new)}"
+              + (f"; first difference {first[0]} against {first[1]}" if first else ""))
+        return 2
+    differ = [(x, y) for x, y in zip(old, new) if x[3] != y[3]]
+    for x, y in differ:
+        print(f"{x[0]} {x[1]} {x[2]}: SASS {x[3]} at {rev}, {y[3]} here")
+    print(f"{len(new)} launches, {len(new) - len(differ)} compile to the same SASS as at {rev}, {len(differ)} differ")
+    return 2 if differ else 0
+
+
 def _plain(constexprs: dict) -> dict:
     return {k: v for k, v in constexprs.items() if isinstance(v, (bool, int))}
 
@@ -359,12 +428,16 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a switch of the op's Triton module")
     p.add_argument("--sass", default=None, metavar="DIR", help="write each kernel's SASS there")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--against", default=None, metavar="REV", help="compare the SASS with git revision REV's "
+                   "kernels (exit 2 where any differs)")
+    p.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # the package's checkout (--against)
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("TRITON_INTERPRET=1: the kernels would be the interpreter's, which do not compile; "
                          "run with TRITON_INTERPRET unset")
-    sys.path.insert(0, ROOT)
-    from megatron_moe_hybrid.ops import _aot
+    if a.against:
+        return against(a.against, [x for x in (argv if argv is not None else sys.argv[1:])])
+    _aot = _load_package(a.tree or ROOT)
 
     ops = [o.strip() for o in a.op.split(",")]
     unknown = [o for o in ops if o not in OPS]

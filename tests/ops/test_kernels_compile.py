@@ -143,6 +143,31 @@ def test_bad_arguments_are_named(args, message, tmp_path):
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
 
 
+def test_against_a_revision_compares_the_sass_launch_by_launch(tmp_path):
+    """--against HEAD: the package of HEAD (a temporary worktree) and this checkout recorded and
+    compiled alike; in a clean checkout every launch compiles to the same SASS (exit 0), with a
+    kernel edited since HEAD some differ (exit 2)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, TOOL, "--op", "gla", "--shape", "tp8", "--against", "HEAD"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    summary = [l for l in r.stdout.splitlines() if "compile to the same SASS as at HEAD" in l]
+    assert r.returncode in (0, 2) and len(summary) == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    launches, same = (int(x) for x in re.findall(r"(\d+) launches, (\d+) compile", summary[0])[0])
+    assert launches >= 8 and (same == launches) == (r.returncode == 0), summary
+
+
+def test_compare_says_which_launches_differ(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from compile_kernels import compare
+
+    a = [("gla", "tp8", "_prep_kernel", "aa"), ("gla", "tp8", "_bwd_chunk_kernel", "bb")]
+    assert compare(a, list(a), "REV") == 0
+    assert compare(a, [a[0], a[1][:3] + ("cc",)], "REV") == 2
+    assert "gla tp8 _bwd_chunk_kernel: SASS bb at REV, cc here" in capsys.readouterr().out
+    assert compare(a, a[:1], "REV") == 2
+    assert "the launches differ: REV made 2, this checkout 1" in capsys.readouterr().out
+
+
 def test_programs_per_sm():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from compile_kernels import programs_per_sm
