@@ -375,6 +375,27 @@ def _prep_kernel(
                 tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
 
 
+@triton.jit
+def _sweep_program(cu_seqlens, chunk_offsets, T, HV, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
+    """What a recurrence program sweeps, the grid being (K blocks x V blocks, sequences x value
+    heads): (program_id(0) i_kv, program_id(1) i_nh, its K block, its V block, its value head,
+    the sequence's first token row, its first chunk over every sequence, its length). A helper
+    that keeps the kernels' machine code: tools/compile_kernels.py --against found the same SASS
+    at every benchmark shape; one that also formed the block offsets and masks did not."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return i_kv, i_nh, i_k, i_v, i_h, bos, boh, T
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _recurrence_fwd_kernel(
@@ -399,16 +420,7 @@ def _recurrence_fwd_kernel(
     program_id(0) running over K blocks x V blocks) take a block of K too; with GAM_FROM_G gam is
     g, whose chunk cumsum the sweep forms itself (it runs ahead of the prep kernel).
     """
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    i_kv, i_nh, i_k, i_v, i_h, bos, boh, T = _sweep_program(cu_seqlens, chunk_offsets, T, HV, V, BT, BV, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
@@ -493,16 +505,7 @@ def _recurrence_bwd_kernel(
     not involve dU, so without STORE_DU its sweep forms none (_bwd_chunk_kernel's DV_FROM_DH
     forms dv = dU from dh instead: one product per step, not three). Without dU (simple GLA) a
     block of K too, as the forward's light sweeps."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    i_kv, i_nh, i_k, i_v, i_h, bos, boh, T = _sweep_program(cu_seqlens, chunk_offsets, T, HV, V, BT, BV, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
