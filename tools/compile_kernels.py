@@ -419,7 +419,7 @@ def _plain(constexprs: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="gdn,gla", help=f"comma-separated, of {', '.join(OPS)}")
     p.add_argument("--shape", default="default", help="benchmark shape keys, comma-separated; all; default: "
                    "each op's first")
