@@ -393,15 +393,17 @@ def against(rev: str, argv: list) -> int:
                     print(f"{label}: the run failed (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
                     return 1
                 with open(out) as f:
-                    runs[label] = [(x["op"], x["shape"], x["kernel"], x["sass"]) for x in json.load(f)["rows"]]
+                    runs[label] = [(x["op"], x["shape"], x["kernel"], x["sass"],
+                                    f"registers {x['registers']} local {x['local_bytes']} B shared {x['shared_bytes']} B")
+                                   for x in json.load(f)["rows"]]
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
     return compare(runs[rev], runs["this checkout"], rev)
 
 
 def compare(old: list, new: list, rev: str) -> int:
-    """Print how the launches new [(op, shape, kernel, sass digest)] compare with rev's old:
-    0 all compile to the same SASS, 2 some differ or the launches themselves do."""
+    """Print how the launches new [(op, shape, kernel, sass digest[, resources])] compare with
+    rev's old: 0 all compile to the same SASS, 2 some differ or the launches themselves do."""
     if [x[:3] for x in old] != [x[:3] for x in new]:
         first = next(((x[:3], y[:3]) for x, y in zip(old, new) if x[:3] != y[:3]), None)
         print(f"the launches differ: {rev} made {len(old)}, this checkout {len(new)}"
@@ -409,7 +411,8 @@ def compare(old: list, new: list, rev: str) -> int:
         return 2
     differ = [(x, y) for x, y in zip(old, new) if x[3] != y[3]]
     for x, y in differ:
-        print(f"{x[0]} {x[1]} {x[2]}: SASS {x[3]} at {rev}, {y[3]} here")
+        print(f"{x[0]} {x[1]} {x[2]}: SASS {x[3]} at {rev}, {y[3]} here"
+              + (f" ({x[4]} at {rev}; {y[4]} here)" if len(x) > 4 else ""))
     print(f"{len(new)} launches, {len(new) - len(differ)} compile to the same SASS as at {rev}, {len(differ)} differ")
     return 2 if differ else 0
 

@@ -252,6 +252,17 @@ def _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VA
 
 
 @triton.jit
+def _chunk_block(i_t, bos, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """A chunk program's rows and key columns: (its token offsets within the sequence, their
+    mask, its token rows, the in-chunk offsets, the key offsets, their mask, the [BT, BK] mask)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    return o_t, m_t, bos + o_t, tl.arange(0, BT), o_k, m_k, m_t[:, None] & m_k[None, :]
+
+
+@triton.jit
 def _gdn_y_init(beta, A, r_t, m_t, o_c, HV, i_h, BT: tl.constexpr, BK: tl.constexpr, dt: tl.constexpr):
     """What _gdn_y_terms sums into for one chunk of value head i_h: (beta, A^T in dt, and the
     zero sums dbeta, Y U^T (dM = -Y U^T) and Y S^T (d(beta e^gam k) = -Y S^T))."""
@@ -317,13 +328,7 @@ def _prep_kernel(
     i_b, i_h = i_bh // HV, i_bh % HV
     i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     i_hk = i_h // (HV // H)
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    r_t = bos + o_t  # [BT] int64 token rows
-    o_c = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
+    o_t, m_t, r_t, o_c, o_k, m_k, m_tk = _chunk_block(i_t, bos, T, K, BT, BK)  # r_t: [BT] int64 token rows
 
     b_gam = tl.cumsum(tl.load(g + r_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
     tl.store(gam + r_t * HV + i_h, b_gam, mask=m_t)
@@ -635,13 +640,7 @@ def _bwd_chunk_kernel(
     i_b, i_p = i_bh // (HV // GROUP), i_bh % (HV // GROUP)  # i_p: the program's first value head / GROUP
     i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     dt = k.dtype.element_ty
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    r_t = bos + o_t
-    o_c = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
+    o_t, m_t, r_t, o_c, o_k, m_k, m_tk = _chunk_block(i_t, bos, T, K, BT, BK)  # r_t: [BT] int64 token rows
     last = tl.minimum(i_t * BT + BT, T) - 1
 
     if GROUP > 1:
@@ -748,13 +747,7 @@ def _bwd_chunk_gdn_w_kernel(
     i_b, i_p = i_bh // (HV // GROUP), i_bh % (HV // GROUP)  # i_p: the program's first value head / GROUP
     i_t, bos, T, i_tg = _chunk_rows(i_tg, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     dt = k.dtype.element_ty
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    r_t = bos + o_t
-    o_c = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
+    o_t, m_t, r_t, o_c, o_k, m_k, m_tk = _chunk_block(i_t, bos, T, K, BT, BK)  # r_t: [BT] int64 token rows
 
     # GROUP 1 (the default) keeps the order of the kernel before GROUP: nothing [BT, BT] or
     # [BT, BK] beyond the accumulators is live through the V loop
