@@ -5,8 +5,8 @@
         [--json PATH] [--against REV]
 
 Runs one forward+backward of each op at each shape on CPU tensors with every Triton launch
-recorded instead of run, then compiles each launch for sm_90a with Triton's compiler and
-ptxas, as the first launch on an H200 would (megatron_moe_hybrid/ops/_aot.py). Prints per
+compiled for sm_90a instead of run, by Triton's compiler and ptxas, as the first launch on an
+H200 would compile it (megatron_moe_hybrid/ops/_aot.py). Prints per
 kernel the launch grid and options, registers and local (spill) bytes per thread, shared
 memory, how many programs fit on one SM, and a digest of the SASS: two sources whose digests
 agree compile to the same machine code.

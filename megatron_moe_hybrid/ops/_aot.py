@@ -1,11 +1,12 @@
 """Compiling our Triton kernels for the H200 on a machine without a GPU.
 
-An op's host code is run on empty CPU tensors with every Triton launch recorded instead of
-run (``recording``); each recorded launch is then compiled for a GPU target, the H200's sm_90a
-by default (``compile_launch``), by Triton's own compiler and ptxas, exactly as a first launch
-on the device would compile it: the same binder, specialisation (dtypes, 16-byte alignment,
-ints equal to 1 or divisible by 16), constexprs and launch options. What comes back is what
-ptxas reports: registers and local (spill) bytes per thread, shared memory, and the SASS.
+An op's host code runs on CPU tensors within ``recording``, where every Triton launch is
+compiled for a GPU target instead of run, the H200's sm_90a by default (``compile_launch``), by
+Triton's own compiler and ptxas, exactly as a first launch on the device would compile it: the
+same binder, specialisation (dtypes, 16-byte alignment, ints equal to 1 or divisible by 16),
+constexprs and launch options. A launch that would not compile or fit raises into the host code
+as it would there. What comes back is what ptxas reports: registers and local (spill) bytes per
+thread, shared memory, and the SASS.
 
 Why: the Triton interpreter runs our kernels on the CPU, but it accepts programs that the
 compiler rejects or that cannot launch (a tile over the 227 KB of shared memory, a layout the
@@ -13,9 +14,9 @@ dot lowering does not take), and it says nothing of registers. Kernel source edi
 device is compiled here before it reaches one (tests/ops/test_kernels_compile.py), and the
 resources a config change would cost are read here for free (tools/compile_kernels.py).
 
-Limits: the local Triton is not the device's (3.9 here, 3.6 on the H200 machine), so the
-registers and code are the local compiler's, close to but not always the device's; and what
-runs fast is not decided here.
+Limits: the compiler is whichever Triton imports first: the CPU machines' 3.9 differs in
+places from the H200 machine's 3.6, which tools/compile_kernels.py's docstring says how to put
+first; and what runs fast is not decided here.
 """
 
 from __future__ import annotations
