@@ -61,10 +61,19 @@ import importlib.util
 import json
 import os
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = {"gdn": "linear_attention", "gla": "linear_attention", "sparse": "sparse_attention", "loss": None,
-       "moe": "moe", "layer": "linear_attention", "indexer": None}  # op -> its benchmark (SHAPES)
+LOSS_SHAPES = {  # benchmarks/loss.py's (hidden, vocab), with LOSS_TOKENS tokens
+    "v152k": ("D4096-V151936", 4096, 151936),
+    "v262k": ("D7168-V262144", 7168, 262144),
+}
+INDEXER_SHAPES = {  # DeepSeek-V3.2's lightning indexer: (name, B, T = S, HI heads, DI dim, top-k)
+    "dsv32": ("B1-T4096-HI64-DI128-K2048", 1, 4096, 64, 128, 2048),
+}
+# op -> the benchmark whose SHAPES it takes, or its own table
+OPS = {"gdn": "linear_attention", "gla": "linear_attention", "sparse": "sparse_attention", "loss": LOSS_SHAPES,
+       "moe": "moe", "layer": "linear_attention", "indexer": INDEXER_SHAPES}
 SPARSE_QUERIES = 64
 
 # Hopper per SM: 64K registers, 228 KB of shared memory of which each block reserves 1 KB.
@@ -116,6 +125,20 @@ def apply_setting(modules: list, setting: str) -> None:
         setattr(module, name, value)
 
 
+def _cu_seqlens(lengths):
+    """int64 cu_seqlens [N + 1] of packed sequence lengths; None for a plain batch."""
+    import torch
+
+    return None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def _gpu_path(op: str, head_dim, dtype: str) -> None:
+    """The ops whose shapes fix their widths take no --head-dim, and their GPU path bf16 or fp16."""
+    if head_dim is not None or dtype not in ("bfloat16", "float16"):
+        raise SystemExit(f"--op {op}: its shapes fix the head dims and widths (no --head-dim), and it takes "
+                         f"bf16 or fp16 on the GPU (--dtype); got --head-dim {head_dim}, --dtype {dtype}")
+
+
 def record_linear(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
     """The kernel launches of one forward+backward of op (gdn or gla) at a linear-attention
     SHAPES entry, its head dim replaced by head_dim if given, q, k, v (and beta) in dtype; the
@@ -133,9 +156,7 @@ def record_linear(op: str, shape: tuple, head_dim: int | None = None, dtype: str
         x.append(torch.zeros(B, T, HV, dtype=dt))
     for t in x:
         t.requires_grad_()
-    cu = None
-    if lengths is not None:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    cu = _cu_seqlens(lengths)
     with _aot.recording() as launches:
         if op == "gdn":
             o, _ = la.chunk_gated_delta_rule(*x, cu_seqlens=cu, backend="triton")
@@ -147,18 +168,16 @@ def record_linear(op: str, shape: tuple, head_dim: int | None = None, dtype: str
 
 def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
     """The kernel launches of one forward+backward of sparse_attention (with the indexer loss's
-    sparse-stage target, sparse_attention_with_target) at a sparse-attention SHAPES entry with SPARSE_QUERIES queries (random inputs, causal random top-k indices: the
-    host's cuBLAS products and gathers run on the CPU, so the values are real)."""
+    sparse-stage target, sparse_attention_with_target) at a sparse-attention SHAPES entry with
+    SPARSE_QUERIES queries (random inputs, causal random top-k indices: the host's cuBLAS products
+    and gathers run on the CPU, so the values are real)."""
     import torch
 
     from megatron_moe_hybrid.ops import _aot
     from megatron_moe_hybrid.ops import sparse_attention as sa
 
     _, B, T, S, H, G, D, DV, K, shared = shape
-    if head_dim is not None:
-        raise SystemExit("--head-dim: the sparse shapes fix their head dims (D, DV); choose another shape")
-    if dtype not in ("bfloat16", "float16"):
-        raise SystemExit(f"--dtype {dtype}: the triton sparse_attention takes bf16 or fp16 on the GPU")
+    _gpu_path(op, head_dim, dtype)
     bench = _benchmark("sparse_attention")
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
@@ -173,10 +192,6 @@ def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str
     return launches
 
 
-LOSS_SHAPES = {  # benchmarks/loss.py's (hidden, vocab), with LOSS_TOKENS tokens
-    "v152k": ("D4096-V151936", 4096, 151936),
-    "v262k": ("D7168-V262144", 7168, 262144),
-}
 LOSS_TOKENS = 16
 
 
@@ -184,15 +199,14 @@ def record_loss(op: str, shape: tuple, head_dim: int | None = None, dtype: str =
     """The kernel launches of chunked_linear_cross_entropy's Triton path, forward+backward, with
     a trainable weight and with a frozen one, plus z-loss and label smoothing (their kernels'
     other variants), on LOSS_TOKENS tokens (the count sets only grids and chunking), zeros for
-    values. The logits products run on the CPU. FAST_EXP, which the host sets from is_cuda, is taken as on
-    the GPU."""
+    values. The logits products run on the CPU. FAST_EXP, which the host sets from is_cuda, is
+    taken as on the GPU."""
     import torch
 
     from megatron_moe_hybrid.ops import _aot
     from megatron_moe_hybrid.ops.cross_entropy import triton as ce
 
-    if head_dim is not None or dtype not in ("bfloat16", "float16"):
-        raise SystemExit("--op loss: the shapes fix the hidden size, and the GPU path takes bf16 or fp16")
+    _gpu_path(op, head_dim, dtype)
     _, D, V = shape
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
@@ -214,8 +228,9 @@ MOE_GEMM_EXPERTS = 8
 def record_moe(op: str, shape: dict, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
     """The kernel launches of the MoE layer's Triton ops, each called as the static dispatcher
     and the experts call it at a benchmarks/moe.py shape with MOE_TOKENS tokens and, in the
-    grouped GEMMs, MOE_GEMM_EXPERTS experts (the counts set only grids): the fused router (softmax, and sigmoid with an expert bias; forward and
-    backward), the split-precision operands of the router GEMMs, the counting-sort layout, the
+    grouped GEMMs, MOE_GEMM_EXPERTS experts (the counts set only grids): the fused router
+    (softmax, and sigmoid with an expert bias; forward and backward), the split-precision
+    operands of the router GEMMs, the counting-sort layout, the
     row gathers (permute, weighted combine, the combine weights' gradient), the grouped GEMM
     (forward, input and weight gradients) and SwiGLU (forward and backward)."""
     import torch
@@ -223,8 +238,7 @@ def record_moe(op: str, shape: dict, head_dim: int | None = None, dtype: str = "
     from megatron_moe_hybrid.ops import _aot
     from megatron_moe_hybrid.ops.moe import gather, grouped_triton, layout, swiglu, topk
 
-    if head_dim is not None or dtype not in ("bfloat16", "float16"):
-        raise SystemExit("--op moe: the shapes fix the widths, and the GPU path takes bf16 or fp16")
+    _gpu_path(op, head_dim, dtype)
     T, H, E, K, F = MOE_TOKENS, shape["hidden"], shape["experts"], shape["topk"], shape["ffn"]
     R = T * K  # expert rows: every token's K copies
     dt = getattr(torch, dtype)
@@ -274,9 +288,7 @@ def record_layer(op: str, shape: tuple, head_dim: int | None = None, dtype: str 
     _, B, T, HQK, HV, D, lengths = shape
     D, dt = head_dim or D, getattr(torch, dtype)
     C = 2 * HQK * D + HV * D
-    cu = None
-    if lengths is not None:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    cu = _cu_seqlens(lengths)
     with _aot.recording() as launches:
         x = torch.empty(B, T, C, dtype=dt, requires_grad=True)
         w = torch.empty(C, 4, dtype=dt, requires_grad=True)
@@ -293,9 +305,6 @@ def record_layer(op: str, shape: tuple, head_dim: int | None = None, dtype: str 
     return launches
 
 
-INDEXER_SHAPES = {  # DeepSeek-V3.2's lightning indexer: (name, B, T = S, HI heads, DI dim, top-k)
-    "dsv32": ("B1-T4096-HI64-DI128-K2048", 1, 4096, 64, 128, 2048),
-}
 
 
 def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
@@ -308,8 +317,7 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
     from megatron_moe_hybrid.ops import _aot
     from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
 
-    if head_dim is not None or dtype not in ("bfloat16", "float16"):
-        raise SystemExit("--op indexer: the shapes fix the head dim, and the GPU path takes bf16 or fp16")
+    _gpu_path(op, head_dim, dtype)
     _, B, T, HI, DI, K = shape
     dt = getattr(torch, dtype)
     q = torch.zeros(B, T, HI, DI, dtype=dt, requires_grad=True)
@@ -335,8 +343,10 @@ def _as_on_the_h200() -> dict:
     tc._INTERPRET = True  # read by the CPU-tensor check and the TMA gate only
     if hasattr(tc, "_device_has_tma"):  # (cached; a revision before the TMA stores has none)
         tc._device_has_tma.cache_clear()
+    form, on_gpu = ts._form, types.SimpleNamespace(is_cuda=True)  # _form reads only q.is_cuda
+
     def gpu_form(sh, q, which, pass_="forward"):
-        return which if which != "auto" else ("products" if sh.R >= ts.PRODUCTS_MIN_HEADS[pass_] else "kernels")
+        return form(sh, on_gpu, which, pass_)
 
     # its argument checks refuse bf16 CPU tensors (the interpreter's bf16 loads are wrong); the
     # recorder's inputs are well formed (record_sparse)
@@ -428,7 +438,8 @@ def main(argv=None) -> int:
                    "each op's first")
     p.add_argument("--head-dim", type=int, default=None, help="instead of the shape's head dim (64, 128, 256)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a switch of the op's Triton module")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a switch of the op's Triton module")
     p.add_argument("--sass", default=None, metavar="DIR", help="write each kernel's SASS there")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     p.add_argument("--against", default=None, metavar="REV", help="compare the SASS with git revision REV's "
@@ -446,8 +457,7 @@ def main(argv=None) -> int:
     unknown = [o for o in ops if o not in OPS]
     if unknown:
         raise SystemExit(f"--op: unknown {unknown}; choose from {sorted(OPS)}")
-    own = {"loss": LOSS_SHAPES, "indexer": INDEXER_SHAPES}
-    shapes = {op: own[op] if op in own else _benchmark(OPS[op]).SHAPES for op in ops}
+    shapes = {op: OPS[op] if isinstance(OPS[op], dict) else _benchmark(OPS[op]).SHAPES for op in ops}
     known = {k for table in shapes.values() for k in table}
     if a.shape == "all":
         wanted = {op: list(shapes[op]) for op in ops}

@@ -8,9 +8,10 @@
 # 2. each against the default in one process (probe_gla_switch.py, probe_gla_configs.py; ours
 #    only, no fla): the TMA stores at "whole" for simple GLA's long shapes, where its whole-state
 #    split runs (both together at two pipeline stages: at three that sweep needs more shared
-#    memory than a block may take, tools/compile_kernels.py), then each of the two apart; the grouped sums for the delta rule at its grouped
-#    shapes; the delta rule's forward prep kernel under a register cap, its chunk backward at 2 stages,
-#    its unsplit recurrences past one wave at 8 warps.
+#    memory than a block may take, tools/compile_kernels.py), then each of the two apart; the
+#    grouped sums for the delta rule at its grouped shapes; the delta rule's forward prep kernel
+#    under a register cap, its chunk backward at 2 stages, its unsplit recurrences past one wave
+#    at 8 warps.
 # Rows go to $OUT/switches_*.json (merge by hand into results/h200/linear_attention.json); a switch
 # that wins becomes the default, and linear_attention_h200.sh then times the defaults beside fla.
 source .whl/preamble.sh || exit 1

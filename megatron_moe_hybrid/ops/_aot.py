@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import os
@@ -99,8 +100,8 @@ def recording(target: tuple = H200, as_on_device: dict | None = None):
     a smaller config, as sparse attention's _launch does, goes on as it would on the GPU); the
     error carries the launch that raised it (.launch). as_on_device: keyword arguments (constexprs)
     that the host code sets from the device it runs on, with the GPU's values (e.g.
-    {"FAST_EXP": True}), put in every launch that passes them. Raises where the kernels are the interpreter's (they cannot be compiled): import with
-    TRITON_INTERPRET unset."""
+    {"FAST_EXP": True}), put in every launch that passes them. Raises where the kernels are the
+    interpreter's (they cannot be compiled): import with TRITON_INTERPRET unset."""
     from triton.runtime.errors import OutOfResources
     from triton.runtime.jit import JITFunction
 
@@ -141,8 +142,11 @@ def _tool(name: str) -> str:
     return path
 
 
+_USAGE: dict[str, dict] = {}  # Triton's kernel hash -> _resource_usage of it
+
+
 def _resource_usage(cubin: bytes, name: str) -> dict:
-    """{REG, STACK, SHARED, LOCAL, ...} of function name in cubin, from cuobjdump."""
+    """{REG, STACK, SHARED, LOCAL, ..., sass} of function name in cubin, from cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -162,22 +166,40 @@ def _resource_usage(cubin: bytes, name: str) -> dict:
     raise RuntimeError(f"cuobjdump found no function {name} in the compiled kernel:\n{out}")
 
 
-def compile_launch(launch: Launch, target: tuple = H200) -> Compiled:
-    """Compile launch for target as Triton's first launch of it on such a device would."""
+@functools.cache
+def _backend(target: tuple):
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
+
+    gpu = GPUTarget(*target)
+    return gpu, make_backend(gpu)
+
+
+@functools.cache
+def _binder(fn, target: tuple):
+    """Triton's argument binder and specialiser of fn for target, as its JITFunction makes one
+    per device."""
     from triton.runtime.jit import create_function_from_signature
 
+    return create_function_from_signature(fn.signature, fn.params, _backend(target)[1])
+
+
+def compile_launch(launch: Launch, target: tuple = H200) -> Compiled:
+    """Compile launch for target as Triton's first launch of it on such a device would (Triton's
+    own cache serves a kernel compiled before; ptxas's report of it is kept per kernel hash)."""
+    from triton.compiler import ASTSource
+
     fn = launch.fn
-    gpu = GPUTarget(*target)
-    backend = make_backend(gpu)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    gpu, backend = _backend(target)
+    binder = _binder(fn, target)
     kwargs = dict(launch.kwargs)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX when ptxas fails
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
-    usage = _resource_usage(kernel.asm["cubin"], kernel.metadata.name)
+    usage = _USAGE.get(kernel.metadata.hash)
+    if usage is None:
+        usage = _USAGE[kernel.metadata.hash] = _resource_usage(kernel.asm["cubin"], kernel.metadata.name)
     names = [p.name for p in fn.params]
     return Compiled(
         name=launch.name, grid=launch.grid, num_warps=options.num_warps, num_stages=options.num_stages,

@@ -268,10 +268,12 @@ def test_chunk_states_written_by_tma_are_bitwise_the_plain_stores_cpu(op, light,
 
 
 @interpreter
-def test_chunk_backward_configs_with_stages_reach_both_halves_cpu(monkeypatch):
-    """A chunk-backward config with num_stages and maxnreg (probe_gla_configs.py's chunk_<BV>x<warps>
-    s<stages>r<maxnreg>) reaches both kernels of the delta rule's two-kernel backward as launch
-    options; the interpreter ignores them, so the results are bitwise the default's."""
+@pytest.mark.parametrize("given_by", ["probe", "CONFIGS"])
+def test_chunk_backward_configs_with_stages_reach_both_halves_cpu(given_by, monkeypatch):
+    """A chunk-backward config with num_stages and maxnreg, as probe_gla_configs.py's
+    chunk_<BV>x<warps>s<stages>r<maxnreg> gives it (replacing _chunk_bwd_config) or as
+    CONFIGS["chunk_bwd"] does, reaches both kernels of the delta rule's two-kernel backward as
+    launch options; the interpreter ignores them, so the results are bitwise the default's."""
     x = make_inputs(1, 130, 1, 16, 32, HV=2, seed=61)
     default = outputs_and_grads("gated_delta_rule", x, "triton")
     options = []
@@ -290,8 +292,11 @@ def test_chunk_backward_configs_with_stages_reach_both_halves_cpu(monkeypatch):
                 return launch
 
         monkeypatch.setattr(triton_chunk, name, Spy(kernel, name))
-    BV, warps = triton_chunk._chunk_bwd_config(16, 32)  # the default's blocks: the same sums
-    monkeypatch.setattr(triton_chunk, "_chunk_bwd_config", lambda K, V: (BV, warps, 2, 128))
+    BV, warps = triton_chunk._chunk_bwd_config(16, 32)[:2]  # the default's blocks: the same sums
+    if given_by == "probe":
+        monkeypatch.setattr(triton_chunk, "_chunk_bwd_config", lambda K, V: (BV, warps, 2, 128))
+    else:
+        monkeypatch.setitem(triton_chunk.CONFIGS, "chunk_bwd", (*triton_chunk.CONFIGS["chunk_bwd"][:2], 2, 128))
     got = outputs_and_grads("gated_delta_rule", x, "triton")
     assert options == [("_bwd_chunk_kernel", 2, 128), ("_bwd_chunk_gdn_w_kernel", 2, 128)]
     for name in default:

@@ -1010,8 +1010,8 @@ def _split_config(K: int, V: int, gdn: bool) -> tuple:
 
 def _chunk_bwd_config(K: int, V: int) -> tuple:
     """(BV, num_warps[, num_stages[, maxnreg]]) of _bwd_chunk_kernel (and of the delta rule's
-    second chunk-backward kernel): CONFIGS["chunk_bwd"], BV at most the value block. K 256 (simple GLA) takes (32, 4): at the default
-    (64, 8) it needs 240 KB of shared memory, and (32, 8) gave dq 2.8e-2 off the fp32 reference
+    second chunk-backward kernel): CONFIGS["chunk_bwd"], BV at most the value block. K 256
+    (simple GLA) takes (32, 4): at the default (64, 8) it needs 240 KB of shared memory, and (32, 8) gave dq 2.8e-2 off the fp32 reference
     in bf16 on the H200 (Triton 3.6), where (32, 4) and (16, 4) passed; at this config
     test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu passes there. (32, 8) is
     wrong for the delta rule at K 128 too: 7% faster there (2.67 against 2.86 ms at
@@ -1121,7 +1121,7 @@ def _sweep_fwd(layout: _Layout, config, q, k, w, u, gam, P, scale, *, V=None, o=
     if h_desc is not None and o_desc is not None:
         # Both stores' staging tiles and three pipeline stages need 238600 B of shared memory in
         # simple GLA's whole-state sweep (K = V = BV = 128, 8 warps), over the 232448 a block may
-        # take; two stages need 180740 (tools/compile_kernels.py, Triton 3.9).
+        # take; two stages need 180740 (tools/compile_kernels.py, Triton 3.6 and 3.9 alike).
         options = {**options, "num_stages": min(options.get("num_stages", 3), 2)}
     _recurrence_fwd_kernel[(cdiv(K, BK) * cdiv(V, BV), layout.N * HV)](
         q, k, w, u, gam, P, o if o_desc is None else o_desc, h0, ht, h if h_desc is None else h_desc, U, gt,
