@@ -68,8 +68,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # B1-T32768-HQK16-HV32-D128: kernel -> (BV, num_warps); BV None: the kernel takes none.
 # "seq" is both recurrences, whose BV also sets how many programs run side by side.
 # "seq_wide": the recurrences where "seq" would make more programs than SMs (_seq_config).
+# "seq_wide_varlen": the delta rule's there over packed sequences (cu_seqlens), whose recurrences
+# at 4 warps spill 40 B (forward) and 112 B (backward) a thread, none at 8 (tools/compile_kernels.py
+# with Triton 3.6): H200 fwd+bwd 7.754 -> 6.898 ms at varlen-28672-4096-HQK16-HV32, where at
+# B4-T8192-H16 and B1-T8192-H96 (no spill) 8 warps ran 0.966x and 0.957x (linear_attention.json,
+# "CONFIGS['seq_wide'] = (64, 8) (A/B)", 2026-12-05).
 # "seq_wide_gla": simple GLA's there, whole [K, V] states as its split takes them (BV 128, 8 warps).
-CONFIGS = {"prep": (None, 4), "seq": (32, 4), "seq_wide": (64, 4), "seq_wide_gla": (128, 8), "chunk_bwd": (64, 8),
+# "prep": (None, num_warps[, maxnreg]): the forward prep kernel (the delta rule's at 217 registers a
+# thread uncapped, two programs per SM) capped at 168 for three: fwd+bwd 1.022x at
+# B1-T32768-HQK16-HV32, 1.026x at B4-T8192-H16; at 128 (four, 264 B spilled) 0.993x at both
+# (linear_attention.json, "the prep kernel at 4 warps, at most ... registers (A/B)", 2026-12-05).
+CONFIGS = {"prep": (None, 4, 168), "seq": (32, 4), "seq_wide": (64, 4), "seq_wide_varlen": (64, 8),
+           "seq_wide_gla": (128, 8), "chunk_bwd": (64, 8),
            "split": (128, 8), "split_gdn": (32, 4), "light": (64, 4, 64)}
 # "light": (BV, num_warps, BK[, num_stages]) of simple GLA's light sweeps; at B4-T8192-H16 fwd+bwd
 # (linear_attention_light.json) against (32, 4, 64) 0.96x, (64, 2, 64) and (64, 8, 64) 0.99x,
@@ -144,16 +154,21 @@ GDN_KEEP_PREP = True
 # sweep), so that the forward writing h ran about 0.056 ms faster at both (the fwd+bwd difference
 # less the backward's; inferred, the forward with states is not timed alone); 0.92x at
 # B4-T8192-H16 (the 4-warp [64, 64] light sweeps) and 0.91-0.93x for the delta rule ([128, 32]
-# blocks). "whole" is that forward gain without the backward's loss, but its fwd+bwd is not yet
-# measured (no device was lent after that run): off until it is (probe_gla_switch.py --switch
-# states_tma --op gla --shapes h32,qwen,gla_t32k,varlen). A sweep given a descriptor launches
+# blocks). "whole" against False (probe_gla_switch.py --switch states_tma, 2026-12-05): 1.016-1.021x
+# fwd+bwd at simple GLA's four split shapes, but O_TMA alone gains more (below), and both together
+# must run that sweep at 2 pipeline stages (at 3 it needs 238600 B of shared memory, over the
+# H200's 227 KB; _sweep_fwd caps it), 1.021-1.030x: off. A sweep given a descriptor launches
 # through Triton's own path (fast_launch keys no descriptors): about 20 us more host time a launch.
 STATES_TMA: bool | str = False
 # The forward sweeps that form o write it through a TMA descriptor too ([B * T, HV, V] in [C, 1, BV]
 # blocks: _out_desc), where every sequence's length is a multiple of the chunk (a block store
 # cannot mask a short last chunk's rows, which belong to the next sequence). Forms as STATES_TMA's
-# (True, "whole", False); not yet run on the device: off.
-O_TMA: bool | str = False
+# (True, "whole", False). "whole" (simple GLA's split, whose o sweep spilled 48 B a thread at 255
+# registers; none through the descriptor) against False, fwd+bwd on the H200 in one process
+# (linear_attention.json, "o written by TMA, form whole (A/B)", 2026-12-05): 1.082x at
+# B1-T32768-H32, 1.075x at B1-T32768-HQK16-HV32, 1.078x at B1-T32768-H16-D128, 1.076x packed
+# [28672, 4096]; bitwise the same results.
+O_TMA: bool | str = "whole"
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
 # that still leaves FUSE_GROUP_MIN_PROGRAMS programs (chunks x q/k heads). H200, fwd+bwd, both forms
@@ -165,9 +180,10 @@ O_TMA: bool | str = False
 # without a group (45c3415, reverted) ran 1.000x at B1-T32768-H32 and 0.871x at B4-T8192-H16. The
 # delta rule's two-kernel backward (GDN_SPLIT_CHUNK_BWD) sums groups too since da791da (its
 # first half as simple GLA's, its second over a q/k head's value heads, dk read and written
-# once): not yet timed on the device (probe_gla_switch.py --switch group_sum --op gdn), so still
-# off for the delta rule.
-FUSE_GROUP_SUM = {"gla": True, "gdn": False}
+# once): H200 fwd+bwd against unfused in one process (probe_gla_switch.py --switch group_sum --op
+# gdn, 2026-12-05) 1.002x at B1-T32768-HQK16-HV32, 1.005x packed [28672, 4096], 1.016x at TP=8 as
+# one CUDA graph; one call's peak 3.23 -> 2.97 GB (no per-value-head dq, dk copies): on.
+FUSE_GROUP_SUM = {"gla": True, "gdn": True}
 # The delta rule's per-chunk backward as two kernels (with FUSE_GROUP_SUM, both sum groups): the output and
 # state paths as simple GLA's kernel with U for v (dq; dk and dg's terms from do S^T, do U^T, U dS'^T),
 # then _bwd_chunk_gdn_w_kernel (Y = A^T dU: dv, dbeta, and dk and dg's terms through w and u, added
@@ -948,7 +964,8 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
     return max(16, next_power_of_2(K)), min(64, max(16, next_power_of_2(V)))
 
 
-def _seq_config(K: int, V: int, sequence_heads: int, device, *, gdn: bool) -> tuple[int, int]:
+def _seq_config(K: int, V: int, sequence_heads: int, device, *, gdn: bool,
+                varlen: bool = False) -> tuple[int, int]:
     """(BV, num_warps) of the recurrences. With few sequence-heads (tensor-parallel shards,
     B1 with 4 heads) a smaller BV puts more programs side by side: a chunk step's latency
     hardly depends on BV, so that is nearly free. With more programs than SMs (one fits per
@@ -960,12 +977,14 @@ def _seq_config(K: int, V: int, sequence_heads: int, device, *, gdn: bool) -> tu
     stays there. Simple GLA goes wider still (CONFIGS["seq_wide_gla"], whole states at K 128):
     at B1-T8192-H96 BV 128 with 8 warps (96 programs, one wave, against 192 at BV 64) took
     fwd+bwd 2.437 -> 2.261 ms, 4 warps 2.843 (linear_attention_seq_configs.json, bitwise the
-    same); the delta rule's recurrences need more shared memory than the H200 has at BV 128."""
+    same); the delta rule's recurrences need more shared memory than the H200 has at BV 128.
+    Over packed sequences (varlen) the delta rule's wide recurrences take
+    CONFIGS["seq_wide_varlen"] (8 warps: no spill)."""
     BV, num_warps = CONFIGS["seq"]
     BV = min(BV, _blocks(1, V)[1])
     while BV > 16 and sequence_heads * cdiv(V, BV) < MIN_SEQ_PROGRAMS:
         BV //= 2
-    wide, wide_warps = CONFIGS["seq_wide" if gdn else "seq_wide_gla"]
+    wide, wide_warps = CONFIGS[("seq_wide_varlen" if varlen else "seq_wide") if gdn else "seq_wide_gla"]
     wide = min(wide, _blocks(1, V)[1] if gdn else max(16, next_power_of_2(V)))
     if wide > BV and _wide_v_fits(K) and sequence_heads * cdiv(V, BV) > _num_sms(torch.device(device)):
         return wide, wide_warps
@@ -1189,7 +1208,7 @@ def _fwd(q, k, v, g, beta, scale, h0, output_final_state, chunks: _Chunks, keep_
     seg = _plan_segments(chunks, K, HV, V, q.device, gdn)
     if seg is None:
         ht = _alloc((chunks.N, HV, K, V), torch.float32, q.device) if output_final_state else None
-        config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
+        config = _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn, varlen=chunks.cu_seqlens is not None)
         _sweep_fwd(_layout(chunks), config, q, k, w, u, gam, P, scale, o=o, h0=h0, ht=ht, h=h, U=U,
                    whole_chunks=chunks.whole)
         return o, ht, None, A, kept_prep, states
@@ -1266,7 +1285,8 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     fwd_gam = g if light else gam
     if split is None:
         layout = _layout(chunks)
-        config = _light_config(K, V) if light else _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn)
+        config = _light_config(K, V) if light else _seq_config(K, V, chunks.N * HV, q.device, gdn=gdn,
+                                                               varlen=chunks.cu_seqlens is not None)
         if recompute:
             _sweep_fwd(layout, config, q, k, w, u if gdn else v, fwd_gam, P, scale, h0=h0, h=h, U=U,
                        gam_from_g=light)
