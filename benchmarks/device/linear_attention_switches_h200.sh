@@ -1,5 +1,9 @@
 #!/bin/bash
-# The switches of triton_chunk that are built and CPU-tested but not yet timed, in one H200 call:
+# The switches of triton_chunk that were built and CPU-tested before they were timed, in one H200 call
+# (run on 2026-12-05, the rows "(A/B)" of results/h200/linear_attention.json; O_TMA "whole", the delta
+# rule's grouped sums, the prep kernel at 168 registers and the packed recurrences at 8 warps won and
+# are the defaults since; probe_gla_switch.py sets both forms itself, probe_gla_configs.py compares
+# each variant with the current defaults, the prep cap and 8 warps packed among them now):
 #   bash benchmarks/device/linear_attention_switches_h200.sh      (about 5-7 minutes; no fla)
 # 1. the linear-attention GPU tests, theirs among them (the TMA stores: STATES_TMA, O_TMA; the
 #    delta rule's grouped-head sums in its two-kernel backward: FUSE_GROUP_SUM["gdn"], whose

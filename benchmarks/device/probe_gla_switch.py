@@ -135,15 +135,15 @@ def main():
 
     rows = []
     for key in a.shapes.split(","):
-        name, x, cu, do = bench.case(a.op, key)
+        shape, x, cu, do = bench.case(a.op, key)
         try:
             med, peak, out = bench.measure_in_turn(bench.ours_fn(a.op, cu), x, do, ("off", "on"),
                                                    lambda label: set_switch(label == "on"), a.rounds)
         finally:
-            for name, default in defaults.items():
-                setattr(tc, name, default)
+            for attr_name, default in defaults.items():
+                setattr(tc, attr_name, default)
         row = bench.ab_row(
-            row_name, name, x, med, peak, out, "on", "off", anchor,
+            row_name, shape, x, med, peak, out, "on", "off", anchor,
             f"benchmarks/device/probe_gla_switch.py --switch {a.switch} --op {a.op}: both forms in turn, {a.rounds} rounds in one "
             "process",
         )

@@ -79,8 +79,9 @@ def test_every_kernel_compiles_for_the_h200(tmp_path):
 
 @pytest.mark.parametrize("settings", [
     # the TMA stores together: simple GLA's whole-state sweep took 238600 B of shared memory at
-    # three stages before _sweep_fwd capped it at two
-    ["STATES_TMA=True", "O_TMA=True", "FUSE_GROUP_SUM.gdn=True"],
+    # three stages before _sweep_fwd capped it at two; the delta rule's groups summed apart (its
+    # default until 2026-12-05)
+    ["STATES_TMA=True", "O_TMA=True", "FUSE_GROUP_SUM.gdn=False"],
     ["GDN_SPLIT_CHUNK_BWD=False", "GDN_KEEP_PREP=False", "KEEP_STATES={'gla': False, 'gdn': False}",
      "GLA_KEEP_P=False", "GLA_DV_FROM_DH=False"],
 ], ids=["tma-group_sum", "fused-unkept"])

@@ -527,6 +527,10 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, keep_states, monkey
     assert triton_chunk._seq_config(256, 32, 3, "cpu", gdn=gdn) == (16, 4)  # key head dim 256 keeps BV
     assert triton_chunk._seq_config(16, 128, 3, "cpu", gdn=False) == (64, 8)  # whole states for simple GLA
     assert triton_chunk._seq_config(16, 128, 3, "cpu", gdn=True) == (32, 4)
+    # packed sequences: the delta rule's "seq_wide_varlen" (8 warps on the H200: no spill), simple GLA's unchanged
+    monkeypatch.setitem(triton_chunk.CONFIGS, "seq_wide_varlen", (32, 8))
+    assert triton_chunk._seq_config(16, 32, 3, "cpu", gdn=gdn, varlen=True) == ((32, 8) if gdn else wide)
+    assert triton_chunk._seq_config(16, 32, 2, "cpu", gdn=gdn, varlen=True) == (16, 4)  # one wave: "seq"
     configs = []
     real = triton_chunk._sweep_fwd
     def sweep(layout, config, *a, **kw):
@@ -540,6 +544,13 @@ def test_wide_v_blocks_where_programs_exceed_the_sms_cpu(op, keep_states, monkey
     # the forward's, and without KEEP_STATES the backward's sweep writing the chunk states again
     assert configs == [wide] * (1 if keep_states else 2)
     assert_rel_rms(got, outputs_and_grads(op, x, "torch"), 2e-5, 2e-5)
+    # the same three sequences packed: the delta rule's recurrences take "seq_wide_varlen"
+    configs.clear()
+    xv = make_inputs(1, 210, 1, 16, 32, N=3, seed=14)
+    cu = torch.tensor([0, 70, 140, 210])
+    got = outputs_and_grads(op, xv, "triton", cu_seqlens=cu)
+    assert configs == [(32, 8) if gdn else wide] * (1 if keep_states else 2)
+    assert_rel_rms(got, outputs_and_grads(op, xv, "torch", cu_seqlens=cu), 2e-5, 2e-5)
 
 
 def test_sequence_split_plan(monkeypatch):
@@ -659,15 +670,15 @@ def test_grouped_heads_summed_in_the_chunk_kernel_cpu(op, light, split_bwd, case
 
 
 def test_grouped_heads_summed_in_the_chunk_kernel_only_with_programs_to_spare(monkeypatch):
-    """The default: simple GLA sums the groups in the chunk kernel where chunks x q/k heads reach
-    FUSE_GROUP_MIN_PROGRAMS (the Qwen shape: 512 x 16), not at TP=8 (128 x 2), nor the delta rule."""
-    assert triton_chunk.FUSE_GROUP_SUM == {"gla": True, "gdn": False}
+    """The default: both ops sum the groups in the chunk kernel where chunks x q/k heads reach
+    FUSE_GROUP_MIN_PROGRAMS (the Qwen shape: 512 x 16), not at TP=8 (128 x 2)."""
+    assert triton_chunk.FUSE_GROUP_SUM == {"gla": True, "gdn": True}
     seen = []
     stub_kernels(monkeypatch)
     real = triton_chunk._chunk_bwd
     monkeypatch.setattr(triton_chunk, "_chunk_bwd", lambda *a, **kw: seen.append(a[12].shape[2]) or real(*a, **kw))
     for op, T, H, HV, fused in (("simple_gla", 32768, 16, 32, True), ("simple_gla", 8192, 2, 4, False),
-                                ("gated_delta_rule", 32768, 16, 32, False)):
+                                ("gated_delta_rule", 32768, 16, 32, True), ("gated_delta_rule", 8192, 2, 4, False)):
         args = shaped_args(op, H, HV, T)
         seen.clear()
         o, _ = getattr(la, op)(*args, backend="triton")
