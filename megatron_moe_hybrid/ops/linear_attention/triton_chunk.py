@@ -140,7 +140,8 @@ KEEP_STATES = {"gla": True, "gdn": True}
 # B4-T8192-H16 (linear_attention.json); with the two-kernel chunk backward 1.049-1.065x at five
 # shapes (2026-12-04). On by default since then: it raises one call's peak (the backward freed its
 # own w and P before its last kernel; 2.83 -> 3.23 GB at that shape, under fla's 3.77; 5.3 -> 6.0
-# GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens), and a memory-bound run can set
+# GiB at the 2.8T flagship's linear layer, HQK32-HV64, 32k tokens; with FUSE_GROUP_SUM on for the
+# delta rule since 2026-12-05, 2.56 -> 2.97 GB and 4.8 -> 5.5 GiB), and a memory-bound run can set
 # it False.
 GDN_KEEP_PREP = True
 # The sweeps write the chunk states h (forward) and their gradients dh (backward) through TMA
