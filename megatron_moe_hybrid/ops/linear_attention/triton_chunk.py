@@ -168,7 +168,10 @@ STATES_TMA: bool | str = False
 # registers; none through the descriptor) against False, fwd+bwd on the H200 in one process
 # (linear_attention.json, "o written by TMA, form whole (A/B)", 2026-12-05): 1.082x at
 # B1-T32768-H32, 1.075x at B1-T32768-HQK16-HV32, 1.078x at B1-T32768-H16-D128, 1.076x packed
-# [28672, 4096]; bitwise the same results.
+# [28672, 4096]; bitwise the same results. True (every forward sweep forming o, the delta rule's
+# [128, 32] blocks too) against False for the delta rule: 1.014x at B1-T32768-HQK16-HV32, 0.999x at
+# B4-T8192-H16, 1.000x packed ("gdn fwd+bwd, o written by TMA, form true (A/B; kept off)"): kept at
+# "whole".
 O_TMA: bool | str = "whole"
 # Grouped value heads (HV > H): the chunk kernel takes a q/k head's value heads in turn and sums
 # their dq and dk in fp32 on chip (GROUP), no _group_sum pass over per-value-head copies, where
