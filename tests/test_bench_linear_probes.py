@@ -1,8 +1,10 @@
-"""CPU test of benchmarks/device/probe_gla_switch.py's plumbing (the device timing itself is not
-run here): each A/B row names the shape it timed, the "on" and "off" forms set the switch's
-attributes as the probe says, and the module's defaults come back afterwards. Its rows of
-2026-12-05 had carried the switch's attribute name as their shape (a loop variable shadowed the
-shape's name)."""
+"""CPU tests of the linear-attention device probes' plumbing (the device timing itself is not run
+here). probe_gla_switch.py: each A/B row names the shape it timed, the "on" and "off" forms set
+the switch's attributes as the probe says, and the module's defaults come back afterwards. Its
+rows of 2026-12-05 had carried the switch's attribute name as their shape (a loop variable
+shadowed the shape's name). probe_gla_configs.py: its variants set what they name (its seq_
+variant stood in for _seq_config without the varlen keyword the forward passes it since
+2026-12-05)."""
 
 import copy
 import importlib.util
@@ -15,7 +17,8 @@ import torch
 _BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 if _BENCH_DIR not in sys.path:
     sys.path.insert(0, _BENCH_DIR)  # the probe imports its siblings linear_attention.py and common.py
-_spec = importlib.util.spec_from_file_location("probe_gla_switch", os.path.join(_BENCH_DIR, "device", "probe_gla_switch.py"))
+_spec = importlib.util.spec_from_file_location("probe_gla_switch",
+                                               os.path.join(_BENCH_DIR, "device", "probe_gla_switch.py"))
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 
@@ -46,6 +49,7 @@ def test_switch_probe_rows_name_their_shapes_and_restore_the_defaults(switch, op
             peak[label], out[label] = 100 + i, (x["q"] * (i + 1), list(x.values()))
         return med, peak, out
 
+    monkeypatch.setattr(tc, "FUSE_GROUP_MIN_PROGRAMS", tc.FUSE_GROUP_MIN_PROGRAMS)  # the group_sum probe's, per process
     monkeypatch.setattr(bench, "case", case)
     monkeypatch.setattr(bench, "ours_fn", lambda op_, cu: None)
     monkeypatch.setattr(bench, "measure_in_turn", measure_in_turn)
@@ -59,3 +63,25 @@ def test_switch_probe_rows_name_their_shapes_and_restore_the_defaults(switch, op
     assert all(r["name"].startswith(op) and r["speedup"] == 1.333 for r in rows), rows  # off 4.0 ms / on 3.0 ms
     assert seen["on"] == on and seen["off"] == {n: False for n in on}
     assert {name: getattr(tc, name) for name in on} == defaults
+
+
+_cspec = importlib.util.spec_from_file_location("probe_gla_configs",
+                                                os.path.join(_BENCH_DIR, "device", "probe_gla_configs.py"))
+configs_probe = importlib.util.module_from_spec(_cspec)
+_cspec.loader.exec_module(configs_probe)
+
+
+def test_config_probe_variants_set_what_they_name(monkeypatch):
+    """probe_gla_configs.py's variants, as linear_attention_switches_h200.sh passes them: each sets
+    the config it names, and seq_<BV>x<warps> stands in for _seq_config under the keywords the
+    forward and backward pass it (gdn, and varlen since 2026-12-05)."""
+    tc = configs_probe.tc
+    monkeypatch.setattr(tc, "CONFIGS", dict(tc.CONFIGS))
+    monkeypatch.setattr(tc, "_seq_config", tc._seq_config)
+    for name, key, config in (("prep_4", "prep", (None, 4)), ("prep_4r128", "prep", (None, 4, 128)),
+                              ("cfg_seq_wide_varlen_64x4", "seq_wide_varlen", (64, 4)),
+                              ("cfg_seq_wide_64x8", "seq_wide", (64, 8))):
+        configs_probe.variant(name)[1]()
+        assert tc.CONFIGS[key] == config, name
+    configs_probe.variant("seq_32x8")[1]()
+    assert tc._seq_config(128, 128, 64, "cpu", gdn=True, varlen=True) == (32, 8)

@@ -37,7 +37,7 @@ kernel source that compiles to the same machine code at every shape needs no new
 Exit 0 when all agree, 2 where any differs.
 
 --set changes a switch of the op's Triton module for the run, e.g. --set STATES_TMA=True,
---set FUSE_GROUP_SUM.gdn=True, --set "CONFIGS.prep=(None, 4, 168)" (values are Python
+--set FUSE_GROUP_SUM.gdn=False, --set "CONFIGS.prep=(None, 4, 128)" (values are Python
 literals). A launch over the 227 KB of shared memory a block may take raises OutOfResources
 in the recording host code, as on the H200: where the host code tries a smaller config then
 (sparse attention), the tool says so and goes on. Exits 1 if a kernel does not compile or an

@@ -3,7 +3,8 @@
 # (run on 2026-12-05, the rows "(A/B)" of results/h200/linear_attention.json; O_TMA "whole", the delta
 # rule's grouped sums, the prep kernel at 168 registers and the packed recurrences at 8 warps won and
 # are the defaults since; probe_gla_switch.py sets both forms itself, probe_gla_configs.py compares
-# each variant with the current defaults, the prep cap and 8 warps packed among them now):
+# each variant with the current defaults, so its lines below now time the earlier defaults as the
+# variants: the prep kernel uncapped (prep_4), the packed recurrences at 4 warps):
 #   bash benchmarks/device/linear_attention_switches_h200.sh      (about 5-7 minutes; no fla)
 # 1. the linear-attention GPU tests, theirs among them (the TMA stores: STATES_TMA, O_TMA; the
 #    delta rule's grouped-head sums in its two-kernel backward: FUSE_GROUP_SUM["gdn"], whose
@@ -30,14 +31,18 @@ for switch in tma states_tma o_tma; do
 done
 timeout 150 python device/probe_gla_switch.py --switch group_sum --op gdn --shapes qwen,varlen,tp8 \
   --out "$OUT/switches_gdn_group_sum.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
-# the delta rule's forward prep kernel (217 registers at 4 warps: two programs per SM) capped for
-# three (168) and four (128); its two chunk-backward kernels at 2 pipeline stages (the fused kernel
-# alone ran 1.026x so at B4-T8192-H16, linear_attention_chunk_bwd_config.json); each against the default
-# (probe_gla_configs.py: defaults and variants in turn)
-timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4r168,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
+# the delta rule's forward prep kernel (217 registers at 4 warps uncapped: two programs per SM; the
+# default caps it at 168 for three) uncapped and capped for four (128); its two chunk-backward kernels
+# at 2 pipeline stages (the fused kernel alone ran 1.026x so at B4-T8192-H16,
+# linear_attention_chunk_bwd_config.json); each against the default (probe_gla_configs.py: defaults
+# and variants in turn)
+timeout 200 python device/probe_gla_configs.py --op gdn --variants prep_4,prep_4r128,chunk_64x8s2 --shapes qwen,b4 \
   --out "$OUT/switches_gdn_prep_maxnreg.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
 # the delta rule's unsplit recurrences past one wave (CONFIGS["seq_wide"], BV 64) at 8 warps: 228
 # and 210 registers a thread, against 255 (the cap) at the default 4 warps (tools/compile_kernels.py
-# with Triton 3.6, --set "CONFIGS.seq_wide=(64, 8)")
-timeout 150 python device/probe_gla_configs.py --op gdn --variants cfg_seq_wide_64x8 --shapes b4,h96,varlen \
+# with Triton 3.6, --set "CONFIGS.seq_wide=(64, 8)"); packed, CONFIGS["seq_wide_varlen"] (8 warps
+# since 2026-12-05, where 4 spill) at the earlier 4
+timeout 150 python device/probe_gla_configs.py --op gdn --variants cfg_seq_wide_64x8 --shapes b4,h96 \
   --out "$OUT/switches_gdn_seq_wide.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"
+timeout 100 python device/probe_gla_configs.py --op gdn --variants cfg_seq_wide_varlen_64x4 --shapes varlen \
+  --out "$OUT/switches_gdn_seq_wide_varlen.json" 2>&1 | grep '^{' | tee -a "$OUT/switches.log"

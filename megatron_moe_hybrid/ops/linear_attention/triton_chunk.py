@@ -1034,8 +1034,9 @@ def _split_config(K: int, V: int, gdn: bool) -> tuple:
 def _chunk_bwd_config(K: int, V: int) -> tuple:
     """(BV, num_warps[, num_stages[, maxnreg]]) of _bwd_chunk_kernel (and of the delta rule's
     second chunk-backward kernel): CONFIGS["chunk_bwd"], BV at most the value block. K 256
-    (simple GLA) takes (32, 4): at the default (64, 8) it needs 240 KB of shared memory, and (32, 8) gave dq 2.8e-2 off the fp32 reference
-    in bf16 on the H200 (Triton 3.6), where (32, 4) and (16, 4) passed; at this config
+    (simple GLA) takes (32, 4): at the default (64, 8) it needs 240 KB of shared memory, and
+    (32, 8) gave dq 2.8e-2 off the fp32 reference in bf16 on the H200 (Triton 3.6), where
+    (32, 4) and (16, 4) passed; at this config
     test_simple_gla_head_dim_256_bf16_matches_fp32_reference_gpu passes there. (32, 8) is
     wrong for the delta rule at K 128 too: 7% faster there (2.67 against 2.86 ms at
     B1-T32768-HQK16-HV32), it failed 2 of the 14 bf16 GPU tests (among them the forced split's
