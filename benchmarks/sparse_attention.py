@@ -18,7 +18,9 @@ with k the mean number of valid slots (sparse) or readable keys (SDPA). bwd_ms i
 minus fwd. --sweep also times other launch configs of our kernels (CONFIG_OVERRIDE) on MLA;
 --profile writes one profiled fwd+bwd per shape (kernel time table) to DIR; --forms times
 each form of the passes (triton_sparse.FORWARD_FORM / BACKWARD_FORM: the Triton kernels, or
-batched products over gathered rows) and compares their outputs and gradients.
+batched products over gathered rows; and the kernels forward with the fused kernels backward,
+at its default and FUSED_SWEEP's configs, where the heads per kv group allow it) and compares
+their outputs and gradients.
 """
 
 import argparse
@@ -333,31 +335,56 @@ def _kv(leaves, DV):
     return (leaves[1], leaves[1][..., :DV]) if len(leaves) == 2 else (leaves[1], leaves[2])
 
 
+# Launch configs of the fused backward (BACKWARD_FORM "fused") timed by --forms beside its
+# default, where it runs (at most FUSED_MAX_HEADS heads per kv group: GQA, MLA under TP): Triton
+# 3.6 compiles GQA's default (BK 64, 4 warps) to 226 registers, 2 programs an SM; these to 128
+# (tools/compile_kernels.py --op sparse --shape gqa32k).
+FUSED_SWEEP = [
+    {"BH": 16, "BK": 64, "num_warps": 8, "num_stages": 2},
+    {"BH": 16, "BK": 32, "num_warps": 4, "num_stages": 2},
+]
+
+
 def _forms(ours, leaves, do, log):
     """fwd and fwd+bwd ms with each form of both passes (triton_sparse.FORWARD_FORM /
-    BACKWARD_FORM) and the relative RMS of each form's o and gradients to the kernels form's."""
+    BACKWARD_FORM; "kernels+fused": the kernels forward and the fused kernels backward, then at
+    each FUSED_SWEEP config) and the relative RMS of each form's o and gradients to the kernels
+    form's (and for the fused backward whether they are bitwise the kernels form's)."""
     out, ref = {}, None
-    for form in ("kernels", "products"):
-        ts.FORWARD_FORM = ts.BACKWARD_FORM = form
+    R = leaves[0].shape[2] // leaves[1].shape[2]
+    runs = [("kernels", None), ("products", None)]
+    if R <= ts.FUSED_MAX_HEADS:
+        runs += [("kernels+fused", None)] + [(f"kernels+fused {c}", c) for c in FUSED_SWEEP]
+    else:
+        out["kernels+fused"] = {"skipped": f"{R} heads per kv group, over FUSED_MAX_HEADS {ts.FUSED_MAX_HEADS}"}
+    for name, cfg in runs:
+        fwd_form, _, bwd_form = name.split()[0].partition("+")
+        ts.FORWARD_FORM, ts.BACKWARD_FORM = fwd_form, bwd_form or fwd_form
+        ts.CONFIG_OVERRIDE.clear()
+        if cfg is not None:
+            ts.CONFIG_OVERRIDE["fused"] = cfg
         try:
             fwd_ms, _, _, _ = measure(no_grad(ours, leaves), budget_ms=600)
             ms, peak, _, _ = measure(fwd_bwd(ours, leaves, do), budget_ms=800)
             o = ours(*leaves)
             got = (o, *torch.autograd.grad(o, leaves, do))
-            out[form] = {"fwd_ms": round(fwd_ms, 4), "fwd+bwd_ms": round(ms, 4), "peak_mem_bytes": peak}
+            out[name] = {"fwd_ms": round(fwd_ms, 4), "fwd+bwd_ms": round(ms, 4), "peak_mem_bytes": peak}
             if ref is None:
                 ref = got
             else:
-                out[form]["rel_rms_o_grads_vs_kernels"] = [round(rel_rms(g, r), 5) for g, r in zip(got, ref)]
+                out[name]["rel_rms_o_grads_vs_kernels"] = [round(rel_rms(g, r), 5) for g, r in zip(got, ref)]
+                if "fused" in name:
+                    out[name]["bitwise_equal_to_kernels"] = all(torch.equal(g, r) for g, r in zip(got, ref))
             o = ours(*leaves)
             again = (o, *torch.autograd.grad(o, leaves, do))
-            out[form]["bitwise_repeatable"] = all(torch.equal(a, g) for a, g in zip(again, got))
-            log(f"form {form}: {out[form]}")
+            out[name]["bitwise_repeatable"] = all(torch.equal(a, g) for a, g in zip(again, got))
+            log(f"form {name}: {out[name]}")
         except Exception as err:  # noqa: BLE001 - a form that fails is recorded
-            out[form] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
-            log(f"form {form} failed: {err}")
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+            log(f"form {name} failed: {err}")
         finally:
             ts.FORWARD_FORM = ts.BACKWARD_FORM = "auto"
+            ts.CONFIG_OVERRIDE.clear()
         torch.cuda.empty_cache()
     return out
 

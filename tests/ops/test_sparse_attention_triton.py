@@ -39,7 +39,8 @@ def poison_buffers(monkeypatch):
 def use_form(monkeypatch, form):
     """Both passes in one form: the Triton kernels, or the batched products over gathered rows;
     "kernels+products": the kernels forward and the products backward (auto at 32 to 63 heads
-    per kv group on CUDA)."""
+    per kv group on CUDA); "kernels+fused": the kernels forward and the fused kernels backward
+    (_bwd_fused_kernel)."""
     fwd, _, bwd = form.partition("+")
     monkeypatch.setattr(triton_sparse, "FORWARD_FORM", fwd)
     monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", bwd or fwd)
@@ -106,7 +107,7 @@ CPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @interpreter
-@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products", "kernels+fused"])
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_triton_matches_reference_cpu(case, form, monkeypatch):
     """Both forms: the Triton kernels, and the batched products over gathered rows (for
@@ -122,7 +123,7 @@ def test_triton_matches_reference_cpu(case, form, monkeypatch):
 
 
 @interpreter
-@pytest.mark.parametrize("form", ["kernels", "products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+fused"])
 def test_row_without_keys_and_int32_indices_cpu(form, monkeypatch):
     """A query whose row is all -1 gets o = 0, lse = -inf and no gradient; a key that no
     query selected gets dk = dv = 0 (written, not left as the NaN poison)."""
@@ -143,7 +144,7 @@ def test_row_without_keys_and_int32_indices_cpu(form, monkeypatch):
 
 
 @interpreter
-@pytest.mark.parametrize("form", ["kernels", "products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+fused"])
 def test_chunked_backward_matches_one_chunk_cpu(form, monkeypatch):
     """The query chunks (contribution buffer budget; the products form's forward too) change
     nothing but rounding."""
@@ -152,7 +153,7 @@ def test_chunked_backward_matches_one_chunk_cpu(form, monkeypatch):
     ref = run(x, indices, DV, "torch")
     one = run(x, indices, DV, "triton")
     # 3 queries per chunk: 4 chunks, the last one short
-    if form == "kernels":
+    if form != "products":
         monkeypatch.setattr(triton_sparse, "CONTRIB_BUDGET_BYTES", 3 * 1 * 7 * 2 * (16 + 16) * 4)
     else:  # forward and backward both take their chunk size from _chunk_rows
         monkeypatch.setattr(triton_sparse, "_chunk_rows", lambda sh, per_query, extra: 3)
@@ -193,7 +194,37 @@ def test_products_forward_makes_the_kl_target_cpu(case, one_pass, monkeypatch):
 
 
 @interpreter
-@pytest.mark.parametrize("form", ["kernels", "products"])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_fused_backward_equals_the_two_kernels_cpu(case, monkeypatch):
+    """_bwd_fused_kernel forms the same products in the same order as _bwd_dq_kernel and
+    _bwd_dkv_kernel at equal blocks: every gradient bitwise equal where the group's heads fit
+    the dk/dv kernel's one 16-head block. With 17 heads that kernel sums two head blocks' partial
+    products where the fused one takes a 32-head block: dk and dv equal up to rounding."""
+    B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
+    x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=7)
+    use_form(monkeypatch, "kernels")
+    two = run(x, indices, DV, "triton")
+    use_form(monkeypatch, "kernels+fused")
+    fused = run(x, indices, DV, "triton")
+    one_block = H // G <= triton_sparse._candidates("dkv", H // G, 0, True)[0]["BH"]
+    for n in two:
+        if one_block or n in ("o", "lse", "dq"):
+            assert torch.equal(fused[n], two[n]), n
+        else:
+            assert_rel_rms({n: fused[n]}, {n: two[n]}, 1e-6, 1e-6)
+
+
+@interpreter
+def test_fused_backward_refuses_more_heads_than_its_block_cpu(monkeypatch):
+    use_form(monkeypatch, "kernels+fused")
+    monkeypatch.setattr(triton_sparse, "FUSED_MAX_HEADS", 2)
+    x, indices, DV = make_inputs(1, 3, 6, 3, 1, 16, 16, 2, seed=2)
+    with pytest.raises(ValueError, match="BACKWARD_FORM 'fused' takes at most 2 query heads per kv group"):
+        run(x, indices, DV, "triton")
+
+
+@interpreter
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+fused"])
 def test_repeated_key_in_a_row_raises_in_backward_cpu(form, monkeypatch):
     use_form(monkeypatch, form)
     x, indices, _ = make_inputs(1, 4, 8, 2, 1, 16, 16, 3, seed=2)
@@ -279,9 +310,11 @@ GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products"])
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+products", "kernels+fused"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_triton_bf16_matches_fp32_reference_gpu(case, form, monkeypatch):
+    if form == "kernels+fused" and GPU_CASES[case][3] // GPU_CASES[case][4] > triton_sparse.FUSED_MAX_HEADS:
+        pytest.skip("the fused backward takes at most FUSED_MAX_HEADS heads per kv group (MLA's 128: no)")
     use_form(monkeypatch, form)
     B, T, S, H, G, D, DV, K, shared = GPU_CASES[case]
     x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, device="cuda", seed=11)

@@ -17,6 +17,10 @@ Kernels (README.md has the forward math; the backward is the usual softmax gradi
                     (BH at a time) and writes the per-(query, slot) contributions
                     dk_c = scale ds^T q and dv_c = p^T do, summed over the group's heads,
                     to a buffer C [B, Tc, K, G, F] (input dtype for bf16, else fp32).
+    _bwd_fused_kernel   (BACKWARD_FORM "fused", untimed: not auto's) the dq and dk/dv kernels
+                    in one, one query and all R heads of one group over its K slots: each
+                    block of slots gathered once, dq accumulated and the block's contributions
+                    written to C.
     _bwd_reduce_kernel  one key, BW of its G F columns: sums the contributions of the
                     (query, slot) pairs that selected the key, listed by a CSR built with a
                     stable sort of the chunk's indices, in a fixed order; adds into an fp32
@@ -284,6 +288,74 @@ def _bwd_dkv_kernel(
 
 
 @fast_launch
+@triton.jit(do_not_specialize=["T", "K", "t0", "Tc"])
+def _bwd_fused_kernel(
+    q, k, v, idx, do, lse2, delta, dq, C,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sv_b, sv_s, sv_g, si_b, si_t,
+    scale, scale_log2, T, K, G, t0, Tc,
+    R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr, DVP: tl.constexpr,
+    SHARED_KV: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """_bwd_dq_kernel and _bwd_dkv_kernel in one (BACKWARD_FORM "fused"; R <= BH): query t0 +
+    i_tc and all R heads of group g, its K slots BK at a time. Each block of slots is gathered
+    and s, p, dp, ds formed once: dq [R, D] accumulates over the blocks, and the block's
+    contributions go to C as _bwd_dkv_kernel writes them. The same products in the same order as
+    the two kernels at equal BK (the same dq and C in the CPU interpreter); half the key rows
+    gathered, and 5 products per block instead of 7."""
+    i_tc, i_bg = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_t = t0 + i_tc
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    o_r = tl.arange(0, BH)
+    m_r = o_r < R
+    o_h = i_g * R + o_r
+    r_th = (i_b * T + i_t) * (G * R) + o_h  # [BH] rows of do, dq, lse, delta
+    o_d1 = tl.arange(0, D1)
+    o_d2 = D1 + tl.arange(0, D2)
+    o_dv = tl.arange(0, DVP)
+
+    b_q1, b_q2 = _load_q(q + i_b * sq_b + i_t * sq_t, o_h, sq_h, m_r, D, D1, D2, HAS_D2, BH)
+    b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
+    b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
+    b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
+    p_k = k + i_b * sk_b + i_g * sk_g
+    p_v = v + i_b * sv_b + i_g * sv_g
+    p_idx = idx + i_b * si_b + i_t * si_t
+    F: tl.constexpr = D + DV
+    dt = C.dtype.element_ty
+
+    b_dq1 = tl.zeros([BH, D1], tl.float32)
+    b_dq2 = tl.zeros([BH, D2], tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        m_s, b_k1, b_k2, b_v = _load_slots(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP,
+                                           SHARED_KV, BK)
+        b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
+        m_rs = m_r[:, None] & m_s[None, :]
+        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k1.dtype)
+        b_dq1 += tl.dot(b_ds, b_k1)
+        if HAS_D2:
+            b_dq2 += tl.dot(b_ds, b_k2)
+        # [BK] rows of C [B, Tc, K, G, F], as _bwd_dkv_kernel's
+        p_c = C + (((i_b * Tc + i_tc) * K + o_k) * G + i_g)[:, None] * F
+        b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        tl.store(p_c + D + o_dv[None, :], b_dv.to(dt), mask=m_k[:, None] & (o_dv < DV)[None, :])
+        b_dk1 = tl.dot(tl.trans(b_ds), b_q1)
+        tl.store(p_c + o_d1[None, :], (b_dk1 * scale).to(dt), mask=m_k[:, None] & (o_d1 < D)[None, :])
+        if HAS_D2:
+            b_dk2 = tl.dot(tl.trans(b_ds), b_q2)
+            tl.store(p_c + o_d2[None, :], (b_dk2 * scale).to(dt), mask=m_k[:, None] & (o_d2 < D)[None, :])
+
+    p_dq = dq + r_th[:, None] * D
+    tl.store(p_dq + o_d1[None, :], (b_dq1 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d1 < D)[None, :])
+    if HAS_D2:
+        tl.store(p_dq + o_d2[None, :], (b_dq2 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d2 < D)[None, :])
+
+
+@fast_launch
 @triton.jit
 def _bwd_reduce_kernel(C, order, offsets, acc, W, SLOTS, st_t, st_k, st_acc, FIRST, BW: tl.constexpr,
                        BL: tl.constexpr):
@@ -334,6 +406,15 @@ def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict,
     sweep of a few configs, not autotuned.
     """
     bh = min(64, max(16, _next_pow2(R)))
+    if kernel == "fused":  # one block holds the group's heads (R <= FUSED_MAX_HEADS)
+        bh = max(16, _next_pow2(R))
+        if interpret:
+            return ({"BH": bh, "BK": 16, "num_warps": 4, "num_stages": 1},)
+        if width <= 512:  # GQA: as _bwd_dkv_kernel's, which holds as many live tiles
+            big = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
+            return (big, {**big, "num_stages": 1}, {**big, "BK": 32, "num_stages": 1})
+        first = {"BH": bh, "BK": 32, "num_warps": 8, "num_stages": 2}
+        return (first, {**first, "num_stages": 1}, {**first, "BK": 16, "num_stages": 1})
     if kernel == "reduce":  # width: the G F columns of a contribution row
         if interpret:  # small blocks cross block edges in the CPU tests
             return ({"BW": 16, "BL": 4, "num_warps": 4, "num_stages": 1},)
@@ -459,6 +540,10 @@ def _fwd(q, k, v, indices, scale: float, with_target: bool = False):
 # benchmarks/results/h200/sparse_attention.json, backward_forms).
 FORWARD_FORM = "auto"
 BACKWARD_FORM = "auto"
+# BACKWARD_FORM "fused": the kernels form's backward with _bwd_dq_kernel folded into the
+# contributions kernel (_bwd_fused_kernel), for at most FUSED_MAX_HEADS heads per kv group. Untimed
+# on the H200 so far: "auto" does not take it (benchmarks/sparse_attention.py --forms times it).
+FUSED_MAX_HEADS = 64
 
 
 # heads per kv group from which "auto" takes the products form, per pass (sparse_attention.json,
@@ -647,9 +732,10 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = Fa
         delta = delta - torch.where(finite, dlse.float(), 0.0)
     lse2 = torch.where(finite, lse * LOG2E, 0.0).contiguous()
     delta = delta.contiguous()
-    if _form(sh, q, BACKWARD_FORM, "backward") == "products":
+    form = _form(sh, q, BACKWARD_FORM, "backward")
+    if form == "products":
         return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv)
-    return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale)
+    return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale, fused=form == "fused")
 
 
 def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor) -> tuple[Tensor, Tensor]:
@@ -662,19 +748,30 @@ def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor) -> tuple[Tensor, Tenso
     return order, offsets
 
 
-def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
+def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fused: bool = False):
+    """The kernels form's backward: _bwd_dq_kernel, then per chunk of queries _bwd_dkv_kernel's
+    contributions and their per-key sums; fused: _bwd_fused_kernel writes dq and the
+    contributions per chunk (R <= FUSED_MAX_HEADS heads per group)."""
     B, T, S, G, K, D, DV = sh.B, sh.T, sh.S, sh.G, sh.K, sh.D, sh.DV
     dev = q.device
     strides = _strides(q, k, v, indices)
     consts = sh.consts()
 
     dq = _alloc(q.shape, q.dtype, dev)
-    _launch(
-        _bwd_dq_kernel, "backward dq", ("dq", *sh.key(q)),
-        lambda c: (T * cdiv(sh.R, c["BH"]), B * G),
-        (q, k, v, indices, do, lse2, delta, dq, *strides, scale, scale * LOG2E, T, K, G),
-        consts, _candidates("dq", sh.R, sh.width, _INTERPRET),
-    )
+    if fused:
+        if sh.R > FUSED_MAX_HEADS:
+            raise ValueError(
+                f"BACKWARD_FORM 'fused' takes at most {FUSED_MAX_HEADS} query heads per kv group (its dq "
+                f"accumulator holds them all), got {sh.R}; set triton_sparse.BACKWARD_FORM to 'auto', "
+                "'kernels' or 'products'"
+            )
+    else:
+        _launch(
+            _bwd_dq_kernel, "backward dq", ("dq", *sh.key(q)),
+            lambda c: (T * cdiv(sh.R, c["BH"]), B * G),
+            (q, k, v, indices, do, lse2, delta, dq, *strides, scale, scale * LOG2E, T, K, G),
+            consts, _candidates("dq", sh.R, sh.width, _INTERPRET),
+        )
 
     F = D + DV
     c_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
@@ -685,12 +782,20 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float):
     repeated = torch.zeros((), dtype=torch.bool, device=dev)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)
-        _launch(
-            _bwd_dkv_kernel, "backward dk/dv", ("dkv", *sh.key(q)),
-            lambda c, tc=tc: (tc * cdiv(K, c["BK"]), B * G),
-            (q, k, v, indices, do, lse2, delta, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
-            consts, _candidates("dkv", sh.R, sh.width, _INTERPRET),
-        )
+        if fused:
+            _launch(
+                _bwd_fused_kernel, "backward dq, dk/dv (fused)", ("fused", *sh.key(q)),
+                lambda c, tc=tc: (tc, B * G),
+                (q, k, v, indices, do, lse2, delta, dq, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
+                consts, _candidates("fused", sh.R, sh.width, _INTERPRET),
+            )
+        else:
+            _launch(
+                _bwd_dkv_kernel, "backward dk/dv", ("dkv", *sh.key(q)),
+                lambda c, tc=tc: (tc * cdiv(K, c["BK"]), B * G),
+                (q, k, v, indices, do, lse2, delta, C, *strides, scale, scale * LOG2E, T, K, G, t0, Tc),
+                consts, _candidates("dkv", sh.R, sh.width, _INTERPRET),
+            )
         idx_c = indices[:, t0:t0 + tc]
         if tc < Tc:  # positions index C [B, Tc, K]: pad the short last chunk with -1
             idx_c = torch.cat([idx_c, idx_c.new_full((B, Tc - tc, K), -1)], dim=1)
