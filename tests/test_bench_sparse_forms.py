@@ -67,3 +67,28 @@ def test_forms_record_the_fused_backward_skipped_over_its_head_limit(monkeypatch
     assert list(out) == ["kernels+fused", "kernels", "products"]
     assert "3 heads per kv group" in out["kernels+fused"]["skipped"]
     assert all(b != "fused" for _, b, _ in seen)
+
+
+def test_sweep_times_its_configs_in_the_kernels_form(monkeypatch):
+    """--sweep's configs are of the kernels form's kernels: each run is in that form (auto takes
+    the products form at MLA's 128 heads on the GPU, where they would never launch), with the
+    config set, and auto comes back afterwards."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, S, H, G, D, K = 1, 8, 8, 2, 1, 16, 5
+    leaves = tuple(torch.randn(B, n, h, D, generator=gen).requires_grad_() for n, h in ((T, H), (S, G), (S, G)))
+    indices = bench.causal_indices(B, T, S, K, "cpu")
+    do = torch.randn(B, T, H, D, generator=gen)
+    seen = []
+
+    def ours(q, k, v):
+        seen.append((ts.FORWARD_FORM, ts.BACKWARD_FORM, dict(ts.CONFIG_OVERRIDE)))
+        return bench.sa.sparse_attention(q, k, v, indices, backend="triton")[0]
+
+    monkeypatch.setattr(bench, "measure", lambda fn, budget_ms=0: (fn(), (1.0, 0, 1, 0.0))[1])
+    monkeypatch.setattr(bench, "SWEEP", {"fwd": [{"BH": 16, "BK": 32, "num_warps": 4, "num_stages": 1}],
+                                         "dq": [{"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}]})
+    out = bench._sweep(ours, leaves, do, lambda msg: None, 1.0, 1.0, T)
+    assert [r["kernel"] for r in out] == ["fwd", "dq"] and not [r for r in out if "error" in r], out
+    assert {(f, b) for f, b, _ in seen} == {("kernels", "kernels")}
+    assert [c for _, _, c in seen] == [{"fwd": bench.SWEEP["fwd"][0]}, {"dq": bench.SWEEP["dq"][0]}]
+    assert (ts.FORWARD_FORM, ts.BACKWARD_FORM, ts.CONFIG_OVERRIDE) == ("auto", "auto", {})

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The sparse-attention GPU run behind benchmarks/results/h200/{sparse_attention,sparse_layer,mla_layer}.json,
 # on one H200:
-#   bash benchmarks/device/sparse_h200.sh [tests|attention|layer|mla|h32 ...]   (default: tests attention layer mla)
+#   bash benchmarks/device/sparse_h200.sh [tests|attention|layer|mla|h32|sweep ...]   (default: tests attention layer mla)
 # Results and logs go to $OUT (or ./device-logs); copy the JSON rows into benchmarks/results/h200/ by hand
 # (the device copy's git sha is stale: set git_sha / git_sha_of_row to the commit measured).
 # Expects .whl/ from ../shared/device/prep.sh. About 6 minutes for the default steps.
@@ -21,6 +21,9 @@ for step in $steps; do
     layer) (cd benchmarks && timeout 300 python sparse_layer.py --jobs mla128k,mla64k,mla32k,mla8k,gqa32k,gqa128k \
               --out "$OUT/sl.json") 2>&1 | tee "$OUT/layer.log" | grep "ours\|parts\|naive\|sdpa" | tail -24 ;;
     mla) (cd benchmarks && timeout 150 python mla_layer.py --out "$OUT/mla_layer.json") 2>&1 | tee "$OUT/mla.log" | tail -4 ;;
+    # the kernels form at MLA with SWEEP's other launch configs (--sweep; the forward at 32 slots untimed so far)
+    sweep) (cd benchmarks && timeout 200 python sparse_attention.py --shapes mla --sweep --budget-s 0 \
+              --out "$OUT/sa_sweep.json") 2>&1 | tee "$OUT/sweep.log" | grep "sweep\|ours" | tail -8 ;;
     # absorbed MLA at TP=4 (32 heads per rank): where auto's form threshold (64 heads) is unmeasured
     h32) (cd benchmarks && timeout 120 python sparse_attention.py --shapes mla-h32 --forms --budget-s 0 \
             --out "$OUT/sa_h32.json") 2>&1 | tee "$OUT/h32.log" | grep "form\|ours" | tail -6 ;;
