@@ -8,6 +8,7 @@ Shape legend:
   N  tokens    D  hidden size    V  vocabulary size    C  token chunk
 """
 
+import math
 import os
 
 import numpy as np
@@ -119,6 +120,47 @@ def test_triton_per_token_loss_with_frozen_weight_makes_logits_once(monkeypatch,
                          weight_trainable=weight_trainable, z_loss_weight=0.01, label_smoothing=0.1)
     chunks = -(-29 // 7)
     assert len(calls) == (2 * chunks if weight_trainable else chunks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 1.0 + 2**-20, 0.5, -3.7, float("nan")])
+def test_scale_in_place_equals_torch_mul(monkeypatch, dtype, scale):
+    """_scale_ is torch's x.mul_(s.to(x.dtype)) bitwise, at a length that leaves a partial block and
+    more blocks than programs (each program strides over several), for a scale of 1 (skipped on
+    the device: x times 1 is x), one that rounds to 1 in fp16 only, others and NaN."""
+    monkeypatch.setattr(triton_backend, "SCALE_BLOCK", 16)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16 * 4 * 3 + 5, generator=gen).to(dtype).to(DEVICE)
+    s = torch.tensor(scale, device=DEVICE)
+    want = x.clone().mul_(s.to(dtype))
+    got = x.clone()
+    triton_backend._scale_(got, s)
+    if math.isnan(scale):
+        assert torch.isnan(got).all() and torch.isnan(want).all()
+    else:
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_backend._scale_(x.view(-1, 1)[::2], s)
+
+
+def test_upstream_gradient_scales_the_forward_gradients_exactly():
+    """reduction "mean": the gradients formed in the forward are scaled in the backward by the
+    upstream gradient; 2.0 gives exactly twice those of 1.0 (fp32, a power of two), which are the
+    oracle's."""
+    hidden, weight, labels = make_inputs(19, 8, 37, seed=4, device=DEVICE)
+    grads = {}
+    for upstream in (1.0, 2.0):
+        h = hidden.float().detach().requires_grad_()
+        w = weight.float().detach().requires_grad_()
+        loss = triton_linear_cross_entropy(h, w, labels, ignore_index=IGNORE, chunk_size=5)
+        grads[upstream] = torch.autograd.grad(loss, (h, w), torch.tensor(upstream, device=DEVICE))
+    for one, two in zip(grads[1.0], grads[2.0]):
+        assert torch.equal(two, 2 * one)
+    h = hidden.double().detach().requires_grad_()
+    w = weight.double().detach().requires_grad_()
+    truth = torch.autograd.grad(oracle(h, w, labels), (h, w))
+    for got, t in zip(grads[1.0], truth):
+        assert relative_error(got, t) < 1e-5
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -278,6 +320,25 @@ def test_triton_bf16_on_gpu(num_tokens, hidden_size, vocab_size, chunk_size, z_l
         torch.bfloat16, num_tokens, hidden_size, vocab_size, chunk_size, reduction, seed=num_tokens, tolerance=2e-2,
         weight_trainable=weight_trainable, device="cuda", z_loss_weight=z_loss, label_smoothing=smoothing,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1.0 / 3, -2.5])
+def test_scale_in_place_equals_torch_mul_bf16_gpu(scale):
+    """On the H200 in bf16, over a [V, D]-sized gradient at the first loss shape's D (several
+    strides of the 2112 programs): _scale_ equals torch's mul_ bitwise, without a host sync."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(37 * 4096 * 17 + 3, generator=gen, device="cuda").bfloat16()
+    s = torch.tensor(scale, device="cuda")
+    want = x.clone().mul_(s.to(x.dtype))
+    got = x.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_backend._scale_(got, s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
