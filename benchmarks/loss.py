@@ -74,6 +74,25 @@ def measure(impl, hidden, weight, labels, warmup, reps):
         return {"ms": None, "peak": None, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
 
 
+def scale_ab(chunk, hidden, weight, labels, reps, rounds=3):
+    """ours with the backward's gradient scaling on the device (ce_triton.SCALE_ON_DEVICE True: no
+    pass for the upstream 1.0) and as torch's mul_ (False), in alternating rounds in this process:
+    {"device_ms", "torch_mul_ms"} (medians of the rounds' medians) or an error."""
+    times = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for on in (True, False):
+                ce_triton.SCALE_ON_DEVICE = on
+                times[on].append(time_and_peak(fwd_bwd(ours(chunk), hidden, weight, labels), 1, reps)[0])
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    finally:
+        ce_triton.SCALE_ON_DEVICE = True
+    med = {on: sorted(t)[len(t) // 2] for on, t in times.items()}
+    return {"device_ms": round(med[True], 3), "torch_mul_ms": round(med[False], 3),
+            "speedup": round(med[False] / med[True], 4), "rounds": rounds}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/h200/loss.json")
@@ -105,6 +124,8 @@ def main():
             flops = (6 if trainable else 4) * num_tokens * vocab_size * hidden_size
             mine = measure(ours(chunk), hidden, weight, labels, 2, reps)
             extra = measure(ours(2 * chunk), hidden, weight, labels, 1, reps) if trainable else None
+            scale = scale_ab(chunk, hidden, weight, labels, reps)
+            print(f"{shape:48s} backward scale on the device vs torch's mul_: {scale}", flush=True)
             for anchor_name, anchor in anchors:
                 theirs = measure(anchor, hidden, weight, labels, 1, reps)
                 speedup = mine["ms"] and theirs["ms"] and round(theirs["ms"] / mine["ms"], 3)
@@ -113,6 +134,8 @@ def main():
                 notes += [f"ours {e}" for e in [mine["error"]] if e] + [f"anchor {e}" for e in [theirs["error"]] if e]
                 if extra is not None:
                     notes.append(f"ours with chunk_size {2 * chunk}: {extra['ms']} ms, peak {extra['peak']} B")
+                notes.append("scale_ab: ours with the backward's gradient scaling on the device (the default, "
+                             "skipped for the upstream 1.0) and as torch's mul_, alternating rounds")
                 rows.append({
                     "name": "linear+cross-entropy fwd+bwd", "shape": shape,
                     "ours_ms": mine["ms"], "anchor": anchor_name, "anchor_ms": theirs["ms"],
@@ -123,6 +146,7 @@ def main():
                     "ours_peak_with_inputs_over_inputs_plus_grads": mine["peak"] and round((mine["peak"] + inputs) / (inputs + lower_bound), 3),
                     "anchor_peak_with_inputs_over_inputs_plus_grads": theirs["peak"] and round((theirs["peak"] + inputs) / (inputs + lower_bound), 3),
                     "tflops": mine["ms"] and round(flops / mine["ms"] / 1e9, 1),
+                    "scale_ab": scale,
                     "notes": "; ".join(notes),
                 })
                 print(f"{shape:48s} ours {mine['ms']} ms {gib(mine['peak'])} | "

@@ -143,23 +143,26 @@ def test_scale_in_place_equals_torch_mul(monkeypatch, dtype, scale):
         triton_backend._scale_(x.view(-1, 1)[::2], s)
 
 
-def test_upstream_gradient_scales_the_forward_gradients_exactly():
+def test_upstream_gradient_scales_the_forward_gradients_exactly(monkeypatch):
     """reduction "mean": the gradients formed in the forward are scaled in the backward by the
     upstream gradient; 2.0 gives exactly twice those of 1.0 (fp32, a power of two), which are the
-    oracle's."""
+    oracle's; an upstream 0.3 the same bits with the scaling on the device (SCALE_ON_DEVICE, the
+    default) as with torch's mul_."""
     hidden, weight, labels = make_inputs(19, 8, 37, seed=4, device=DEVICE)
     grads = {}
-    for upstream in (1.0, 2.0):
+    for upstream, on_device in ((1.0, True), (2.0, True), (0.3, True), (0.3, False)):
+        monkeypatch.setattr(triton_backend, "SCALE_ON_DEVICE", on_device)
         h = hidden.float().detach().requires_grad_()
         w = weight.float().detach().requires_grad_()
         loss = triton_linear_cross_entropy(h, w, labels, ignore_index=IGNORE, chunk_size=5)
-        grads[upstream] = torch.autograd.grad(loss, (h, w), torch.tensor(upstream, device=DEVICE))
-    for one, two in zip(grads[1.0], grads[2.0]):
+        grads[upstream, on_device] = torch.autograd.grad(loss, (h, w), torch.tensor(upstream, device=DEVICE))
+    for one, two, dev, mul in zip(grads[1.0, True], grads[2.0, True], grads[0.3, True], grads[0.3, False]):
         assert torch.equal(two, 2 * one)
+        assert torch.equal(dev, mul) and not torch.equal(dev, one)
     h = hidden.double().detach().requires_grad_()
     w = weight.double().detach().requires_grad_()
     truth = torch.autograd.grad(oracle(h, w, labels), (h, w))
-    for got, t in zip(grads[1.0], truth):
+    for got, t in zip(grads[1.0, True], truth):
         assert relative_error(got, t) < 1e-5
 
 

@@ -245,6 +245,10 @@ def _scale_kernel(x_ptr, s_ptr, n, BLOCK: tl.constexpr):
             tl.store(x_ptr + o_x, (b_x * s).to(x_ptr.dtype.element_ty), mask=m_x)
 
 
+# The backward's scaling of the forward's gradients by the upstream gradient: _scale_kernel (True),
+# which skips it on the device where that is 1, or torch's mul_ (False: a pass over grad_weight
+# whatever the gradient; the A/B of benchmarks/loss.py). Bitwise the same results.
+SCALE_ON_DEVICE = True
 # _scale_kernel's launch: BLOCK elements per program and step, PROGRAMS_PER_SM programs per SM (16
 # of 4 warps: 64 warps an SM, enough loads in flight to stream x where s is not 1; where it is, the
 # 2112 programs on an H200 only read s). Untimed on the H200 so far.
@@ -476,8 +480,10 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             # no pass at all for the usual upstream gradient of 1.0 (2.5 GB of grad_weight traffic at
             # V 151936, D 4096 in bf16), decided on the device
             for grad in (grad_hidden, grad_weight):
-                if grad is not None:
+                if grad is not None and SCALE_ON_DEVICE:
                     _scale_(grad, grad_loss)
+                elif grad is not None:
+                    grad.mul_(grad_loss.to(grad.dtype))
             return grad_hidden, grad_weight, None, None
         hidden, weight, labels, lse = ctx.saved_tensors
         chunks = _Chunks(hidden, weight, labels, ctx.options, ctx.num_classes)
