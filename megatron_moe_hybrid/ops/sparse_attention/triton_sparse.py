@@ -136,6 +136,15 @@ def _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2: tl.constexpr):
     return b_s
 
 
+@triton.jit
+def _probs_grads(b_s, b_do, b_v, m_rs, b_lse2, b_delta, scale_log2):
+    """The backward's recomputed probabilities p = exp2(scale_log2 s - lse2) (0 off m_rs) and
+    their gradient p (do v^T - delta) [BH, BK], both fp32."""
+    b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
+    b_dp = tl.dot(b_do, tl.trans(b_v))
+    return b_p, b_p * (b_dp - b_delta[:, None])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T", "K"])
 def _fwd_kernel(
@@ -212,10 +221,8 @@ def _bwd_dq_kernel(
             p_idx, i_k + tl.arange(0, BK), K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK
         )
         b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
-        m_rs = m_r[:, None] & m_s[None, :]
-        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v))
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k1.dtype)
+        b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
+        b_ds = b_ds.to(b_k1.dtype)
         b_dq1 += tl.dot(b_ds, b_k1)
         if HAS_D2:
             b_dq2 += tl.dot(b_ds, b_k2)
@@ -267,10 +274,8 @@ def _bwd_dkv_kernel(
         b_do = _load_rows(do, r_th, DV, o_dv, m_r, DV)
         b_lse2 = tl.load(lse2 + r_th, mask=m_r, other=0.0)
         b_delta = tl.load(delta + r_th, mask=m_r, other=0.0)
-        m_rs = m_r[:, None] & m_s[None, :]
-        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v))
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q1.dtype)
+        b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
+        b_ds = b_ds.to(b_q1.dtype)
         b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         b_dk1 += tl.dot(tl.trans(b_ds), b_q1)
         if HAS_D2:
@@ -332,10 +337,8 @@ def _bwd_fused_kernel(
         m_s, b_k1, b_k2, b_v = _load_slots(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP,
                                            SHARED_KV, BK)
         b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
-        m_rs = m_r[:, None] & m_s[None, :]
-        b_p = tl.where(m_rs, tl.exp2(b_s * scale_log2 - b_lse2[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v))
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k1.dtype)
+        b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
+        b_ds = b_ds.to(b_k1.dtype)
         b_dq1 += tl.dot(b_ds, b_k1)
         if HAS_D2:
             b_dq2 += tl.dot(b_ds, b_k2)
