@@ -145,6 +145,22 @@ def _probs_grads(b_s, b_do, b_v, m_rs, b_lse2, b_delta, scale_log2):
     return b_p, b_p * (b_dp - b_delta[:, None])
 
 
+@triton.jit
+def _dq_block(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, b_q1, b_q2, b_do, m_r, b_lse2, b_delta, scale_log2, b_dq1, b_dq2,
+              D: tl.constexpr, DV: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, HAS_D2: tl.constexpr,
+              DVP: tl.constexpr, SHARED_KV: tl.constexpr, BK: tl.constexpr):
+    """One block of slots o_k of a dq pass: their key rows gathered, p and ds formed (ds in the
+    input dtype), ds k added to dq (unscaled): (p fp32, ds, dq1, dq2)."""
+    m_s, b_k1, b_k2, b_v = _load_slots(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK)
+    b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
+    b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
+    b_ds = b_ds.to(b_k1.dtype)
+    b_dq1 += tl.dot(b_ds, b_k1)
+    if HAS_D2:
+        b_dq2 += tl.dot(b_ds, b_k2)
+    return b_p, b_ds, b_dq1, b_dq2
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T", "K"])
 def _fwd_kernel(
@@ -217,15 +233,9 @@ def _bwd_dq_kernel(
     b_dq1 = tl.zeros([BH, D1], tl.float32)
     b_dq2 = tl.zeros([BH, D2], tl.float32)
     for i_k in range(0, K, BK):
-        m_s, b_k1, b_k2, b_v = _load_slots(
-            p_idx, i_k + tl.arange(0, BK), K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP, SHARED_KV, BK
-        )
-        b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
-        b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
-        b_ds = b_ds.to(b_k1.dtype)
-        b_dq1 += tl.dot(b_ds, b_k1)
-        if HAS_D2:
-            b_dq2 += tl.dot(b_ds, b_k2)
+        _, _, b_dq1, b_dq2 = _dq_block(p_idx, i_k + tl.arange(0, BK), K, p_k, sk_s, p_v, sv_s, b_q1, b_q2, b_do, m_r,
+                                       b_lse2, b_delta, scale_log2, b_dq1, b_dq2, D, DV, D1, D2, HAS_D2, DVP,
+                                       SHARED_KV, BK)
 
     p_dq = dq + r_th[:, None] * D
     tl.store(p_dq + o_d1[None, :], (b_dq1 * scale).to(dq.dtype.element_ty), mask=m_r[:, None] & (o_d1 < D)[None, :])
@@ -334,14 +344,9 @@ def _bwd_fused_kernel(
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
-        m_s, b_k1, b_k2, b_v = _load_slots(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, D, DV, D1, D2, HAS_D2, DVP,
-                                           SHARED_KV, BK)
-        b_s = _scores(b_q1, b_q2, b_k1, b_k2, HAS_D2)
-        b_p, b_ds = _probs_grads(b_s, b_do, b_v, m_r[:, None] & m_s[None, :], b_lse2, b_delta, scale_log2)
-        b_ds = b_ds.to(b_k1.dtype)
-        b_dq1 += tl.dot(b_ds, b_k1)
-        if HAS_D2:
-            b_dq2 += tl.dot(b_ds, b_k2)
+        b_p, b_ds, b_dq1, b_dq2 = _dq_block(p_idx, o_k, K, p_k, sk_s, p_v, sv_s, b_q1, b_q2, b_do, m_r, b_lse2,
+                                            b_delta, scale_log2, b_dq1, b_dq2, D, DV, D1, D2, HAS_D2, DVP,
+                                            SHARED_KV, BK)
         # [BK] rows of C [B, Tc, K, G, F], as _bwd_dkv_kernel's
         p_c = C + (((i_b * Tc + i_tc) * K + o_k) * G + i_g)[:, None] * F
         b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
