@@ -55,12 +55,14 @@ def naive(hidden, weight, labels):
     return F.cross_entropy((hidden @ weight.T).float(), labels)
 
 
-def fwd_bwd(impl, hidden, weight, labels):
+def fwd_bwd(impl, hidden, weight, labels, upstream=None):
+    """One forward+backward; upstream: the loss's gradient (None: autograd's 1.0)."""
     leaves = [t for t in (hidden, weight) if t.requires_grad]
+    grad = None if upstream is None else torch.tensor(upstream, device=hidden.device)
 
     def step():
         loss = impl(hidden, weight, labels)
-        torch.autograd.grad(loss, leaves)
+        torch.autograd.grad(loss, leaves, grad)
 
     return step
 
@@ -76,21 +78,28 @@ def measure(impl, hidden, weight, labels, warmup, reps):
 
 def scale_ab(chunk, hidden, weight, labels, reps, rounds=3):
     """ours with the backward's gradient scaling on the device (ce_triton.SCALE_ON_DEVICE True: no
-    pass for the upstream 1.0) and as torch's mul_ (False), in alternating rounds in this process:
-    {"device_ms", "torch_mul_ms"} (medians of the rounds' medians) or an error."""
-    times = {True: [], False: []}
+    pass for the upstream 1.0) and as torch's mul_ (False), in alternating rounds in this process,
+    for autograd's upstream 1.0 and for 0.5 (gradient accumulation's 1/n, where both scale):
+    {"device_ms", "torch_mul_ms", "speedup", and the same for 0.5 with "_half"} (medians of the
+    rounds' medians) or an error."""
+    variants = [(on, up) for up in (None, 0.5) for on in (True, False)]
+    times = {v: [] for v in variants}
     try:
         for _ in range(rounds):
-            for on in (True, False):
+            for on, up in variants:
                 ce_triton.SCALE_ON_DEVICE = on
-                times[on].append(time_and_peak(fwd_bwd(ours(chunk), hidden, weight, labels), 1, reps)[0])
+                times[on, up].append(time_and_peak(fwd_bwd(ours(chunk), hidden, weight, labels, up), 1, reps)[0])
     except (torch.OutOfMemoryError, RuntimeError) as error:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
     finally:
         ce_triton.SCALE_ON_DEVICE = True
-    med = {on: sorted(t)[len(t) // 2] for on, t in times.items()}
-    return {"device_ms": round(med[True], 3), "torch_mul_ms": round(med[False], 3),
-            "speedup": round(med[False] / med[True], 4), "rounds": rounds}
+    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    out = {"rounds": rounds}
+    for up, suffix in ((None, ""), (0.5, "_half")):
+        out[f"device_ms{suffix}"] = round(med[True, up], 3)
+        out[f"torch_mul_ms{suffix}"] = round(med[False, up], 3)
+        out[f"speedup{suffix}"] = round(med[False, up] / med[True, up], 4)
+    return out
 
 
 def main():
@@ -135,7 +144,8 @@ def main():
                 if extra is not None:
                     notes.append(f"ours with chunk_size {2 * chunk}: {extra['ms']} ms, peak {extra['peak']} B")
                 notes.append("scale_ab: ours with the backward's gradient scaling on the device (the default, "
-                             "skipped for the upstream 1.0) and as torch's mul_, alternating rounds")
+                             "skipped for the upstream 1.0) and as torch's mul_, alternating rounds, for the "
+                             "upstream 1.0 and 0.5 (_half)")
                 rows.append({
                     "name": "linear+cross-entropy fwd+bwd", "shape": shape,
                     "ours_ms": mine["ms"], "anchor": anchor_name, "anchor_ms": theirs["ms"],
