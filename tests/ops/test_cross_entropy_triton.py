@@ -166,6 +166,32 @@ def test_upstream_gradient_scales_the_forward_gradients_exactly(monkeypatch):
         assert relative_error(got, t) < 1e-5
 
 
+@pytest.mark.parametrize("reduction, weight_trainable", [("mean", True), ("sum", False), ("none", False),
+                                                         ("none", True)])
+def test_second_backward_through_one_loss_is_refused_or_exact(reduction, weight_trainable):
+    """retain_graph=True and a second backward: where the forward formed the gradients ("mean",
+    "sum"), the first backward scaled them in place and returned them, so a second one would scale
+    them again (and the first's results with them; it did until 2026-12-05): a RuntimeError saying
+    so, the first results untouched. Where the backward scales a copy (a frozen weight's per-token
+    loss) or recomputes (a trainable one's), both backwards give the same gradients."""
+    hidden, weight, labels = make_inputs(13, 8, 29, seed=6, device=DEVICE)
+    h = hidden.float().detach().requires_grad_()
+    w = weight.float().detach().requires_grad_(weight_trainable)
+    leaves = (h, w) if weight_trainable else (h,)
+    loss = triton_linear_cross_entropy(h, w, labels, ignore_index=IGNORE, reduction=reduction, chunk_size=4)
+    up = torch.full(loss.shape, 2.0, device=DEVICE)
+    first = torch.autograd.grad(loss, leaves, up, retain_graph=True)
+    kept = [g.clone() for g in first]
+    if reduction != "none":
+        with pytest.raises(RuntimeError, match="a second backward through the same loss"):
+            torch.autograd.grad(loss, leaves, up)
+    else:
+        for a, b in zip(torch.autograd.grad(loss, leaves, up), kept):
+            assert torch.equal(a, b)
+    for a, b in zip(first, kept):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_triton_all_ignored_gives_zero(reduction):
     hidden, weight, labels = make_inputs(11, 8, 17, seed=2, device=DEVICE)

@@ -26,7 +26,8 @@ against 465 at 512, than the overlap wins: loss_parts.json.)
 With reduction "mean" or "sum" and gradients wanted, the gradients are computed in the
 forward (the upstream gradient is a scalar, applied in the backward in place by _scale_kernel,
 which reads it on the device and leaves the gradients alone where it is 1: no pass over the
-[V, D] grad_weight for loss.backward()'s 1.0, and no host sync). With "none" the
+[V, D] grad_weight for loss.backward()'s 1.0, and no host sync; so a second backward through the
+same loss, retain_graph=True, raises rather than scaling them twice). With "none" the
 upstream gradient is one number per token; row n of grad_hidden is linear in it (only loss_n
 depends on hidden_n), so with a frozen weight (LoRA: the model's per-token loss path) the
 forward computes d loss_n / d hidden_n and the backward scales the rows: 4 N V D instead of
@@ -461,7 +462,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
-        ctx.grads_now, ctx.per_token = grads_now, per_token
+        ctx.grads_now, ctx.per_token, ctx.scaled = grads_now, per_token, False
         if grads_now:
             ctx.save_for_backward(grad_hidden, grad_weight)
         else:
@@ -474,11 +475,19 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if ctx.grads_now:
             grad_hidden, grad_weight = ctx.saved_tensors
+            if ctx.scaled:
+                raise RuntimeError(
+                    "linear_cross_entropy: a second backward through the same loss (retain_graph=True) is not "
+                    "supported with reduction 'mean' or 'sum': the gradients were formed in the forward and the "
+                    "first backward scaled them in place (and returned them); run the loss's forward again for "
+                    "another backward"
+                )
             if ctx.per_token:  # d loss_n / d hidden_n times the upstream gradient of token n, in fp32
                 return (grad_hidden.float() * grad_loss.float()[:, None]).to(grad_hidden.dtype), None, None, None
             # in place: these buffers are ours, and a copy of grad_weight would add [V, D] to the peak;
             # no pass at all for the usual upstream gradient of 1.0 (2.5 GB of grad_weight traffic at
             # V 151936, D 4096 in bf16), decided on the device
+            ctx.scaled = True
             for grad in (grad_hidden, grad_weight):
                 if grad is not None and SCALE_ON_DEVICE:
                     _scale_(grad, grad_loss)
