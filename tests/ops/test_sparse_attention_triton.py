@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from megatron_moe_hybrid.ops import sparse_attention as sa
 from megatron_moe_hybrid.ops.sparse_attention import reference, triton_sparse
-from megatron_moe_hybrid.testing import assert_rel_rms
+from megatron_moe_hybrid.testing import assert_rel_rms, cuda_graph
 
 interpreter = pytest.mark.skipif(
     not triton_sparse._INTERPRET,
@@ -300,6 +300,39 @@ def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
     assert triton_sparse._form(types.SimpleNamespace(R=128), cuda, triton_sparse.BACKWARD_FORM, "backward") == "kernels"
 
 
+@interpreter
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+fused"])
+def test_no_host_read_while_capturing_cpu(form, monkeypatch):
+    """While a stream captures a CUDA graph (stood in for here: _capturing answers True), forward
+    and backward read nothing back to the host: the index range check and the repeated-key check
+    are skipped (a capturing stream refuses host reads), and the results are those of an eager
+    call. Outside capture both checks still raise."""
+    use_form(monkeypatch, form)
+    x, indices, DV = make_inputs(1, 6, 10, 4, 2, 16, 16, 5, seed=4)
+    eager = run(x, indices, DV, "triton")
+    reads = []
+    for name in ("item", "__bool__", "tolist", "__int__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name: reads.append(_name) or _real(t, *a))
+    monkeypatch.setattr(triton_sparse, "_capturing", lambda t: True)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (x["q"], x["k"], x["v"]))
+    o, lse = triton_sparse.sparse_attention_triton(q, k, v, indices)
+    grads = torch.autograd.grad((o * 1.5).sum() + (torch.where(torch.isfinite(lse), lse, 0.0)).sum(), (q, k, v))
+    assert reads == [], reads
+    monkeypatch.undo()
+    use_form(monkeypatch, form)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (x["q"], x["k"], x["v"]))
+    o2, lse2 = triton_sparse.sparse_attention_triton(q2, k2, v2, indices)
+    grads2 = torch.autograd.grad((o2 * 1.5).sum() + (torch.where(torch.isfinite(lse2), lse2, 0.0)).sum(), (q2, k2, v2))
+    assert torch.equal(o, o2) and torch.equal(lse, lse2) and torch.equal(o, eager["o"])
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+    bad = indices.clone()
+    bad[0, 0, 0] = 10
+    with pytest.raises(ValueError, match="indices must lie in"):
+        triton_sparse.sparse_attention_triton(x["q"], x["k"], x["v"], bad)
+
+
 # --- GPU (bf16, the issue's shapes) ---------------------------------------------------------
 
 GPU_CASES = {  # B, T, S, H, G, D, DV, K, shared_kv
@@ -328,3 +361,45 @@ def test_triton_bf16_matches_fp32_reference_gpu(case, form, monkeypatch):
     again = run(x, indices, DV, "auto")
     for n in got:
         assert torch.equal(again[n], got[n]), f"{n} differs between two identical runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["kernels", "products", "kernels+fused"])
+def test_forward_backward_capture_in_a_cuda_graph_gpu(form, monkeypatch):
+    """Forward and backward captured in one CUDA graph (the data checks, host reads, skipped while
+    capturing): a replay equals the eager call bitwise, and new inputs and indices copied into the
+    captured tensors give their own results."""
+    use_form(monkeypatch, form)
+    B, T, S, H, G, D, DV, K = 1, 256, 512, 16, 2, 64, 64, 96
+
+    def inputs(seed):
+        x, idx, _ = make_inputs(B, T, S, H, G, D, DV, K, device="cuda", seed=seed)
+        return [x[n].bfloat16() for n in ("q", "k", "v")], idx
+
+    leaves, indices = inputs(5)
+    leaves = [t.requires_grad_() for t in leaves]
+    do = torch.randn(B, T, H, DV, device="cuda").bfloat16()
+
+    def step():
+        o, lse = triton_sparse.sparse_attention_triton(*leaves, indices)
+        return (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do))
+
+    eager = step()
+    last = []
+    graph = cuda_graph(lambda: last.__setitem__(slice(None), step()))
+    captured = tuple(last)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+    new_leaves, new_indices = inputs(6)
+    with torch.no_grad():
+        for t, n in zip(leaves, new_leaves):
+            t.copy_(n)
+        indices.copy_(new_indices)
+    graph.replay()
+    again = step()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(again[0], eager[0])

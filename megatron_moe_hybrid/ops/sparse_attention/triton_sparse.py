@@ -46,7 +46,8 @@ of two D1), the kernels read k once and use it as v (SHARED_KV).
 
 The forward checks shapes, dtypes and the index range; a key repeated within one query's
 row is found by the backward's sort (ValueError there): a forward-only call counts such a key
-twice, as the reference's gather would.
+twice, as the reference's gather would. Both data checks read the host, so a stream capturing a
+CUDA graph skips them (_capturing): the op then captures, forward and backward.
 """
 
 import functools
@@ -746,6 +747,18 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = Fa
     return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale, fused=form == "fused")
 
 
+def _capturing(x: Tensor) -> bool:
+    """Whether x's stream is capturing a CUDA graph, which refuses host reads: there the op skips
+    its two data checks (the index range, a key repeated in a row), as the loss skips its label
+    check; the eager calls that warm a graph up before its capture made them."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _raise_if_repeated(repeated: Tensor) -> None:
+    if not _capturing(repeated) and bool(repeated):
+        raise ValueError("indices must not repeat a key within one query's row")
+
+
 def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor) -> tuple[Tensor, Tensor]:
     """per_key_lists of one chunk's indices [B, n, K]; ORs into repeated whether a row holds a
     key twice."""
@@ -810,8 +823,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fu
         order, offsets = _chunk_lists(idx_c, S, repeated)
         sum_rows_per_key(C.view(-1, G * F), order, offsets, acc.view(B * S, G * F), first=t0 == 0)
     del C
-    if bool(repeated):
-        raise ValueError("indices must not repeat a key within one query's row")
+    _raise_if_repeated(repeated)
     if T == 0:
         acc.zero_()
     dk = acc[..., :D].to(k.dtype)
@@ -902,8 +914,7 @@ def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, c
             for g in range(G):
                 sum_rows_per_key(c4[:, g], order, offsets, acc2[:, g * F + col:g * F + col + W], first)
         del parts
-    if bool(repeated):
-        raise ValueError("indices must not repeat a key within one query's row")
+    _raise_if_repeated(repeated)
     if T == 0:
         acc.zero_()
     if combine_kv:
@@ -1005,7 +1016,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
             f"indices must be int64/int32 [B, T, K] with B={B}, T={T} on {q.device}, got "
             + (f"{indices.dtype} {tuple(indices.shape)} on {indices.device}" if isinstance(indices, Tensor) else type(indices).__name__)
         )
-    if indices.numel():
+    if indices.numel() and not _capturing(indices):
         lo, hi = torch.aminmax(indices)
         if lo.item() < -1 or hi.item() >= S:
             raise ValueError(f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
