@@ -1,7 +1,7 @@
 #!/bin/bash
 # The sparse-attention GPU run behind benchmarks/results/h200/{sparse_attention,sparse_layer,mla_layer}.json,
 # on one H200:
-#   bash benchmarks/device/sparse_h200.sh [tests|attention|layer|mla|h32|sweep ...]   (default: tests attention layer mla)
+#   bash benchmarks/device/sparse_h200.sh [tests|attention|layer|mla|h32|sweep|kl ...]   (default: tests attention layer mla)
 # Results and logs go to $OUT (or ./device-logs); copy the JSON rows into benchmarks/results/h200/ by hand
 # (the device copy's git sha is stale: set git_sha / git_sha_of_row to the commit measured).
 # Expects .whl/ from ../shared/device/prep.sh. About 6 minutes for the default steps.
@@ -24,6 +24,8 @@ for step in $steps; do
     # the kernels form at MLA with SWEEP's other launch configs (--sweep; the forward at 32 slots untimed so far)
     sweep) (cd benchmarks && timeout 200 python sparse_attention.py --shapes mla --sweep --budget-s 0 \
               --out "$OUT/sa_sweep.json") 2>&1 | tee "$OUT/sweep.log" | grep "sweep\|ours" | tail -8 ;;
+    # the GQA layer's sparse-stage KL loss, kernel by kernel (66 ms of the layer's 264 at 32k, an unprofiled part)
+    kl) timeout 150 python benchmarks/device/profile_kl.py "$OUT" 2>&1 | tee "$OUT/kl.log" | tail -24 ;;
     # absorbed MLA at TP=4 (32 heads per rank): where auto's form threshold (64 heads) is unmeasured
     h32) (cd benchmarks && timeout 120 python sparse_attention.py --shapes mla-h32 --forms --budget-s 0 \
             --out "$OUT/sa_h32.json") 2>&1 | tee "$OUT/h32.log" | grep "form\|ours" | tail -6 ;;
