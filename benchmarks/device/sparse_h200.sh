@@ -15,7 +15,7 @@ for step in $steps; do
              tests/ops/test_sparse_indexer_triton.py tests/layers/test_mla_absorbed.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
     # each form of the sparse attention per shape (--forms: kernels, products, and where a kv group has at most
     # 64 heads the fused kernels backward at FUSED_SWEEP's configs), anchors included; MLA at 128k keys without them
-    attention) (cd benchmarks && timeout 300 python sparse_attention.py --shapes mla,gqa8k,gqa32k --forms --out "$OUT/sa.json" &&
+    attention) (cd benchmarks && timeout 420 python sparse_attention.py --shapes mla,gqa8k,gqa32k --forms --out "$OUT/sa.json" &&
                 timeout 100 python sparse_attention.py --shapes mla128k --forms --budget-s 0 --profile "$OUT/prof" \
                   --out "$OUT/sa128.json") 2>&1 | tee "$OUT/attention.log" | grep -v Warning | tail -12 ;;
     layer) (cd benchmarks && timeout 300 python sparse_layer.py --jobs mla128k,mla64k,mla32k,mla8k,gqa32k,gqa128k \
