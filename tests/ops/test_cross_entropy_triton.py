@@ -143,6 +143,23 @@ def test_scale_in_place_equals_torch_mul(monkeypatch, dtype, scale):
         triton_backend._scale_(x.view(-1, 1)[::2], s)
 
 
+def test_scale_of_one_writes_nothing(monkeypatch):
+    """Where s is 1 the kernel skips the pass, observable on signalling NaNs: any multiply (torch's
+    mul_ by 1 here) quiets them, changing their bits; after _scale_ by 1 they are as they were,
+    and by 0.5 they are quieted like torch's."""
+    monkeypatch.setattr(triton_backend, "SCALE_BLOCK", 16)
+    signalling = torch.full((16 * 4 * 3 + 5,), 0x7F800001, dtype=torch.int32, device=DEVICE)
+    quieted = signalling.clone()
+    quieted.view(torch.float32).mul_(torch.tensor(1.0, device=DEVICE))
+    assert not torch.equal(quieted, signalling)  # the probe can see a multiply
+    x = signalling.clone()
+    triton_backend._scale_(x.view(torch.float32), torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(x, signalling)
+    with np.errstate(invalid="ignore"):  # the interpreter's numpy multiply of a NaN
+        triton_backend._scale_(x.view(torch.float32), torch.tensor(0.5, device=DEVICE))
+    assert not torch.equal(x, signalling) and torch.isnan(x.view(torch.float32)).all()
+
+
 def test_upstream_gradient_scales_the_forward_gradients_exactly(monkeypatch):
     """reduction "mean": the gradients formed in the forward are scaled in the backward by the
     upstream gradient; 2.0 gives exactly twice those of 1.0 (fp32, a power of two), which are the

@@ -216,10 +216,34 @@ def test_fused_backward_equals_the_two_kernels_cpu(case, monkeypatch):
 
 @interpreter
 def test_fused_backward_refuses_more_heads_than_its_block_cpu(monkeypatch):
+    """Over FUSED_MAX_HEADS heads per group the fused form is refused by name, in the forward of a
+    call that will need a backward (before its buffers and its whole forward), not in that
+    backward; a forward-only call runs."""
     use_form(monkeypatch, "kernels+fused")
     monkeypatch.setattr(triton_sparse, "FUSED_MAX_HEADS", 2)
     x, indices, DV = make_inputs(1, 3, 6, 3, 1, 16, 16, 2, seed=2)
+    monkeypatch.setattr(triton_sparse, "_fwd_kernel", None)  # the forward must not get that far
     with pytest.raises(ValueError, match="BACKWARD_FORM 'fused' takes at most 2 query heads per kv group"):
+        run(x, indices, DV, "triton")
+    monkeypatch.undo()
+    use_form(monkeypatch, "kernels+fused")
+    monkeypatch.setattr(triton_sparse, "FUSED_MAX_HEADS", 2)
+    with torch.no_grad():
+        o, _ = triton_sparse.sparse_attention_triton(x["q"], x["k"], x["v"], indices)
+    assert torch.isfinite(o).all()
+
+
+@interpreter
+@pytest.mark.parametrize("fwd, bwd, name", [("kernel", "auto", "FORWARD_FORM"), ("fused", "auto", "FORWARD_FORM"),
+                                            ("auto", "product", "BACKWARD_FORM")])
+def test_an_unknown_form_is_refused_by_name_cpu(fwd, bwd, name, monkeypatch):
+    """A form switch set to a value its pass does not take (a typo, or the backward-only "fused"
+    for the forward) raises, naming the switch and the values it takes, instead of running the
+    kernels form."""
+    monkeypatch.setattr(triton_sparse, "FORWARD_FORM", fwd)
+    monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", bwd)
+    x, indices, DV = make_inputs(1, 3, 6, 2, 1, 16, 16, 2, seed=2)
+    with pytest.raises(ValueError, match=f"triton_sparse.{name} must be one of"):
         run(x, indices, DV, "triton")
 
 

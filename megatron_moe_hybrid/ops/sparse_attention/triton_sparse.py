@@ -526,10 +526,13 @@ def _strides(q, k, v, indices) -> tuple[int, ...]:
     return (*_row_strides(q), *_row_strides(k), *_row_strides(v), indices.stride(0), indices.stride(1))
 
 
-def _fwd(q, k, v, indices, scale: float, with_target: bool = False):
+def _fwd(q, k, v, indices, scale: float, with_target: bool = False, backward: bool = False):
     """(o, lse, target): target the sum over heads of p when with_target and the products form
-    makes it, else None."""
+    makes it, else None. backward: a backward will follow, whose form (BACKWARD_FORM) is checked
+    here, before the forward's buffers."""
     sh = _Shape(q, k, v, indices)
+    if backward:
+        _form(sh, q, BACKWARD_FORM, "backward")
     if _form(sh, q, FORWARD_FORM) == "products":
         return _fwd_products(sh, q, k, v, indices, scale, with_target)
     o = _alloc((sh.B, sh.T, sh.H, sh.DV), q.dtype, q.device)
@@ -562,7 +565,21 @@ FUSED_MAX_HEADS = 64
 PRODUCTS_MIN_HEADS = {"forward": 64, "backward": 32}
 
 
+FORMS = {"forward": ("auto", "kernels", "products"), "backward": ("auto", "kernels", "products", "fused")}
+
+
 def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward") -> str:
+    """The form a pass runs in: the switch's value (FORWARD_FORM / BACKWARD_FORM), "auto" taken
+    by shape. ValueError for a value the pass does not take, or "fused" over FUSED_MAX_HEADS heads
+    per kv group."""
+    if which not in FORMS[pass_]:
+        raise ValueError(f"triton_sparse.{pass_.upper()}_FORM must be one of {FORMS[pass_]}, got {which!r}")
+    if which == "fused" and sh.R > FUSED_MAX_HEADS:
+        raise ValueError(
+            f"BACKWARD_FORM 'fused' takes at most {FUSED_MAX_HEADS} query heads per kv group (its dq "
+            f"accumulator holds them all), got {sh.R}; set triton_sparse.BACKWARD_FORM to 'auto', "
+            "'kernels' or 'products'"
+        )
     if which != "auto":
         return which
     return "products" if q.is_cuda and sh.R >= PRODUCTS_MIN_HEADS[pass_] else "kernels"
@@ -779,14 +796,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fu
     consts = sh.consts()
 
     dq = _alloc(q.shape, q.dtype, dev)
-    if fused:
-        if sh.R > FUSED_MAX_HEADS:
-            raise ValueError(
-                f"BACKWARD_FORM 'fused' takes at most {FUSED_MAX_HEADS} query heads per kv group (its dq "
-                f"accumulator holds them all), got {sh.R}; set triton_sparse.BACKWARD_FORM to 'auto', "
-                "'kernels' or 'products'"
-            )
-    else:
+    if not fused:
         _launch(
             _bwd_dq_kernel, "backward dq", ("dq", *sh.key(q)),
             lambda c: (T * cdiv(sh.R, c["BH"]), B * G),
@@ -961,7 +971,7 @@ class SparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, indices, scale, combine_kv=False, with_target=False):
-        o, lse, target = _fwd(q, k, v, indices, scale, with_target)
+        o, lse, target = _fwd(q, k, v, indices, scale, with_target, backward=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(q, k, v, indices, o, lse)
         ctx.scale, ctx.combine_kv = scale, combine_kv
         if not with_target:
