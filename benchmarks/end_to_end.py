@@ -83,7 +83,7 @@ OUR_LORA_TARGETS = {"A": ["linear_attention", "full_attention", "experts"],
 SPARSE = {"sparse_attention.topk": 2048, "sparse_attention.index_n_heads": 16,
           "sparse_attention.index_head_dim": 64, "sparse_attention.index_rope_dim": 32,
           "sparse_attention.indexer_loss_coeff": 0.0, "sparse_attention.stage": "sparse"}
-JOBS = ("a4096", "b4096x1", "b1024x1", "a32768", "c32768", "c131072")  # the README table's rows
+JOBS = ("a4096", "b4096x1", "b1024x1", "a32768", "c32768", "c131072")  # the rows of docs/PERFORMANCE.md's end-to-end table
 RECOMPUTE_FROM = 65536  # tokens per sequence from which our layers recompute in the backward (memory.recompute_layers)
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, num_experts=8,

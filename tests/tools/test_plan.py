@@ -162,7 +162,7 @@ def test_recompute_keeps_the_selection_of_the_sparse_layers_below(monkeypatch):
     """Under full recompute a sparse layer keeps its top-k selection (int32) and the indexer
     weights that check it until its recompute reuses it: alive during the backward of the layers
     above (8 layers LLLS x 2: the first S layer's, from layer 4 on), counted in the plan's
-    activations. (On the H200, job c131072's peak grew by the 1 GiB this gives: README.) Not
+    activations. (On the H200, job c131072's peak grew by the 1 GiB this gives: docs/PERFORMANCE.md.) Not
     without recompute, and not under context parallelism, whose sparse core selects again."""
     config = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"),
                          {"parallel.world_size": 1, "model.num_layers": 8})
