@@ -342,6 +342,9 @@ def _as_on_the_h200() -> dict:
     from megatron_moe_hybrid.ops.sparse_attention import triton_sparse as ts
 
     tc._INTERPRET = True  # read by the CPU-tensor check and the TMA gate only
+    # the bf16 refusals of the interpreter (its bf16 loads are wrong) do not apply to launches only
+    # compiled; the recorders' inputs are well formed
+    tc._check_interpreter_dtype = lambda q: None
     if hasattr(tc, "_device_has_tma"):  # (cached; a revision before the TMA stores has none)
         tc._device_has_tma.cache_clear()
     form, on_gpu = ts._form, types.SimpleNamespace(is_cuda=True)  # _form reads only q.is_cuda
@@ -357,6 +360,7 @@ def _as_on_the_h200() -> dict:
     from megatron_moe_hybrid.ops.moe import grouped_triton
     from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
 
+    ti._check_triton_dtypes = lambda q_idx, k_idx, weights: None
     return {"gdn": (tc, record_linear), "gla": (tc, record_linear), "sparse": (ts, record_sparse),
             "loss": (ce, record_loss), "moe": (grouped_triton, record_moe), "layer": (tc, record_layer),
             "indexer": (ti, record_indexer)}

@@ -31,6 +31,9 @@ Shape legend:
   U  vocabulary rows in one chunk (vocab_chunk_size, the last one shorter)
 """
 
+import math
+import numbers
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,14 +59,20 @@ def check_inputs(
         raise ValueError(f"labels must be int64 [N] with N = {hidden.shape[0]}, got {tuple(labels.shape)} {labels.dtype}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size), ("vocab_start", vocab_start)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    for name, value in (("z_loss_weight", z_loss_weight), ("label_smoothing", label_smoothing)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if vocab_chunk_size < 1:
         raise ValueError(f"vocab_chunk_size must be >= 1, got {vocab_chunk_size}")
     if vocab_start < 0:
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    if z_loss_weight < 0:
-        raise ValueError(f"z_loss_weight must be >= 0, got {z_loss_weight}")
+    if not (0.0 <= z_loss_weight < math.inf):  # NaN fails too
+        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {z_loss_weight}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
 

@@ -549,9 +549,10 @@ def triton_linear_cross_entropy(
     in the input dtype. Holds one [chunk_size, V] logits buffer; chunk_size None picks
     auto_chunk_size.
     """
+    check_inputs(hidden, weight, labels, reduction, 1 if chunk_size is None else chunk_size, vocab_start,
+                 z_loss_weight, label_smoothing)
     if chunk_size is None:
         chunk_size = auto_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.requires_grad)
-    check_inputs(hidden, weight, labels, reduction, chunk_size, vocab_start, z_loss_weight, label_smoothing)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}; cast one of them")
     if tp_group is None:

@@ -211,6 +211,7 @@ def gated_delta_rule(
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] (fp32, fp64 for fp64
     inputs) if output_final_state, else None.
     """
+    reference.check_options(scale, cu_seqlens, chunk_size)
     return _pick("gated_delta_rule", backend, q).fn(
         q, k, v, g, beta,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -235,6 +236,7 @@ def simple_gla(
 
     Arguments and results as gated_delta_rule, without beta.
     """
+    reference.check_options(scale, cu_seqlens, chunk_size)
     return _pick("simple_gla", backend, q).fn(
         q, k, v, g,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,

@@ -29,6 +29,7 @@ from .reference import (
     l2norm,
     _NO_BETA,
     _check_inputs,
+    check_options,
     recurrent_gated_delta_rule,
     recurrent_simple_gla,
 )
@@ -137,6 +138,7 @@ def _resolve_backend(name: str, backend: str, q: Tensor) -> str:
 
 
 def _run(name, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, backend):
+    check_options(scale, cu_seqlens)
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     chosen = _resolve_backend(name, backend, q)

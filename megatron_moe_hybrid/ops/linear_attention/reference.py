@@ -15,6 +15,8 @@ dtype; the final state is returned in that dtype and o in v's dtype.
 """
 
 import functools
+import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +27,22 @@ _NO_BETA = "beta: the gated delta rule needs beta [B, T, H]; use simple GLA for 
 
 # (q, k, v, g, beta or None, state) -> (o, state), all in the accumulation dtype, q pre-scaled.
 Core = Callable[[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Tensor], tuple[Tensor, Tensor]]
+
+
+def check_options(scale, cu_seqlens, chunk_size=None) -> None:
+    """Raises ValueError naming a bad scalar option, whatever the backend: scale None or a finite
+    positive number, cu_seqlens None or a tensor, chunk_size None or a positive int."""
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"scale: expected None (K ** -0.5) or a finite positive number, got {scale!r}")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):
+        raise ValueError(
+            f"cu_seqlens: expected an integer tensor of offsets, got a {type(cu_seqlens).__name__}; "
+            "pass torch.tensor(offsets, dtype=torch.int32, device=q.device)"
+        )
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=None) -> int:
@@ -76,8 +94,9 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=None) 
             f"(N = {'number of cu_seqlens segments' if cu_seqlens is not None else 'B'}), "
             f"got {initial_state.dtype} {list(initial_state.shape)}"
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if H == 0 or K == 0:
+        raise ValueError(f"q: expected at least one head and a key dim of at least 1, got {list(q.shape)}")
+    check_options(None, cu_seqlens, chunk_size)
     return N
 
 

@@ -1454,6 +1454,8 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             f"{q.dtype} {list(q.shape)}; use backend='torch' for other dtypes"
         )
     B, T, H, K = q.shape
+    if H == 0 or K == 0:
+        raise ValueError(f"q: expected at least one head and a key dim of at least 1, got {list(q.shape)}")
     op = "gla" if beta is None else "gdn"
     if K > MAX_HEAD_DIM_K[op]:
         raise ValueError(
@@ -1509,6 +1511,16 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             "q: the triton backend on CPU tensors runs in Triton's interpreter; set "
             "TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
         )
+    _check_interpreter_dtype(q)
+
+
+def _check_interpreter_dtype(q: Tensor) -> None:
+    """Triton's CPU interpreter reads bf16 wrongly (its outputs would be garbage): refused there."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "q: the triton backend's CPU interpreter reads bf16 wrongly; cast q, k, v to fp32 or fp16, "
+            "or use backend='torch'"
+        )
 
 
 @functools.cache
@@ -1521,6 +1533,11 @@ def _log_chunk_size_once(chunk_size: int) -> None:
 
 def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if q.shape[0] == 0:  # an empty batch launches nothing: the torch form's empty results and gradients
+        from . import gated_delta_rule, simple_gla
+
+        kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state, backend="torch")
+        return simple_gla(q, k, v, g, **kwargs) if beta is None else gated_delta_rule(q, k, v, g, beta, **kwargs)
     if chunk_size != CHUNK:
         _log_chunk_size_once(chunk_size)
     K = q.shape[-1]

@@ -27,7 +27,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def count_experts(idx: torch.Tensor, num_bins: int) -> torch.Tensor:
     """[num_bins] int64 histogram of idx (any shape, values in [0, num_bins]; num_bins itself
     is a discard bin). Unlike torch.bincount on CUDA, it never reads a device value back."""
-    flat = idx.reshape(-1)
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise ValueError(f"idx must be an integer tensor of expert ids, got {idx.dtype}")
+    flat = idx.reshape(-1).long()
     counts = torch.zeros(num_bins + 1, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return counts[:num_bins]
@@ -127,6 +129,13 @@ def _check_scores_idx(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts:
             f"topk_idx must be {tuple(scores.shape[:-1]) + (topk,)} ([..., K={topk}] like scores), "
             f"got shape {tuple(topk_idx.shape)}"
         )
+    if topk_idx.is_floating_point() or topk_idx.dtype == torch.bool:
+        raise ValueError(f"topk_idx must be an integer tensor of expert ids, got {topk_idx.dtype}")
+    # the range: a host read, so on CPU tensors only (the GPU path stays free of syncs; the router
+    # makes these ids itself)
+    if not topk_idx.is_cuda and topk_idx.numel() and not (0 <= int(topk_idx.min()) and int(topk_idx.max()) < num_experts):
+        raise ValueError(f"topk_idx must lie in [0, {num_experts}), got values in "
+                         f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
 
 
 def load_balancing_loss(

@@ -228,6 +228,7 @@ def sparse_attention(
     scale: Optional[float] = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
+    reference._check_scale(scale)
     return get_op("sparse_attention", backend, q)(q, k, v, indices, scale)
 
 
@@ -409,8 +410,21 @@ def chunked_indexer_kl_loss(
     and the target go through the backend's ops (auto: Triton for 16-bit CUDA tensors); an op
     the named backend lacks runs under auto.
     """
-    B, T, H, _ = reference._shape(q, "q", "[B, T, H, D]")
-    S = k.shape[1]
+    B, T, S, H, _, _ = reference._check_attention_args(q, k, k)
+    _, _, S_idx = reference._check_indexer_args(q_idx, k_idx, weights)
+    reference._check(
+        tuple(q_idx.shape[:2]) == (B, T) and S_idx == S,
+        f"q_idx [B, T, HI, DI] and k_idx [B, S, DI] must cover q's B={B}, T={T} and k's S={S}, got "
+        f"{tuple(q_idx.shape)} and {tuple(k_idx.shape)}",
+    )
+    if indices is not None:
+        reference._check(
+            isinstance(indices, Tensor) and indices.dim() == 3 and tuple(indices.shape[:2]) == (B, T)
+            and not indices.is_floating_point(),
+            f"indices must be an integer [B, T, K] = [{B}, {T}, K] tensor (None for the dense warm-up), got "
+            + (f"{indices.dtype} {tuple(indices.shape)}" if isinstance(indices, Tensor) else type(indices).__name__),
+        )
+    reference._check_scale(scale)
     X = S if indices is None else indices.shape[-1]
     HI, DI = q_idx.shape[2:]
     budget = KL_CHUNK_BUDGET_BYTES if budget_bytes is None else budget_bytes

@@ -13,6 +13,8 @@ Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that test
 be exact. The math (indexer, selection, attention, KL loss) is in README.md.
 """
 
+import math
+import numbers
 from itertools import pairwise
 
 import torch
@@ -347,6 +349,8 @@ def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
     indexing's backward sorts every (query, slot) pair first (seconds on a GPU at 8k x 2048).
     """
     B, S = x.shape[:2]
+    if S == 0:  # no keys: every slot is -1 (the range check), and callers mask what this reads
+        return x.new_zeros((*indices.shape, *x.shape[2:])) + 0 * x.sum()
     rows = (indices.clamp(min=0) + torch.arange(B, device=x.device)[:, None, None] * S).reshape(-1)
     return x.reshape(B * S, *x.shape[2:]).index_select(0, rows).view(*indices.shape, *x.shape[2:])
 
@@ -368,8 +372,20 @@ def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:
     _check(not bool(repeated.any()), "indices must not repeat a key within one query's row")
 
 
+def _check_scale(scale) -> None:
+    """scale: None (D ** -0.5) or a finite positive number."""
+    _check(
+        scale is None or (
+            not isinstance(scale, bool) and isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0
+        ),
+        f"scale must be None (D ** -0.5) or a finite positive number, got {scale!r}",
+    )
+
+
 def _check_attention_args(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
     B, T, H, D = _shape(q, "q", "[B, T, H, D]")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(x.is_floating_point(), f"{name} must be a floating-point tensor, got {x.dtype}")
     _, S, G, _ = _shape(k, "k", "[B, S, G, D]")
     _check(
         tuple(k.shape) == (B, S, G, D) and G > 0 and H % G == 0,
@@ -419,11 +435,12 @@ def sparse_attention(
     """
     B, T, S, H, G, D = _check_attention_args(q, k, v)
     _check_indices(indices, B, T, S)
+    _check_scale(scale)
     scale = D**-0.5 if scale is None else scale
     probs, lse = _softmax_lse(_grouped_scores_sparse(q, k, indices, scale))  # [B, T, G, R, K]
     v_sel = _select_keys(v, indices)  # [B, T, K, G, DV]
     o = torch.einsum("btgrk,btkgd->btgrd", probs, v_sel.to(probs.dtype))
-    return o.reshape(B, T, H, -1).to(q.dtype), lse.reshape(B, T, H)
+    return o.reshape(B, T, H, v.shape[-1]).to(q.dtype), lse.reshape(B, T, H)
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None):
@@ -432,7 +449,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     scores = _grouped_scores_dense(q, k, scale)  # [B, T, G, R, S]
     probs, lse = _softmax_lse(scores.masked_fill(~mask[:, :, None, None, :], NEG_INF))
     o = torch.einsum("btgrs,bsgd->btgrd", probs, v.to(probs.dtype))
-    return o.reshape(B, T, H, -1).to(q.dtype), lse.reshape(B, T, H)
+    return o.reshape(B, T, H, v.shape[-1]).to(q.dtype), lse.reshape(B, T, H)
 
 
 def indices_to_mask(indices: Tensor, S: int) -> Tensor:
@@ -507,7 +524,9 @@ def attention_probs_target(
 
 def _valid_queries(index_scores: Tensor, target: Tensor) -> Tensor:
     """[B, T] bool: the query has a readable key and some target mass (it counts in the mean)."""
-    return (target.sum(-1) > 0) & (index_scores > NEG_INF).any(-1)
+    # ~(sum <= 0), not sum > 0: a NaN target keeps its query, so the NaN reaches the loss instead of
+    # the query silently leaving the mean
+    return ~(target.sum(-1) <= 0) & (index_scores > NEG_INF).any(-1)
 
 
 @torch.no_grad()
@@ -564,5 +583,5 @@ def indexer_kl_sum(
     valid_query = _valid_queries(index_scores, p)  # [B, T]
     # Rows left out get finite dummy logits so their log_softmax (and its gradient) is not NaN.
     log_q = torch.log_softmax(index_scores.to(dtype).masked_fill(~valid_query[..., None], 0.0), -1)
-    kl = torch.where(p > 0, p * (p.log() - log_q), 0.0).sum(-1)  # [B, T]
+    kl = torch.where(p != 0, p * (p.log() - log_q), 0.0).sum(-1)  # [B, T]; p != 0: a NaN p stays NaN
     return torch.where(valid_query, kl, 0.0).sum(), valid_query

@@ -46,7 +46,7 @@ from .reference import (
     _query_positions,
     _segment_ids,
 )
-from .triton_sparse import per_key_lists, sum_rows_per_key
+from .triton_sparse import _capturing, per_key_lists, sum_rows_per_key
 from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
 
@@ -227,6 +227,7 @@ def lightning_indexer_topk_triton(
 ) -> Tensor:
     """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> int32 [B, T, topk]."""
     B, T, S = _check_selection_args(q_idx, k_idx, weights, topk, block_size)
+    _check_triton_dtypes(q_idx, k_idx, weights)
     DI = q_idx.shape[-1]
     _check(DI <= 256, f"q_idx: indexer head dim {DI} > 256 is not supported by the Triton indexer")
     _check(
@@ -407,15 +408,29 @@ class SparseIndexScores(torch.autograd.Function):
         return dq, dk.view(B, S, DI).to(k_idx.dtype), dw, None
 
 
+def _check_triton_dtypes(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> None:
+    """ValueError naming the argument: floating inputs, and no bf16 in the CPU interpreter
+    (Triton's interpreter reads bf16 wrongly)."""
+    for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("weights", weights)):
+        _check(x.is_floating_point(), f"{name} must be a floating-point tensor, got {x.dtype}")
+        _check(x.is_cuda or x.dtype != torch.bfloat16,
+               f"{name}: the triton indexer's CPU interpreter reads bf16 wrongly; use fp32 or fp16 on CPU, "
+               "or backend='torch'")
+
+
 def lightning_indexer_sparse_triton(q_idx: Tensor, k_idx: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
     """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI], indices [B, T, K] -> [B, T, K]
     fp32 index scores at the selected keys (-inf at -1 slots), differentiable."""
-    _check_indexer_args(q_idx, k_idx, weights)
+    _, _, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_triton_dtypes(q_idx, k_idx, weights)
     B, T = q_idx.shape[:2]
     _check(
         indices.dim() == 3 and tuple(indices.shape[:2]) == (B, T) and not indices.is_floating_point(),
         f"indices must be an integer [B, T, K] = [{B}, {T}, K] tensor, got {indices.dtype} {tuple(indices.shape)}",
     )
+    if indices.numel() and not _capturing(indices):  # one host read; the kernels trust the range
+        lo, hi = torch.aminmax(indices)
+        _check(lo.item() >= -1 and hi.item() < S, f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
     _check(q_idx.shape[-1] <= 256 and q_idx.shape[2] <= 128,
            f"q_idx: {tuple(q_idx.shape[2:])} indexer heads x dim; the Triton kernel takes HI <= 128, DI <= 256")
     return SparseIndexScores.apply(q_idx, k_idx, weights, indices)

@@ -44,10 +44,11 @@ Dots take the input dtype (bf16/fp16; fp32 only in the CPU interpreter) and accu
 fp32. When v is the first DV columns of k (absorbed MLA: v = kv[..., :DV] with DV the power
 of two D1), the kernels read k once and use it as v (SHARED_KV).
 
-The forward checks shapes, dtypes and the index range; a key repeated within one query's
-row is found by the backward's sort (ValueError there): a forward-only call counts such a key
-twice, as the reference's gather would. Both data checks read the host, so a stream capturing a
-CUDA graph skips them (_capturing): the op then captures, forward and backward.
+The forward checks shapes, dtypes, scale and the index range; a key repeated within one query's
+row is found by the backward's sort (ValueError there), or, where no backward will follow (no
+input needs a gradient, or grad mode is off), by a sort of each row in the forward
+(_check_no_repeats), as the reference raises. The data checks read the host, so a stream
+capturing a CUDA graph skips them (_capturing): the op then captures, forward and backward.
 """
 
 import functools
@@ -60,7 +61,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from .reference import _bmm_f32, _check_attention_args
+from .reference import _bmm_f32, _check_attention_args, _check_scale
 from .._launch import fast_launch
 from .._intmath import cdiv
 
@@ -1032,6 +1033,24 @@ def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
             raise ValueError(f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
 
 
+REPEAT_CHECK_ELEMENTS = 1 << 22  # indices per sort of the forward-only repeated-key check (~50 MB of buffers)
+
+
+def _check_no_repeats(indices: Tensor) -> None:
+    """ValueError if a row of indices [B, T, K] holds a key twice, for a forward no backward
+    follows (the backward's per-key lists check it otherwise): each row sorted, in chunks of
+    rows, one host read at the end (none while a CUDA graph captures)."""
+    B, T, K = indices.shape
+    if K < 2 or not indices.numel():
+        return
+    repeated = torch.zeros((), dtype=torch.bool, device=indices.device)
+    rows = max(1, REPEAT_CHECK_ELEMENTS // (B * K))
+    for t0 in range(0, T, rows):
+        ordered = indices[:, t0:t0 + rows].sort(dim=-1).values
+        repeated |= ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()
+    _raise_if_repeated(repeated)
+
+
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -1044,6 +1063,9 @@ def sparse_attention_triton(
     with_target: (o, lse, target), target the products forward's sum over heads of the fp32
     probabilities [B, T, K] (sparse_probs_target's value) or None in the kernels form."""
     _check(q, k, v, indices)
+    _check_scale(scale)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        _check_no_repeats(indices)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     combine = _view_of(v, k)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
