@@ -59,7 +59,9 @@ SWEEP = {  # kernel -> alternative configs timed with --sweep on MLA
 
 
 def causal_indices(B, T, S, K, device, seed=0):
-    """[B, T, K] int32, K distinct random keys among each query's earlier tokens, -1 padded."""
+    """[B, T, K] int32, K distinct random keys among each query's earlier tokens, -1 padded;
+    marked as repeating no key (sa.mark_unique_rows), as lightning_indexer_topk's selections are,
+    so that a forward timed without a backward skips the op's check of its rows, as in the layer."""
     gen = torch.Generator(device=device).manual_seed(seed)
     pos = torch.arange(S - T, S, device=device)
     rows = []
@@ -70,7 +72,7 @@ def causal_indices(B, T, S, K, device, seed=0):
         values, idx = scores.topk(K, dim=-1, sorted=False)
         rows.append(idx.masked_fill_(values < 0, -1).to(torch.int32))
         del scores, values
-    return torch.cat(rows, dim=1)
+    return sa.mark_unique_rows(torch.cat(rows, dim=1))
 
 
 def naive_chain(q, k, v, indices, scale, chunk=1024):

@@ -233,3 +233,23 @@ def test_load_balancing_loss_checks_expert_ids():
             moe.load_balancing_loss(scores, bad, 8, 2)
     with pytest.raises(ValueError, match="^topk_idx must be an integer tensor"):
         moe.load_balancing_loss(scores, idx.float(), 8, 2)
+
+
+@interpreter
+def test_the_indexers_selections_skip_the_repeat_check(monkeypatch):
+    """lightning_indexer_topk's output is marked as repeating no key, so a forward-only call
+    skips the sort; a write in place voids the mark, and an unmarked tensor is checked."""
+    q, k, v, qi, ki, w, idx = sparse_args()
+    sorted_rows = []
+    real = triton_sparse._check_no_repeats
+    monkeypatch.setattr(triton_sparse, "_check_no_repeats", lambda i: sorted_rows.append(i) or real(i))
+    sel = sa.lightning_indexer_topk(qi, ki, w, 4, backend="triton")
+    assert sa_ref.known_unique_rows(sel) and not sa_ref.known_unique_rows(sel.clone())
+    sa.sparse_attention(q, k, v, sel, backend="triton")
+    assert sorted_rows == []
+    sa.sparse_attention(q, k, v, sel.clone(), backend="triton")
+    assert len(sorted_rows) == 1
+    sel[0, 5, 1] = sel[0, 5, 0]  # in place: the mark no longer holds
+    assert not sa_ref.known_unique_rows(sel)
+    with pytest.raises(ValueError, match="must not repeat a key"):
+        sa.sparse_attention(q, k, v, sel, backend="triton")

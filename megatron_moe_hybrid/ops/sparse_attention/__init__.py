@@ -28,6 +28,7 @@ from .reference import (
     dense_masked_attention,
     indexer_kl_valid_queries,
     indices_to_mask,
+    mark_unique_rows,
     positions_from_cu_seqlens,
 )
 
@@ -215,9 +216,10 @@ def lightning_indexer_topk(
     q_positions: Optional[Tensor] = None,
     backend: str = "auto",
 ) -> Tensor:
-    return get_op("lightning_indexer_topk", backend, q_idx)(
+    indices = get_op("lightning_indexer_topk", backend, q_idx)(
         q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
     )
+    return reference.mark_unique_rows(indices)  # a selection repeats no key: sparse_attention skips that check
 
 
 def sparse_attention(
@@ -508,6 +510,7 @@ __all__ = [
     "get_op",
     "indexer_kl_valid_queries",
     "indices_to_mask",
+    "mark_unique_rows",
     "positions_from_cu_seqlens",
     "register_backend",
     "registered_backends",

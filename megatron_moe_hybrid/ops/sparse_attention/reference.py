@@ -15,6 +15,7 @@ be exact. The math (indexer, selection, attention, KL loss) is in README.md.
 
 import math
 import numbers
+import weakref
 from itertools import pairwise
 
 import torch
@@ -353,6 +354,35 @@ def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
         return x.new_zeros((*indices.shape, *x.shape[2:])) + 0 * x.sum()
     rows = (indices.clamp(min=0) + torch.arange(B, device=x.device)[:, None, None] * S).reshape(-1)
     return x.reshape(B * S, *x.shape[2:]).index_select(0, rows).view(*indices.shape, *x.shape[2:])
+
+
+# id -> (weak reference, version) of index tensors known to repeat no key within a row
+_UNIQUE_ROWS: dict[int, tuple] = {}
+
+
+def mark_unique_rows(indices: Tensor) -> Tensor:
+    """Records that no row of indices repeats a key (lightning_indexer_topk marks its selections),
+    so that a fused forward with no backward after it skips its sort of the rows; a write in
+    place (the version counter) voids the mark, and none is kept for inference-mode tensors.
+    Returns indices."""
+    try:
+        version = indices._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return indices
+    key = id(indices)
+    _UNIQUE_ROWS[key] = (weakref.ref(indices, lambda _, key=key: _UNIQUE_ROWS.pop(key, None)), version)
+    return indices
+
+
+def known_unique_rows(indices: Tensor) -> bool:
+    """mark_unique_rows was called on this tensor, and it has not been written since."""
+    entry = _UNIQUE_ROWS.get(id(indices))
+    if entry is None or entry[0]() is not indices:
+        return False
+    try:
+        return indices._version == entry[1]
+    except RuntimeError:
+        return False
 
 
 def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:

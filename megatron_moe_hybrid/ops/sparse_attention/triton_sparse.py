@@ -47,8 +47,10 @@ of two D1), the kernels read k once and use it as v (SHARED_KV).
 The forward checks shapes, dtypes, scale and the index range; a key repeated within one query's
 row is found by the backward's sort (ValueError there), or, where no backward will follow (no
 input needs a gradient, or grad mode is off), by a sort of each row in the forward
-(_check_no_repeats), as the reference raises. The data checks read the host, so a stream
-capturing a CUDA graph skips them (_capturing): the op then captures, forward and backward.
+(_check_no_repeats), as the reference raises; lightning_indexer_topk's selections are marked as
+repeating no key (reference.mark_unique_rows) and skip it. The data checks read the host, so a
+stream capturing a CUDA graph skips them (_capturing): the op then captures, forward and
+backward.
 """
 
 import functools
@@ -61,7 +63,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from .reference import _bmm_f32, _check_attention_args, _check_scale
+from .reference import _bmm_f32, _check_attention_args, _check_scale, known_unique_rows
 from .._launch import fast_launch
 from .._intmath import cdiv
 
@@ -1064,7 +1066,7 @@ def sparse_attention_triton(
     probabilities [B, T, K] (sparse_probs_target's value) or None in the kernels form."""
     _check(q, k, v, indices)
     _check_scale(scale)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))) and not known_unique_rows(indices):
         _check_no_repeats(indices)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     combine = _view_of(v, k)
