@@ -629,6 +629,14 @@ def _validate(c: HybridMoEConfig) -> None:
                 "lora.targets",
                 f"unknown target {t!r}{_did_you_mean(t, LORA_TARGETS)}; valid: {', '.join(LORA_TARGETS)}",
             )
+        # attention targets need their layer letter in the pattern (found here, not after the ranks start)
+        for t, letters in (("linear_attention", "L"), ("full_attention", "A"), ("sparse_attention", "SM")):
+            _require(
+                t not in lo.targets or any(x in c.pattern for x in letters),
+                "lora.targets",
+                f"{t!r} matches no layer of model.pattern {c.pattern!r} (it needs a {' or '.join(letters)} layer); "
+                "drop it from lora.targets",
+            )
         # Absorbed MLA folds linear_kv_up_proj's adapter into its weights and never forms the
         # projection's input, where LoRA dropout would act (with target_modules the layer checks
         # at its first forward whether kv_up_proj got an adapter).
@@ -802,7 +810,8 @@ def _validate(c: HybridMoEConfig) -> None:
         _require(
             os.path.isdir(t.init_from),
             "training.init_from",
-            f"{t.init_from!r} is not a directory; point it at a checkpoint (e.g. <output_dir>/latest)",
+            f"{t.init_from!r} is not a directory; point it at a run's output_dir (its newest checkpoint) "
+            "or one of its checkpoints/step_* directories",
         )
     if lo.enabled:
         _require(

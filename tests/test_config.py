@@ -38,6 +38,8 @@ INVALID = [
     ("sparse-topk-negative", {"sparse_attention.topk": -5}, 1, "sparse_attention.topk"),
     ("lora-rank-zero", {"lora.enabled": True, "lora.rank": 0, "training.init_from": ROOT}, 1, "lora.rank"),
     ("lora-unknown-target", {"lora.enabled": True, "lora.targets": ["experst"], "training.init_from": ROOT}, 1, "lora.targets"),
+    ("lora-target-without-its-layer", {"lora.enabled": True, "model.pattern": "SSSS", "training.init_from": ROOT,
+                                       "training.tokenizer_model": os.path.join(ROOT, "README.md")}, 1, "lora.targets"),
     ("lora-without-base", {"lora.enabled": True, "training.resume": "none"}, 1, "training.init_from"),
     ("world-not-divisible", {"parallel.expert_model_parallel_size": 2}, 3, "parallel.expert_model_parallel_size"),
     ("negative-lr", {"training.lr": -1e-3}, 1, "training.lr"),

@@ -32,6 +32,10 @@ def main(mode: str, argv=None) -> int:
         config = load_config(args.config, parse_overrides(rest))
         if mode == "finetune" and not config.lora.enabled:
             raise ConfigError("lora.enabled", "finetune needs lora.enabled: true (or use train)")
+        from megatron_moe_hybrid.training.trainer import lora_base_error, lora_loads_no_base
+
+        if lora_loads_no_base(config):  # before any process group or allocation
+            raise lora_base_error(config)
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0":

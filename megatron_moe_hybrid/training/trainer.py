@@ -239,7 +239,6 @@ class Trainer:
         self.output_dir = t.output_dir
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
-            save_config(config, os.path.join(self.output_dir, "config.yaml"))
 
         # Rank 0 trains/tokenises first; the others then read the cache.
         for turn in (0, 1):
@@ -260,8 +259,6 @@ class Trainer:
                 f"model.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
                 f"{self.tokenizer.vocab_size} pieces ({self.tokenizer.model_path}); raise it"
             )
-        if self.rank == 0:  # fine-tuning runs and users reuse it: keep it with the run
-            _copy_atomic(str(self.tokenizer.model_path), os.path.join(self.output_dir, "tokenizer.model"))
 
         _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal
@@ -301,7 +298,10 @@ class Trainer:
             initialize(self.model, config, t.seed)
         else:
             materialize(self.model, self.device)  # the LoRA adapters drawn again (into their shards)
-            missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
+            try:
+                missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
+            except ckpt.CheckpointError as e:
+                raise _start_error("training.init_from", e) from e
             adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
             lacking = [n for n in missing if n not in adapters]
             if lacking:
@@ -309,9 +309,9 @@ class Trainer:
                     "; if it is a LoRA run's checkpoint (its base stored as <module>.base.weight), fine-tune "
                     "it with lora.enabled and that run's lora.targets"
                 )
-                raise ckpt.CheckpointError(
+                raise _start_error("training.init_from", ckpt.CheckpointError(
                     f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}{hint}"
-                )
+                ))
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(
@@ -335,6 +335,14 @@ class Trainer:
         self.tracker = NonFiniteTracker(self.model)
         self.last_checkpoint: Optional[str] = None
         self._maybe_resume()
+        if config.lora.enabled and t.init_from is None and self.last_checkpoint is None:
+            raise lora_base_error(config)
+        # Only now that the run has started from what it loaded: a run that stops above (a resume
+        # into another model's output_dir, say) leaves that directory's config and tokenizer as they were.
+        if self.rank == 0:
+            save_config(config, os.path.join(self.output_dir, "config.yaml"))
+            # fine-tuning runs and users reuse it: keep it with the run
+            _copy_atomic(str(self.tokenizer.model_path), os.path.join(self.output_dir, "tokenizer.model"))
 
     def _maybe_resume(self) -> None:
         from megatron_moe_hybrid.training import checkpoint as ckpt
@@ -362,7 +370,10 @@ class Trainer:
                 if i + 1 < len(candidates):
                     _print0(f"warning: {message}; falling back to {candidates[i + 1]} (training.on_corrupt_checkpoint: previous)")
                     continue
-                raise ckpt.CheckpointError(message)
+                if "has shape" in message or "missing" in message and "tensors" in message:
+                    message += (f" (a checkpoint of another model in {self.output_dir!r} cannot continue this run; "
+                                "use a new training.output_dir, training.resume none, or that run's config)")
+                raise _start_error("training.resume", ckpt.CheckpointError(message))
             _print0(f"resumed from {path} at step {self.step}")
             self.last_checkpoint = path
             if self.rank == 0:  # drop metrics of steps after the checkpoint
@@ -668,6 +679,35 @@ def loss_curve_text(losses: list, rows: int = 10) -> str:
         bar = "#" * (1 + int(40 * (mean - lo) / (hi - lo))) if hi > lo else "#"
         lines.append(f"  steps {a + 1:5d}-{b:<5d} mean loss {mean:8.4f}  {bar}")
     return "\n".join(lines)
+
+
+def lora_base_error(config: HybridMoEConfig):
+    """The ConfigError of a LoRA run that would load no base weights (no training.init_from, and
+    training.resume finds no checkpoint): its adapters would train on a randomly drawn base."""
+    t = config.training
+    return _start_error("training.init_from", ValueError(
+        f"LoRA fine-tuning needs base weights and none would be loaded (training.resume {t.resume!r} finds "
+        f"no checkpoint in {t.output_dir!r}); set training.init_from to a pretraining run's output_dir or "
+        "checkpoint"))
+
+
+def lora_loads_no_base(config: HybridMoEConfig) -> bool:
+    """Before launch, from the file system: a LoRA run with no training.init_from whose
+    training.resume would find no checkpoint."""
+    from megatron_moe_hybrid.training import checkpoint as ckpt
+
+    t = config.training
+    if not config.lora.enabled or t.init_from is not None:
+        return False
+    return t.resume == "none" or (t.resume == "auto" and not ckpt.list_checkpoints(t.output_dir))
+
+
+def _start_error(field: str, error: Exception):
+    """A run that cannot start from what it was told to load: a ConfigError naming the field (the
+    CLIs print it as one line, exit status 2)."""
+    from megatron_moe_hybrid.config import ConfigError
+
+    return ConfigError(field, str(error))
 
 
 def run(config: HybridMoEConfig, mode: str) -> RunResult:

@@ -224,7 +224,8 @@ def test_resume_falls_back_to_previous_checkpoint_when_asked(corpus, cache_dir, 
         f.truncate(100)
     longer = dict(ov, **{"training.train_steps": 6})
     status, message = spawn(_run_catching, 1, raw, longer)[0]
-    assert status == "CheckpointError" and "truncated" in message  # default: stop, say why
+    # default: stop, say why, naming the field (the CLI prints it as one line, exit status 2)
+    assert status == "ConfigError" and message.startswith("training.resume: ") and "truncated" in message
     status, losses = spawn(_run_catching, 1, raw, dict(longer, **{"training.on_corrupt_checkpoint": "previous"}))[0]
     assert status == "ok", losses
     assert len(losses) == 4  # resumed from step 2, ran 3..6
@@ -451,3 +452,34 @@ def test_bad_jsonl_lines_error_or_are_counted(corpus, cache_dir, tmp_path, raw_c
     assert status == "ok", losses
     last = read_metrics(str(tmp_path / "b"))[-1]
     assert last["skipped_bad_json"] == 1 and last["skipped_missing_field"] == 1
+
+
+# 6. Runs that cannot start from what they were told to load ------------------------------
+
+
+def test_lora_without_base_weights_stops_naming_init_from(corpus, cache_dir, tmp_path, raw_config):
+    """resume auto with no checkpoint in output_dir and no training.init_from: the adapters would
+    train on a randomly drawn frozen base. It stops naming training.init_from, and writes no
+    config or tokenizer into output_dir."""
+    out = str(tmp_path / "lora")
+    raw, ov = raw_config(corpus, cache_dir, out, **{"training.train_steps": 1, "lora.enabled": True})
+    status, message = spawn(_run_catching, 1, raw, ov)[0]
+    assert status == "ConfigError" and message.startswith("training.init_from: LoRA fine-tuning needs base weights")
+    assert not os.path.exists(os.path.join(out, "config.yaml"))
+
+
+@pytest.mark.slow
+def test_resume_into_another_models_output_dir_keeps_its_config(corpus, cache_dir, tmp_path, raw_config):
+    """Resuming into a directory whose checkpoint another model wrote: it stops naming
+    training.resume and the fix, and the directory's config.yaml still describes its checkpoint
+    (it used to be overwritten with the new config before the load failed)."""
+    out = str(tmp_path / "run")
+    raw, ov = raw_config(corpus, cache_dir, out, **{"training.train_steps": 2, "training.save_interval": 2})
+    assert spawn(_run_catching, 1, raw, ov)[0][0] == "ok"
+    with open(os.path.join(out, "config.yaml")) as f:
+        before = f.read()
+    status, message = spawn(_run_catching, 1, raw, dict(ov, **{"model.hidden_size": 128, "training.train_steps": 4}))[0]
+    assert status == "ConfigError" and message.startswith("training.resume: ") and "has shape" in message
+    assert "use a new training.output_dir" in message
+    with open(os.path.join(out, "config.yaml")) as f:
+        assert f.read() == before
