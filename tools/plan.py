@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
@@ -106,8 +107,12 @@ class Cluster:
                 "accelerators",
                 f"{self.accelerators} is not divisible by TP x PP x {name} = {tp_pp * size}",
             )
-        for name in ("accelerators", "devices_per_node", "hbm_gib", "micro_batch_size", "seq_length", "lora_rank"):
+        for name in ("accelerators", "devices_per_node", "hbm_gib", "micro_batch_size", "seq_length", "lora_rank",
+                     "tensor_model_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "host_gib_per_node", "intra_node_gbps", "inter_node_gbps"):
             need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        need(self.weight_bytes in (1, 2, 4), "weight_bytes", f"{self.weight_bytes} is not 1, 2 or 4 (fp8, bf16, fp32)")
+        need(0 < self.headroom <= 1, "headroom", f"is the usable fraction of HBM, within (0, 1]; got {self.headroom}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -122,16 +127,38 @@ class Cluster:
         )
 
 
-def load_cluster(path: Optional[str], overrides: dict) -> Cluster:
-    raw = {}
+def _cluster_value(key: str, value, kind: str):
+    """value checked against the Cluster field's type (an int field takes an int, a float field
+    a number, a bool field true/false): ConfigError naming cluster.<key>."""
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+    if not ok:
+        raise ConfigError(f"cluster.{key}", f"{value!r} is not {'an' if kind == 'int' else 'a'} {kind}")
+    return float(value) if kind == "float" else value
+
+
+def load_cluster(path: Optional[str], overrides: dict, defaults: Optional[dict] = None) -> Cluster:
+    """The Cluster of a YAML file (path) and --cluster.<field> overrides over defaults (fields
+    neither gives; Cluster's own otherwise). ConfigError naming the file or the field."""
+    raw = dict(defaults or {})
     if path:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError("cluster", f"{path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError("cluster", f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("cluster", f"{path} must hold a mapping of Cluster fields")
+        raw.update(loaded)
     raw.update(overrides)
-    names = {f.name: f.type for f in fields(Cluster)}
+    names = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(Cluster)}
     for key in raw:
         if key not in names:
             raise ConfigError(f"cluster.{key}", f"unknown field; valid: {', '.join(names)}")
+        raw[key] = _cluster_value(key, raw[key], names[key])
     cluster = Cluster(**raw)
     cluster.validate()
     return cluster
@@ -750,8 +777,13 @@ def carry_probes(a: dict, b: dict, num_experts: int) -> dict:
 
 def load_probe(path: str, c: HybridMoEConfig) -> dict:
     """A probe saved by --probe-save, checked against the model it is used for."""
-    with open(path) as f:
-        probe = json.load(f)
+    try:
+        with open(path) as f:
+            probe = json.load(f)
+    except OSError as e:
+        raise ConfigError("probe_load", f"{path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("probe_load", f"{path} is not JSON ({e}); write it with --probe --probe-save") from None
     missing = [k for k in PROBE_KEYS if k not in probe]
     if missing:
         raise ConfigError("probe_load", f"{path} lacks {', '.join(missing)}; write it with --probe --probe-save")
@@ -896,11 +928,41 @@ def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_shape_of(config_path: str, model_ov: dict) -> dict:
+    """Cluster fields taken from the model config's own run when no cluster file is given:
+    training (lora if lora.enabled, else full), seq_length, micro_batch_size, lora_rank (the raw
+    YAML and overrides; a config that does not load is reported by load_config)."""
+    try:
+        with open(config_path) as f:
+            raw = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+
+    def get(group: str, name: str):
+        return model_ov.get(f"{group}.{name}", (raw.get(group) or {}).get(name))
+
+    shape = {"training": "lora" if get("lora", "enabled") else "full", "seq_length": get("training", "seq_length"),
+             "micro_batch_size": get("training", "micro_batch_size"), "lora_rank": get("lora", "rank")}
+    return {k: v for k, v in shape.items() if v is not None}
+
+
+CLUSTER_HELP = ("--cluster.<field> VALUE overrides one field of the cluster (its YAML file, --cluster, or the "
+                "defaults). Fields and defaults: {fields}. Without --cluster, training, seq_length, micro_batch_size "
+                "and lora_rank come from the config's own run (lora.enabled, training.*). --<group>.<field> VALUE "
+                "overrides a model config field, as for train/finetune. Exit status: 0 fits, 1 does not fit, "
+                "2 bad arguments.")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--cluster", default=None, help="a YAML of Cluster fields")
-    parser.add_argument("--json", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(textwrap.wrap(CLUSTER_HELP.format(fields=", ".join(f"{f.name}={f.default}" for f in fields(Cluster))),
+                                        95, break_on_hyphens=False)))
+    parser.add_argument("--config", required=True, help="the model's YAML config (e.g. examples/configs/flagship_2p8t.yaml)")
+    parser.add_argument("--cluster", default=None, help="a YAML of Cluster fields (e.g. examples/clusters/h200_128.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--probe", action="store_true",
                         help="measure activations by running one layer of each kind here (else the fused-kernel model)")
     parser.add_argument("--measure", action="store_true",
@@ -919,11 +981,25 @@ def main(argv=None) -> int:
         overrides = parse_overrides(rest)
         cluster_ov = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("cluster.")}
         model_ov = {k: v for k, v in overrides.items() if not k.startswith("cluster.")}
-        cluster = load_cluster(args.cluster, cluster_ov)
+        defaults = None if args.cluster else _run_shape_of(args.config, model_ov)
+        cluster = load_cluster(args.cluster, cluster_ov, defaults)
         model_ov.setdefault("parallel.world_size", cluster.accelerators)
         model_ov.setdefault("parallel.expert_model_parallel_size", cluster.expert_model_parallel_size)
         model_ov.setdefault("parallel.context_parallel_size", cluster.context_parallel_size)
-        config = load_config(args.config, model_ov)
+        try:
+            config = load_config(args.config, model_ov)
+        except ConfigError as e:
+            if args.cluster is None and not cluster_ov and e.field.startswith(("training.", "parallel.", "moe.")):
+                raise ConfigError(e.field, f"{str(e).split(': ', 1)[1]} (planned on the default cluster of "
+                                  f"{cluster.accelerators} accelerators, EP {cluster.expert_model_parallel_size}; "
+                                  "pass --cluster FILE or --cluster.<field>, e.g. --cluster.accelerators 1 "
+                                  "--cluster.expert_model_parallel_size 1)") from None
+            raise
+        if args.device not in ("cpu", "cuda"):
+            raise ConfigError("device", f"{args.device!r} is not cpu or cuda")
+        if args.device == "cuda" and (args.probe or args.measure) and not torch.cuda.is_available():
+            raise ConfigError("device", "cuda: this machine has no CUDA device; probe with --device cpu, or on a GPU "
+                              "with --probe-save there and --probe-load here")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -392,3 +392,36 @@ def test_planned_peak_at_expert_parallel_is_within_10_percent_of_measured(model_
     if model_ov.get("moe.dispatch_capacity_factor", 2.0) == 2.0:  # the rows carry it: without them, short
         monkeypatch.setattr(plan, "dispatch_rows", lambda c, cl: (float(c.moe.topk), float(c.moe.topk)))
         assert max(plan.plan(config, cluster, probe)["peak_bytes"] / m for m in measured) < 0.9
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--cluster.accelerators", "two"], "cluster.accelerators: 'two' is not an int"),
+    (["--cluster.fsdp", "maybe"], "cluster.fsdp: 'maybe' is not a bool"),
+    (["--cluster.headroom", "2"], "cluster.headroom: is the usable fraction"),
+    (["--cluster.weight_bytes", "3"], "cluster.weight_bytes: 3 is not 1, 2 or 4"),
+    (["--cluster", "/nonexistent/cluster.yaml"], "cluster: /nonexistent/cluster.yaml: No such file"),
+    (["--cluster.accelerators", "1", "--cluster.expert_model_parallel_size", "1", "--probe-load", "/nonexistent.json"],
+     "probe_load: /nonexistent.json: No such file"),
+    (["--cluster.accelerators", "1", "--cluster.expert_model_parallel_size", "1", "--device", "gpu"], "device: 'gpu'"),
+    ([], "(planned on the default cluster of 8 accelerators, EP 8; pass --cluster FILE"),
+])
+def test_cli_mistakes_are_one_line_exit_2(args, field, capsys):
+    """Each was a traceback, a silent acceptance (fsdp 'maybe' as on, 282 GiB usable of 141), or
+    a batch error that did not say it came from the hidden default cluster."""
+    assert plan.main(["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err and err.count("\n") == 1, err
+
+
+def test_without_a_cluster_file_the_config_sets_the_run(capsys):
+    """tiny.yaml pretrains 2 x 128 tokens per micro-batch: planned as that run, not as the
+    default cluster's LoRA at 1 x 4096."""
+    args = ["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), "--cluster.accelerators", "1",
+            "--cluster.expert_model_parallel_size", "1"]
+    plan.main(args)
+    out = capsys.readouterr().out
+    assert "run: full on 1 x 141 GiB" in out and "micro-batch 2 x 128" in out, out
+    plan.main(args + ["--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["training"] == "full" and result["cluster"]["seq_length"] == 128
+    assert result["cluster"]["micro_batch_size"] == 2
