@@ -820,6 +820,66 @@ class OursReader:
 def _read_our_config(reader: OursReader):
     from megatron_moe_hybrid.config import config_from_dict
 
+    # The layout it was trained with does not matter here; the weights are read whole.
+    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1,
+              "parallel.tensor_model_parallel_size": 1, "parallel.fsdp": False, "lora.enabled": False}  # fmt: skip
+    return config_from_dict(_raw_our_config(reader), single)
+
+
+class _TensorsReader:
+    """OursReader's interface over tensors in memory (a merged LoRA model's), by the same names."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: OursReader):
+        self.tensors, self.dir, self.meta = tensors, source.dir, source.meta
+        self.file_of = dict.fromkeys(tensors, "(merged in memory)")
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise ValueError(f"{self.dir}: tensor {key!r} is missing from the merged model")
+        return self.tensors[key]
+
+
+def merged_lora_reader(reader: OursReader) -> _TensorsReader:
+    """A LoRA run's checkpoint with every adapter folded into its base weight (W + scale B A, per
+    expert for the experts' adapters), under the base's names, as a checkpoint of the plain model
+    would hold them. The model is built whole in host memory, in the run's params_dtype, with the
+    run's LoRA settings; an adapters-only checkpoint takes its base from the run's
+    training.init_from."""
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.layers.lora import apply_lora, merge_lora_
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training import checkpoint as ckpt
+
+    raw = _raw_our_config(reader)
+    if not (raw.get("lora") or {}).get("enabled"):
+        raise ValueError(f"{reader.dir}: holds LoRA tensors but its config has lora.enabled false; cannot tell "
+                         "their rank and scale")
+    base = (raw.get("training") or {}).get("init_from")
+    adapters_only = bool(raw["lora"].get("adapters_only_checkpoint"))
+    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.tensor_model_parallel_size": 1,
+              "parallel.context_parallel_size": 1, "parallel.fsdp": False, "training.init_from": None,
+              "training.tokenizer_model": None, "training.resume": "auto"}  # fmt: skip
+    config = config_from_dict(raw, single)
+    if adapters_only and not (base and os.path.isdir(base)):
+        raise ValueError(f"{reader.dir}: an adapters-only checkpoint (lora.adapters_only_checkpoint) whose base, the run's "
+                         f"training.init_from {base!r}, is not here; convert from a checkpoint that holds the base too")
+    lo = config.lora
+    with _SingleProcess():
+        model = build_model(config)
+        apply_lora(model, lo.targets, lo.rank, lo.alpha, lo.dropout, rslora=lo.rslora,
+                   expert_adapter=lo.expert_adapter, target_modules=lo.target_modules)
+        try:
+            if adapters_only:
+                ckpt.load_model_weights(base, model, strict=False)
+            ckpt.load_model_weights(reader.dir, model, strict=not adapters_only)
+        except ckpt.CheckpointError as e:
+            raise ValueError(str(e)) from e
+        merge_lora_(model)
+        tensors = ckpt.model_tensors_to_save(model)
+    return _TensorsReader(tensors, reader)
+
+
+def _raw_our_config(reader: OursReader) -> dict:
     raw = reader.meta.get("config")
     if raw is None:
         # A checkpoint without its config in meta.json: the run's config.yaml beside it.
@@ -830,10 +890,7 @@ def _read_our_config(reader: OursReader):
                 break
         else:
             raise FileNotFoundError(f"{reader.dir}: meta.json holds no config and no {OUR_CONFIG} is beside it")
-    # The layout it was trained with does not matter here; the weights are read whole.
-    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1,
-              "parallel.tensor_model_parallel_size": 1, "parallel.fsdp": False, "lora.enabled": False}  # fmt: skip
-    return config_from_dict(raw, single)
+    return raw
 
 
 def _hf_layer(reader: OursReader, config, i: int) -> dict[str, torch.Tensor]:
@@ -866,9 +923,12 @@ def _hf_tensors(reader: OursReader, config, progress: bool) -> Iterator[tuple[st
     yield "lm_head.weight", reader.get("output_layer.weight")
 
 
-def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = None, progress: bool = True) -> str:
+def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = None, progress: bool = True,
+               merge_lora: bool = False) -> str:
     """A checkpoint of ours (a step dir, or a run dir meaning its newest) -> HF config.json +
     model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json.
+    merge_lora: a LoRA run's checkpoint is exported with its adapters folded into the base
+    weights (merged_lora_reader); without it such a checkpoint is refused.
     Written into a temp dir renamed at the end: after an error nothing is left at out_dir."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: must be > 0 (or None for one file), got {max_shard_bytes}")
@@ -881,8 +941,13 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
     hf_config = export_hf_config(config)
     expected = hf_shapes(config)
     lora = sorted(k for k in reader.file_of if ".lora_" in k)
+    if lora and not merge_lora:
+        raise ValueError(f"{reader.dir}: holds LoRA tensors ({lora[0]!r}, ...); pass --merge-lora (merge_lora=True) to "
+                         "fold the adapters into the base weights, or export the adapter alone with tools/export_lora.py")
     if lora:
-        raise ValueError(f"{reader.dir}: holds LoRA tensors ({lora[0]!r}, ...); merge the adapters into the base first")
+        if not isinstance(reader, OursReader):
+            raise ValueError(f"{ckpt_dir}: --merge-lora reads our safetensors checkpoints, not a dist checkpoint")
+        reader = merged_lora_reader(reader)
 
     def write(tmp):
         with open(os.path.join(tmp, HF_CONFIG), "w") as f:
@@ -936,6 +1001,9 @@ def main(argv=None) -> int:
     b.add_argument("--ckpt", required=True, help="a checkpoint dir, a run dir (its newest checkpoint or its dcp/)")
     b.add_argument("--out", required=True, help="new directory for the HF files")
     b.add_argument("--max-shard-gb", type=float, default=None, help="split into shards of at most this size")
+    b.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: fold its adapters into the base weights (the model is built whole "
+                        "in host memory)")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-ours":
@@ -943,7 +1011,7 @@ def main(argv=None) -> int:
             out = hf_to_ours(args.hf, args.out, dtype=dtype, fmt=args.format)
         else:
             shard = None if args.max_shard_gb is None else int(args.max_shard_gb * 2**30)
-            out = ours_to_hf(args.ckpt, args.out, max_shard_bytes=shard)
+            out = ours_to_hf(args.ckpt, args.out, max_shard_bytes=shard, merge_lora=args.merge_lora)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

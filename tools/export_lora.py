@@ -9,9 +9,14 @@ Ours (adapter/adapter_model.safetensors):
   <module>.lora_A [r, in], <module>.lora_B [out, r]                     linears
   <experts>.lora_A1.expert<g> [r, h], lora_B1 [2F, r] (gate | up rows),
   lora_A2 [r, F], lora_B2 [h, r]; without `.expert<g>` when one adapter is shared by all.
-PEFT (what vLLM's MoE LoRA loads: one module per expert and projection):
+PEFT (its key format, one module per expert and projection as vLLM's MoE LoRA lays it out):
   base_model.model.<module>.lora_A.weight / lora_B.weight
   base_model.model.<experts>.<g>.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight
+<module> is our model's module path (decoder.layers.0.self_attention.in_proj, ...), so PEFT loads
+the file onto our model's module tree, not onto a transformers model, whose modules are named
+and split otherwise (Qwen3-Next's linear_attn.in_proj_qkvz and in_proj_ba are our one in_proj).
+For transformers or vLLM, fold the adapters into the weights instead:
+  python tools/convert_checkpoint.py ours-to-hf --ckpt outputs/ft --out hf_out --merge-lora
 Our fused gate|up adapter becomes two with the same A and B split by rows, so a PEFT adapter
 imports back only where gate_proj and up_proj share A. A shared expert adapter is written
 once per expert (num_experts from adapter_config.json or --num-experts).

@@ -196,6 +196,42 @@ def test_ours_to_hf_to_ours_is_bitwise(tmp_path):
         assert torch.equal(before[name], after[name]), name
 
 
+def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
+    """ours-to-hf --merge-lora: a LoRA run's checkpoint (attention and per-expert adapters, all
+    non-zero) becomes an HF model whose logits are the LoRA model's; without the flag it is
+    refused, naming the flag."""
+    from megatron_moe_hybrid.layers.lora import apply_lora
+    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+
+    hf = random_hf_model(seed=9)
+    base = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "base"), progress=False)
+    lora = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0, "training.init_from": base,
+            "lora.targets": ["linear_attention", "full_attention", "experts"],
+            "training.tokenizer_model": os.path.join(base, "config.yaml")}  # fmt: skip
+    config = load_config(os.path.join(base, "config.yaml"), {"parallel.world_size": 1, **lora})
+    model = our_model(base)
+    apply_lora(model, config.lora.targets, config.lora.rank, config.lora.alpha,
+               expert_adapter=config.lora.expert_adapter)
+    torch.manual_seed(10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0.0, 0.05)  # lora_B starts at zero: give every adapter a real update
+    run = str(tmp_path / "run")
+    save_checkpoint(run, 3, model, {}, {"config": config.to_dict()})
+    with pytest.raises(ValueError, match="holds LoRA tensors .*pass --merge-lora"):
+        convert.ours_to_hf(run, str(tmp_path / "refused"), progress=False)
+    exported = convert.ours_to_hf(run, str(tmp_path / "merged"), progress=False, merge_lora=True)
+    merged = Qwen3NextForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    ids = tokens(2, 29, seed=11)
+    with torch.no_grad():
+        expected = our_logits(model.eval(), ids)
+        plain = hf(ids).logits
+        actual = merged(ids).logits
+    torch.testing.assert_close(actual, expected, atol=LOGIT_TOL, rtol=0)
+    assert (expected - plain).abs().max() > 100 * LOGIT_TOL  # the adapters changed the model
+
+
 def test_hf_to_ours_to_hf_keeps_every_tensor(tmp_path):
     """Bitwise except the zero-centered norms, whose scale 1 + w is bitwise the same."""
     hf = random_hf_model(seed=8)
