@@ -569,6 +569,22 @@ def _check_hf_tensors(reader: HFReader, config, dtype: torch.dtype, tie: bool) -
             )
 
 
+def source_dtype(hf_dir: str) -> torch.dtype:
+    """The dtype that holds every tensor of an HF checkpoint exactly (its router's excepted, which
+    is held in fp32 anyway): bf16 for a bf16 checkpoint, float32 where dtypes mix or one is wider."""
+    reader = HFReader(hf_dir)
+    found = set()
+    for key in reader.file_of:
+        if key.endswith(ROUTER_KEYS):
+            continue
+        t_dtype = _SAFETENSORS_DTYPES.get(reader._handle(key).get_slice(key).get_dtype())
+        if t_dtype is not None:
+            found.add(t_dtype)
+    if len(found) == 1 and next(iter(found)) in _DTYPE_NAMES:
+        return next(iter(found))
+    return torch.float32
+
+
 def _sibling_tmp(out_dir: str) -> str:
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
@@ -989,12 +1005,17 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
 
 
 def main(argv=None) -> int:
+    from megatron_moe_hybrid.training.cli import quiet_imports
+
+    quiet_imports()  # Megatron's import-time warnings that TE / Apex are missing
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-ours", help="HF Qwen3-Next or DeepSeek-V3.2 safetensors -> our run directory")
     a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     a.add_argument("--out", required=True, help="new run directory (config.yaml + checkpoints/)")
-    a.add_argument("--dtype", default="float32", choices=sorted(_DTYPE_NAMES.values()))
+    a.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPE_NAMES.values())],
+                   help="the dtype our model is built and saved in; auto (default): the checkpoint's own (bf16 "
+                        "stays bf16; float32 where dtypes mix). A dtype that cannot hold a tensor exactly is refused")
     a.add_argument("--format", default="safetensors", choices=FORMATS,
                    help="safetensors: our checkpoint format; dcp: torch.distributed.checkpoint (resharding on load)")
     b = sub.add_parser("ours-to-hf", help="our checkpoint -> HF config.json + safetensors")
@@ -1007,7 +1028,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-ours":
-            dtype = {v: k for k, v in _DTYPE_NAMES.items()}[args.dtype]
+            dtype = source_dtype(args.hf) if args.dtype == "auto" else {v: k for k, v in _DTYPE_NAMES.items()}[args.dtype]
             out = hf_to_ours(args.hf, args.out, dtype=dtype, fmt=args.format)
         else:
             shard = None if args.max_shard_gb is None else int(args.max_shard_gb * 2**30)

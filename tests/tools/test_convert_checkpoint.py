@@ -753,3 +753,16 @@ def test_converted_deepseek_v32_loads_under_ep2(tmp_path):
             assert local.shape[0] == 4
             assert torch.equal(local, whole[name][4 * rank : 4 * (rank + 1)]), (rank, name)
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOL, rtol=0)
+
+
+def test_cli_builds_in_the_checkpoints_own_dtype(tmp_path):
+    """hf-to-ours --dtype auto (the default): a bf16 checkpoint stays bf16 (float32 doubled its
+    size), a float32 one stays float32."""
+    hf = random_hf_model(seed=21)
+    fp32_dir = save_hf(hf, tmp_path / "fp32")
+    bf16_dir = save_hf(hf.to(torch.bfloat16), tmp_path / "bf16")
+    assert convert.source_dtype(fp32_dir) == torch.float32 and convert.source_dtype(bf16_dir) == torch.bfloat16
+    assert convert.main(["hf-to-ours", "--hf", bf16_dir, "--out", str(tmp_path / "ours")]) == 0
+    assert yaml.safe_load(open(tmp_path / "ours" / "config.yaml"))["model"]["params_dtype"] == "bfloat16"
+    assert all(t.dtype in (torch.bfloat16, torch.float32) for t in our_tensors(tmp_path / "ours").values())
+    assert any(t.dtype == torch.bfloat16 for t in our_tensors(tmp_path / "ours").values())
