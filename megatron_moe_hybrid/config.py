@@ -194,7 +194,7 @@ class TrainingConfig:
     bad_data: str = "error"  # "error": stop naming file and line; "skip": drop the record, count it in metrics
     text_field: str = "text"  # the JSONL field holding a document
     max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
-    tokenizer_model: Optional[str] = None  # a sentencepiece .model; None: train one on data_path
+    tokenizer_model: Optional[str] = None  # a sentencepiece .model or an HF tokenizer.json; None: train one on data_path
     output_dir: str = "outputs/run"
     cache_dir: str = ".cache/megatron_moe_hybrid"
     seq_length: int = 128
@@ -762,7 +762,7 @@ def _validate(c: HybridMoEConfig) -> None:
         _require(
             os.path.isfile(t.tokenizer_model),
             "training.tokenizer_model",
-            f"{t.tokenizer_model!r} does not exist; point it at the base run's tokenizer.model "
+            f"{t.tokenizer_model!r} does not exist; point it at the base run's tokenizer.model (or its tokenizer.json) "
             "(written into every output_dir) or leave it unset to train one on training.data_path",
         )
     for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_steps", "log_interval"):
@@ -824,7 +824,7 @@ def _validate(c: HybridMoEConfig) -> None:
             t.tokenizer_model is not None,
             "training.tokenizer_model",
             "a run that starts from training.init_from must reuse the base model's tokenizer; "
-            "set it to <base output_dir>/tokenizer.model",
+            "set it to <base output_dir>/tokenizer.model (a converted Hugging Face model: its tokenizer.json)",
         )
 
     # world size last: it depends on how the job is launched

@@ -54,6 +54,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 HF_CONFIG = "config.json"
+HF_TOKENIZER = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 OUR_CONFIG = "config.yaml"
@@ -787,6 +789,14 @@ def hf_to_ours(
             header += [f"# not mapped exactly: {line}" for line in unmapped]
             if skipped:
                 header.append(f"# skipped {len(skipped)} tensors of {family.skipped_why}: {skipped[0]}, ...")
+            if os.path.isfile(os.path.join(hf_dir, HF_TOKENIZER)):
+                # the model's own tokenizer, kept with the run; training from the run reads it
+                for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
+                    if os.path.isfile(os.path.join(hf_dir, name)):
+                        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+                raw.setdefault("training", {})["tokenizer_model"] = os.path.join(os.path.abspath(out_dir), HF_TOKENIZER)
+            else:
+                header.append(f"# {hf_dir} has no {HF_TOKENIZER}: set training.tokenizer_model before training on text")
             with open(os.path.join(tmp, OUR_CONFIG), "w") as f:
                 f.write("\n".join(header) + "\n")
                 yaml.safe_dump(raw, f, sort_keys=False)

@@ -1,4 +1,5 @@
-"""Training data with no download: a sentencepiece tokenizer and a token dataset.
+"""Training data with no download: a sentencepiece tokenizer (or a released model's own Hugging
+Face tokenizer.json) and a token dataset.
 
 The default corpus is the docstrings of the Python standard library (`data_path:
 stdlib`), so every machine with Python can train. Tokenizer and token ids are cached
@@ -378,6 +379,70 @@ class Tokenizer:
         if isinstance(ids, (torch.Tensor, np.ndarray)):
             ids = ids.tolist()
         return self._sp.decode(ids)
+
+
+# End-of-text tokens of the common Hugging Face tokenizers, tried in order where tokenizer_config.json
+# names none (Qwen's, Llama 3's, DeepSeek's, GPT-2's and sentencepiece-style </s>).
+HF_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "</s>", "<eos>")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json (a released model's own tokenizer, as
+    tools/convert_checkpoint.py copies it into a converted run): the interface of Tokenizer.
+    Documents end with the end-of-text token: tokenizer_config.json's eos_token beside the file
+    where it names one, else the first of HF_EOS_TOKENS the vocabulary has. No special tokens
+    are added in encoding."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as _HF
+
+        self.model_path = Path(path)
+        data = self.model_path.read_bytes()
+        self.sha256 = _sha256(data)
+        self._tok = _HF.from_str(data.decode("utf-8"))
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = None
+        config_path = self.model_path.with_name("tokenizer_config.json")
+        if config_path.is_file():
+            eos = json.loads(config_path.read_text()).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+        candidates = ([eos] if eos else []) + list(HF_EOS_TOKENS)
+        ids = [self._tok.token_to_id(t) for t in candidates]
+        found = next(((t, i) for t, i in zip(candidates, ids) if i is not None), None)
+        if found is None:
+            raise ValueError(
+                f"training.tokenizer_model: {path} has no end-of-text token (tried {', '.join(candidates)}); "
+                "put a tokenizer_config.json naming its eos_token beside it"
+            )
+        self.eos_token, self.eos_id = found
+        self.pad_id: int = self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int] | torch.Tensor | np.ndarray) -> str:
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            ids = ids.tolist()
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(path: str | os.PathLike) -> "Tokenizer | HFTokenizer":
+    """training.tokenizer_model: a Hugging Face tokenizer.json (any *.json), else a sentencepiece .model."""
+    return HFTokenizer(path) if str(path).endswith(".json") else Tokenizer(path)
+
+
+def tokenizer_files(tokenizer: "Tokenizer | HFTokenizer") -> dict[str, Path]:
+    """{name in a run's output_dir: the file}: what a run keeps of its tokenizer."""
+    if isinstance(tokenizer, HFTokenizer):
+        files = {"tokenizer.json": tokenizer.model_path}
+        config = tokenizer.model_path.with_name("tokenizer_config.json")
+        if config.is_file():
+            files["tokenizer_config.json"] = config
+        return files
+    return {"tokenizer.model": tokenizer.model_path}
 
 
 def get_tokenizer(

@@ -214,7 +214,7 @@ class Trainer:
         from megatron_moe_hybrid.models import build_model
         from megatron_moe_hybrid.parallel.data_parallel import ParallelGroups
         from megatron_moe_hybrid.training import checkpoint as ckpt
-        from megatron_moe_hybrid.training.data import Tokenizer, TokenDataset, get_tokenizer
+        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer, load_tokenizer, tokenizer_files
 
         self.config, self.mode = config, mode
         t = config.training
@@ -245,7 +245,7 @@ class Trainer:
             if (self.rank == 0) == (turn == 0):
                 data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars)
                 self.tokenizer = (
-                    Tokenizer(t.tokenizer_model)
+                    load_tokenizer(t.tokenizer_model)
                     if t.tokenizer_model
                     else get_tokenizer(t.data_path, config.vocab_size, t.cache_dir, **data_opts)
                 )
@@ -342,7 +342,8 @@ class Trainer:
         if self.rank == 0:
             save_config(config, os.path.join(self.output_dir, "config.yaml"))
             # fine-tuning runs and users reuse it: keep it with the run
-            _copy_atomic(str(self.tokenizer.model_path), os.path.join(self.output_dir, "tokenizer.model"))
+            for name, path in tokenizer_files(self.tokenizer).items():
+                _copy_atomic(str(path), os.path.join(self.output_dir, name))
 
     def _maybe_resume(self) -> None:
         from megatron_moe_hybrid.training import checkpoint as ckpt

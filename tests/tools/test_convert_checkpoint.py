@@ -7,6 +7,7 @@ Logits are [b, s, V] on both sides (our model returns them batch-first without l
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -230,6 +231,43 @@ def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
         actual = merged(ids).logits
     torch.testing.assert_close(actual, expected, atol=LOGIT_TOL, rtol=0)
     assert (expected - plain).abs().max() > 100 * LOGIT_TOL  # the adapters changed the model
+
+
+def _train_worker(rank, world_size, raw, overrides):
+    from megatron_moe_hybrid.training.trainer import run
+
+    return run(config_from_dict(raw, overrides), "pretrain").losses
+
+
+def test_converted_model_trains_with_its_own_tokenizer(tmp_path):
+    """hf-to-ours copies the HF directory's tokenizer.json (and tokenizer_config.json) into the
+    run and points training.tokenizer_model at it: training from the converted run reads text
+    with the model's own tokenizer, and keeps it in its output_dir."""
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers
+
+    hf_dir = save_hf(random_hf_model(seed=31), tmp_path / "hf")
+    tok = HF(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 40],
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["</s>", "[UNK]"]))
+    tok.save(os.path.join(hf_dir, "tokenizer.json"))
+    with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>"}, f)
+    out = convert.hf_to_ours(hf_dir, str(tmp_path / "ours"), progress=False)
+    raw = yaml.safe_load(open(os.path.join(out, "config.yaml")))
+    assert raw["training"]["tokenizer_model"] == os.path.join(out, "tokenizer.json")
+    assert sorted(f for f in os.listdir(out) if f.startswith("tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(f"the lazy dog {i} jumps over the quick brown fox" for i in range(400)))
+    ft = str(tmp_path / "ft")
+    overrides = {"training.init_from": out, "training.output_dir": ft, "training.train_steps": 2,
+                 "training.data_path": str(text), "training.seq_length": 16, "training.micro_batch_size": 1,
+                 "training.global_batch_size": 1, "training.warmup_steps": 1, "training.save_interval": 0,
+                 "training.cache_dir": str(tmp_path / "cache"), "training.progress_bar": False,
+                 "training.device": "cpu", "parallel.world_size": 1}  # fmt: skip
+    (losses,) = spawn(_train_worker, 1, raw, overrides)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert os.path.isfile(os.path.join(ft, "tokenizer.json")) and os.path.isfile(os.path.join(ft, "tokenizer_config.json"))
 
 
 def test_hf_to_ours_to_hf_keeps_every_tensor(tmp_path):

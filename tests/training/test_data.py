@@ -222,3 +222,53 @@ def test_dataset_bad_arguments_name_the_field(tokenizer, cache_dir, tmp_path, da
         dataset.get(-1)
     with pytest.raises(ValueError, match="num_samples"):
         batch(dataset, 0, 0)
+
+
+def make_hf_tokenizer(path, vocab_size=300, eos="<|endoftext|>", text=None):
+    """A byte-level BPE tokenizer.json (the `tokenizers` format of released models)."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    tok = HF(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text or stdlib_corpus()[:50_000]], trainer)
+    tok.save(str(path))
+    return str(path)
+
+
+def test_hf_tokenizer_json_round_trips_and_ends_documents_with_its_eos(tmp_path):
+    """training.tokenizer_model may be a released model's tokenizer.json: text round-trips, no
+    special token is added, and documents end with its end-of-text token (tokenizer_config.json's
+    eos_token where it names one, else a known end-of-text token of the vocabulary)."""
+    path = make_hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = data.load_tokenizer(path)
+    assert isinstance(tok, data.HFTokenizer) and tok.eos_token == "<|endoftext|>"
+    text = "Return the sum of two numbers.\n\tNo tabs lost: ünïcode too."
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and tok.eos_id not in ids
+    assert tok.encode_batch([text, "x"]) == [ids, tok.encode("x")]
+    assert max(ids) < tok.vocab_size
+    # tokenizer_config.json's eos_token wins
+    (tmp_path / "b").mkdir()
+    other = make_hf_tokenizer(tmp_path / "b" / "tokenizer.json", eos="</s>")
+    (tmp_path / "b" / "tokenizer_config.json").write_text('{"eos_token": {"content": "</s>"}}')
+    assert data.load_tokenizer(other).eos_token == "</s>"
+    assert set(data.tokenizer_files(data.load_tokenizer(other))) == {"tokenizer.json", "tokenizer_config.json"}
+    # none found: the error names the field and the fix
+    (tmp_path / "c").mkdir()
+    bare = make_hf_tokenizer(tmp_path / "c" / "tokenizer.json", eos="<sep>")
+    with pytest.raises(ValueError, match="^training.tokenizer_model: .* has no end-of-text token .* tokenizer_config.json"):
+        data.load_tokenizer(bare)
+
+
+def test_dataset_over_an_hf_tokenizer(tmp_path, small_text_file, cache_dir):
+    tok = data.load_tokenizer(make_hf_tokenizer(tmp_path / "tokenizer.json"))
+    ds = TokenDataset(str(small_text_file), tok, 32, cache_dir, seed=0)
+    tokens, labels = ds.get(0)
+    assert tokens.shape == labels.shape == (32,) and int(tokens.max()) < tok.vocab_size
+    stream = np.asarray(ds.tokens)
+    documents = [d for d in load_text(str(small_text_file)).split("\n\n") if d.strip()]
+    assert int((stream == tok.eos_id).sum()) == len(documents)  # each document ends with the eos token
+    assert tok.decode(stream[: int(np.argmax(stream == tok.eos_id))].tolist()) == documents[0]
