@@ -978,6 +978,13 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
     def write(tmp):
         with open(os.path.join(tmp, HF_CONFIG), "w") as f:
             json.dump(hf_config, f, indent=2)
+        # the run's Hugging Face tokenizer, where it has one (a converted model's, kept by its runs)
+        for d in (reader.dir, os.path.dirname(reader.dir), os.path.dirname(os.path.dirname(reader.dir))):
+            if os.path.isfile(os.path.join(d, HF_TOKENIZER)):
+                for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
+                    if os.path.isfile(os.path.join(d, name)):
+                        shutil.copyfile(os.path.join(d, name), os.path.join(tmp, name))
+                break
         shard_keys: list[list[str]] = []  # keys of each shard written so far
         current: dict[str, torch.Tensor] = {}
         size = total = 0

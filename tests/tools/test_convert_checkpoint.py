@@ -268,6 +268,8 @@ def test_converted_model_trains_with_its_own_tokenizer(tmp_path):
     (losses,) = spawn(_train_worker, 1, raw, overrides)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert os.path.isfile(os.path.join(ft, "tokenizer.json")) and os.path.isfile(os.path.join(ft, "tokenizer_config.json"))
+    exported = convert.ours_to_hf(ft, str(tmp_path / "hf_ft"), progress=False)  # the tokenizer goes back too
+    assert sorted(f for f in os.listdir(exported) if f.startswith("tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
 
 
 def test_hf_to_ours_to_hf_keeps_every_tensor(tmp_path):
