@@ -201,16 +201,19 @@ def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
     """ours-to-hf --merge-lora: a LoRA run's checkpoint (attention and per-expert adapters, all
     non-zero) becomes an HF model whose logits are the LoRA model's; without the flag it is
     refused, naming the flag."""
+    check_lora_merge(tmp_path, random_hf_model(seed=9), Qwen3NextForCausalLM,
+                     ["linear_attention", "full_attention", "experts"])
+
+
+def check_lora_merge(tmp_path, hf, hf_class, targets, **model_overrides):
     from megatron_moe_hybrid.layers.lora import apply_lora
     from megatron_moe_hybrid.training.checkpoint import save_checkpoint
 
-    hf = random_hf_model(seed=9)
     base = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "base"), progress=False)
-    lora = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0, "training.init_from": base,
-            "lora.targets": ["linear_attention", "full_attention", "experts"],
-            "training.tokenizer_model": os.path.join(base, "config.yaml")}  # fmt: skip
+    lora = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0, "training.init_from": base, "lora.targets": targets,
+            "training.tokenizer_model": os.path.join(base, "config.yaml"), **model_overrides}  # fmt: skip
     config = load_config(os.path.join(base, "config.yaml"), {"parallel.world_size": 1, **lora})
-    model = our_model(base)
+    model = our_model(base, **model_overrides)
     apply_lora(model, config.lora.targets, config.lora.rank, config.lora.alpha,
                expert_adapter=config.lora.expert_adapter)
     torch.manual_seed(10)
@@ -223,7 +226,7 @@ def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
     with pytest.raises(ValueError, match="holds LoRA tensors .*pass --merge-lora"):
         convert.ours_to_hf(run, str(tmp_path / "refused"), progress=False)
     exported = convert.ours_to_hf(run, str(tmp_path / "merged"), progress=False, merge_lora=True)
-    merged = Qwen3NextForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    merged = hf_class.from_pretrained(exported, torch_dtype=torch.float32).eval()
     ids = tokens(2, 29, seed=11)
     with torch.no_grad():
         expected = our_logits(model.eval(), ids)
@@ -806,3 +809,10 @@ def test_cli_builds_in_the_checkpoints_own_dtype(tmp_path):
     assert yaml.safe_load(open(tmp_path / "ours" / "config.yaml"))["model"]["params_dtype"] == "bfloat16"
     assert all(t.dtype in (torch.bfloat16, torch.float32) for t in our_tensors(tmp_path / "ours").values())
     assert any(t.dtype == torch.bfloat16 for t in our_tensors(tmp_path / "ours").values())
+
+
+def test_deepseek_v32_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
+    """As for Qwen3-Next: MLA's q/kv down and up projections, the output and the experts' adapters
+    folded in; our MLA in HF's form, whose indexer top-k breaks ties as HF's does."""
+    check_lora_merge(tmp_path, random_ds_model(seed=12), DeepseekV32ForCausalLM, ["sparse_attention", "experts"],
+                     **{"mla.absorbed": False, "moe.aux_loss_coeff": 0.0})
