@@ -23,7 +23,8 @@ def main(mode: str, argv=None) -> int:
         prog=f"python -m megatron_moe_hybrid.{'train' if mode == 'pretrain' else 'finetune'}",
         description="Overrides are dotted config fields, e.g. --moe.num_experts 8 --training.lr 1e-3",
     )
-    parser.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny.yaml")
+    example = "tiny.yaml" if mode == "pretrain" else "tiny_lora.yaml"
+    parser.add_argument("--config", required=True, help=f"YAML config, e.g. examples/configs/{example}")
     args, rest = parser.parse_known_args(argv)
 
     from megatron_moe_hybrid.config import ConfigError, load_config, parse_overrides

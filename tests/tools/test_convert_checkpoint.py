@@ -816,3 +816,19 @@ def test_deepseek_v32_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
     folded in; our MLA in HF's form, whose indexer top-k breaks ties as HF's does."""
     check_lora_merge(tmp_path, random_ds_model(seed=12), DeepseekV32ForCausalLM, ["sparse_attention", "experts"],
                      **{"mla.absorbed": False, "moe.aux_loss_coeff": 0.0})
+
+
+def test_inspect_reads_a_dist_checkpoint_and_counts_lora(tmp_path, capsys):
+    """tools/inspect_checkpoint.py on hf-to-ours --format dcp output (it said "no complete
+    checkpoint here") counts the same parameters as the safetensors conversion; a path that does
+    not exist says so."""
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", os.path.join(ROOT, "tools", "inspect_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    hf_dir = save_hf(random_hf_model(seed=41), tmp_path / "hf")
+    plain = tool.summarise(convert.hf_to_ours(hf_dir, str(tmp_path / "st"), progress=False))
+    dist = tool.summarise(convert.hf_to_ours(hf_dir, str(tmp_path / "dcp"), progress=False, fmt="dcp"))
+    assert dist["shapes"] == plain["shapes"] and dist["num_params"] == plain["num_params"] > 0
+    assert dist["num_experts"] == plain["num_experts"] > 0 and dist["num_lora_params"] == 0
+    assert tool.main([str(tmp_path / "dcp")]) == 0 and "dist checkpoint" in capsys.readouterr().out
+    assert tool.main([str(tmp_path / "nothing")]) == 1 and "does not exist" in capsys.readouterr().err
