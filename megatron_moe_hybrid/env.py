@@ -19,6 +19,9 @@ _DISTRIBUTIONS = {
     "sentencepiece": ("sentencepiece",),
     "safetensors": ("safetensors",),
     "tensorboard": ("tensorboard",),
+    "transformers": ("transformers",),  # HF parity tests, the end-to-end anchor, converted models' configs
+    "tokenizers": ("tokenizers",),  # a converted model's tokenizer.json
+    "peft": ("peft",),  # tools/export_lora.py's format
     "fla": ("flash-linear-attention", "fla-core"),
     "liger-kernel": ("liger-kernel", "liger-kernel-nightly"),
     "cut-cross-entropy": ("cut-cross-entropy",),
@@ -76,7 +79,10 @@ def env_report() -> dict[str, str]:
     return report
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m megatron_moe_hybrid.env", description=__doc__.splitlines()[0]).parse_args(argv)
     for name, value in env_report().items():
         print(f"{name}: {value}")
 

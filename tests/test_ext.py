@@ -43,7 +43,8 @@ def test_env_report_versions_or_not_installed():
     report = env.env_report()
     assert list(report)[:2] == ["megatron_moe_hybrid", "python"]
     version = re.compile(r"^\d+(\.\w+)+")
-    for name in ["transformer-engine", "apex", "megatron-core", "sentencepiece", "triton", "fla"]:
+    for name in ["transformer-engine", "apex", "megatron-core", "sentencepiece", "triton", "fla", "transformers",
+                 "tokenizers", "peft"]:
         assert report[name] == "not installed" or version.match(report[name]), (name, report[name])
     if not torch.cuda.is_available():
         assert not torch.cuda.is_initialized()
