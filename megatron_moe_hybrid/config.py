@@ -996,7 +996,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None) ->
         if not os.path.isfile(path):
             raise ConfigError("--config", f"{path!r} does not exist; try examples/configs/tiny.yaml")
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                where = getattr(e, "problem_mark", None)
+                at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+                raise ConfigError("--config", f"{path!r} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(raw, dict):
             raise ConfigError("--config", f"{path!r} must hold a YAML mapping of groups")
     return config_from_dict(raw, overrides)

@@ -165,6 +165,25 @@ def test_cli_bad_config_exits_2_with_one_line():
     assert "moe.num_experts" in lines[0]
 
 
+def test_cli_yaml_syntax_and_unwritable_output_dir_exit_2_with_one_line(tmp_path):
+    """A YAML syntax error and an output_dir that cannot be created were tracebacks (the second
+    on rank 0 only, after the process group had started)."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  pattern: [LLLS\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for args, start in ((["--config", str(broken)], "error: --config: "),
+                        (["--config", TINY, "--training.output_dir", str(blocker / "run"), "--parallel.world_size", "1"],
+                         "error: training.output_dir: cannot create")):
+        proc = subprocess.run([sys.executable, "-m", "megatron_moe_hybrid.train", *args], capture_output=True, text=True,
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), lines
+    assert "line 3, column 1" in subprocess.run(
+        [sys.executable, "-m", "megatron_moe_hybrid.train", "--config", str(broken)], capture_output=True, text=True,
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120).stderr
+
+
 def test_cuda_device_without_a_gpu_names_the_field(monkeypatch):
     import torch
 

@@ -37,6 +37,11 @@ def main(mode: str, argv=None) -> int:
 
         if lora_loads_no_base(config):  # before any process group or allocation
             raise lora_base_error(config)
+        try:  # every rank, before any process group: a rank failing alone there would leave the rest waiting
+            os.makedirs(config.training.output_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError("training.output_dir", f"cannot create {config.training.output_dir!r} "
+                              f"({e.strerror or e}); choose a writable directory") from None
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
