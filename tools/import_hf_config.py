@@ -179,7 +179,8 @@ def import_deepseek_v32(hf: dict) -> Importer:
     imp.take("n_routed_experts", "moe", "num_experts")
     imp.take("num_experts_per_tok", "moe", "topk")
     imp.take("moe_intermediate_size", "moe", "ffn_hidden_size")
-    imp.take("first_k_dense_replace", "moe", "first_k_dense")
+    # at most every layer: HF's layers below first_k_dense_replace are dense, however many there are
+    imp.take("first_k_dense_replace", "moe", "first_k_dense", lambda k: min(k, hf.get("num_hidden_layers", k)))
     imp.take("intermediate_size", "moe", "dense_ffn_hidden_size")
     n_shared = hf.get("n_shared_experts") or 0
     imp.used.add("n_shared_experts")
@@ -198,16 +199,39 @@ def import_deepseek_v32(hf: dict) -> Importer:
 IMPORTERS = {"qwen3_next": import_qwen3_next, "deepseek_v32": import_deepseek_v32}
 
 
+def hf_defaults(hf: dict) -> tuple[dict, str | None]:
+    """(the fields config.json leaves out, as transformers' config class gives them for this
+    config, derived ones such as layer_types included; a note saying so, or None). A config.json
+    means transformers' defaults where it is silent, not ours; without transformers (or a class
+    for this model_type) nothing is filled and the note says so."""
+    try:
+        from transformers import AutoConfig
+
+        full = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"}).to_dict()
+    except (ImportError, ValueError, KeyError, TypeError) as e:
+        return {}, f"fields absent from config.json take our defaults (transformers could not supply its own: {e})"
+    filled = {k: v for k, v in full.items() if k not in hf and k not in GENERIC_KEYS}
+    if not filled:
+        return {}, None
+    return filled, (f"config.json lacks {len(filled)} fields; transformers' defaults for {hf['model_type']} "
+                    f"fill them: {', '.join(sorted(filled))}")
+
+
 def import_hf_config(hf: dict) -> tuple[dict, list[str]]:
-    """(our config as a dict of groups, the fields not mapped exactly)."""
+    """(our config as a dict of groups, the fields not mapped exactly). Fields config.json leaves
+    out take transformers' defaults for its model_type (hf_defaults), and a note lists them."""
     model_type = hf.get("model_type")
     if model_type not in IMPORTERS:
         raise ValueError(
             f"model_type: unknown architecture {model_type!r}; supported: {', '.join(sorted(IMPORTERS))}"
         )
-    imp = IMPORTERS[model_type](hf)
+    filled, note = hf_defaults(hf)
+    imp = IMPORTERS[model_type]({**filled, **hf})
     out = {k: v for k, v in imp.out.items() if v}
-    return out, imp.unmapped()
+    # a field only the defaults supplied is reported where it cannot be represented (a note), not as
+    # "not mapped" (the checkpoint's own config.json did not set it)
+    unmapped = [line for line in imp.unmapped() if not (line.endswith(": not mapped") and line.split("=", 1)[0] in filled)]
+    return out, ([note] if note else []) + unmapped
 
 
 def main(argv=None) -> int:

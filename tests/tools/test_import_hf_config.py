@@ -65,14 +65,14 @@ def test_deepseek_v32_release_yarn_maps_exactly():
           "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "vocab_size": 512,
           "index_n_heads": 4, "index_head_dim": 16, "index_topk": 64, "rope_theta": 10000,
-          "max_position_embeddings": 163840,
+          "max_position_embeddings": 163840, "first_k_dense_replace": 0,
           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                            "original_max_position_embeddings": 4096, "type": "yarn"}}  # fmt: skip
     ours, unmapped = tool.import_hf_config(hf)
     m = config_from_dict(ours, {"parallel.world_size": 1}).mla
     assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position_embeddings) == ("yarn", 10000, 40, 4096)
     assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim) == (32, 1, 1.0, 1.0)
-    assert not any("rope" in line for line in unmapped)
+    assert not any("rope" in line for line in unmapped if not line.startswith("config.json lacks "))
     hf["rope_scaling"] = {"type": "longrope", "factor": 4.0}
     _, unmapped = tool.import_hf_config(hf)
     assert any("'longrope' is not supported" in line for line in unmapped)
@@ -94,3 +94,20 @@ def test_unknown_architecture_and_cli(tmp_path, capsys):
     bad.write_text(json.dumps({"model_type": "gpt2"}))
     assert tool.main([str(bad), str(out)]) == 2
     assert "model_type: unknown architecture" in capsys.readouterr().err
+
+
+def test_fields_config_json_leaves_out_take_transformers_defaults():
+    """A config.json that leaves fields out means transformers' defaults for its model_type (the
+    ones its config class derives included, such as layer_types), not ours; a note lists them. A
+    config.json of model_type alone imported as our defaults and said "0 fields not mapped"."""
+    hf = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+    ours, unmapped = tool.import_hf_config(hf)
+    ref = transformers.Qwen3NextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
+    assert ours["linear_attention"]["num_v_heads"] == ref.linear_num_value_heads
+    assert ours["moe"]["num_experts"] == ref.num_experts and ours["model"]["vocab_size"] == ref.vocab_size
+    assert ours["model"]["pattern"] == "LLLA" and ours["model"]["layernorm_epsilon"] == ref.rms_norm_eps
+    assert unmapped[0].startswith("config.json lacks ") and "linear_num_value_heads" in unmapped[0]
+    assert not any(line.endswith(": not mapped") for line in unmapped)
+    # DeepSeek-V3.2's first_k_dense_replace default (3) is more than these 2 layers: every layer dense
+    ds = {"model_type": "deepseek_v32", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert tool.import_hf_config(ds)[0]["moe"]["first_k_dense"] == 2
