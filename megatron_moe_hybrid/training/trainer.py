@@ -712,7 +712,10 @@ def _start_error(field: str, error: Exception):
 
 
 def run(config: HybridMoEConfig, mode: str) -> RunResult:
-    """Trains; raises ConfigError (bad launch) or TrainingStopped (the message says why)."""
+    """Trains; raises ConfigError (bad launch) or TrainingStopped (the message says why). A run
+    with lora.enabled is a fine-tune whichever entry point started it (its label, its adapter/)."""
+    if config.lora.enabled:
+        mode = "finetune"
     init_distributed(config)
     peer_failed = False
     try:

@@ -274,3 +274,16 @@ def test_micro_batches_with_the_experts_gradient_added_in_place_equal_autograd(c
     assert runs[True]["added"] == 16 and runs[True]["wgrads"] == 32
     assert runs[False]["added"] == 0 and runs[False]["wgrads"] == 32
     assert runs[True]["losses"] == runs[False]["losses"]
+
+
+def test_a_lora_run_started_by_train_is_a_finetune(corpus, cache_dir, tmp_path, raw_config):
+    """`train` with lora.enabled labelled its run "pretrain" and wrote no adapter/: a LoRA run is a
+    fine-tune whichever entry point starts it."""
+    base_dir = str(tmp_path / "base")
+    raw, ov = raw_config(corpus, cache_dir, base_dir, **{"training.train_steps": 1})
+    spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "ft"), **{
+        "training.train_steps": 1, "training.init_from": base_dir, "lora.enabled": True,
+        "training.tokenizer_model": os.path.join(base_dir, "tokenizer.model")})
+    (ft,) = spawn(_train, 1, raw, ov, "pretrain")
+    assert ft["adapter"] and os.path.isfile(os.path.join(ft["adapter"], "adapter_model.safetensors"))
