@@ -325,11 +325,28 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
     k = torch.zeros(B, T, DI, dtype=dt, requires_grad=True)
     w = torch.zeros(B, T, HI, dtype=dt, requires_grad=True)
     indices = _benchmark("sparse_attention").causal_indices(B, T, T, K, "cpu")
-    with _aot.recording() as launches:
-        for block_size in (None, 64):
-            ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K, block_size=block_size)
-        scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
-        torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
+
+    class ZeroedEmpty:
+        """The module's torch, with empty() zero-filled: the selection's host code reads the scoring
+        kernel's output, which a recorded launch never writes (uninitialised memory there made the
+        block mode's gather fail now and then)."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.zeros(*args, **kwargs)
+
+    saved, ti.torch = ti.torch, ZeroedEmpty()
+    try:
+        with _aot.recording() as launches:
+            for block_size in (None, 64):
+                ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K, block_size=block_size)
+            scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
+            torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
+    finally:
+        ti.torch = saved
     return launches
 
 
