@@ -60,8 +60,8 @@ SWEEP = {  # kernel -> alternative configs timed with --sweep on MLA
 
 def causal_indices(B, T, S, K, device, seed=0):
     """[B, T, K] int32, K distinct random keys among each query's earlier tokens, -1 padded;
-    marked as repeating no key (sa.mark_unique_rows), as lightning_indexer_topk's selections are,
-    so that a forward timed without a backward skips the op's check of its rows, as in the layer."""
+    marked valid (sa.mark_valid_indices), as lightning_indexer_topk's selections are, so that the
+    op skips its checks of them (the range's host read, the rows' sort) as in the layer."""
     gen = torch.Generator(device=device).manual_seed(seed)
     pos = torch.arange(S - T, S, device=device)
     rows = []
@@ -72,7 +72,7 @@ def causal_indices(B, T, S, K, device, seed=0):
         values, idx = scores.topk(K, dim=-1, sorted=False)
         rows.append(idx.masked_fill_(values < 0, -1).to(torch.int32))
         del scores, values
-    return sa.mark_unique_rows(torch.cat(rows, dim=1))
+    return sa.mark_valid_indices(torch.cat(rows, dim=1), S)
 
 
 def naive_chain(q, k, v, indices, scale, chunk=1024):

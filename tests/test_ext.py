@@ -39,6 +39,13 @@ def test_env_cli_prints_every_backend():
         assert lines["cuda device"] == "no CUDA device"
 
 
+def test_env_cli_help():
+    """--help prints the usage and exits 0 (it printed the report)."""
+    result = _python(["-m", "megatron_moe_hybrid.env", "--help"])
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m megatron_moe_hybrid.env")
+    assert "torch:" not in result.stdout
+
+
 def test_env_report_versions_or_not_installed():
     report = env.env_report()
     assert list(report)[:2] == ["megatron_moe_hybrid", "python"]

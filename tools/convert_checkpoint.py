@@ -789,11 +789,7 @@ def hf_to_ours(
             header += [f"# not mapped exactly: {line}" for line in unmapped]
             if skipped:
                 header.append(f"# skipped {len(skipped)} tensors of {family.skipped_why}: {skipped[0]}, ...")
-            if os.path.isfile(os.path.join(hf_dir, HF_TOKENIZER)):
-                # the model's own tokenizer, kept with the run; training from the run reads it
-                for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
-                    if os.path.isfile(os.path.join(hf_dir, name)):
-                        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+            if _copy_hf_tokenizer(hf_dir, tmp):  # the model's own, kept with the run; training reads it
                 raw.setdefault("training", {})["tokenizer_model"] = os.path.join(os.path.abspath(out_dir), HF_TOKENIZER)
             else:
                 header.append(f"# {hf_dir} has no {HF_TOKENIZER}: set training.tokenizer_model before training on text")
@@ -846,10 +842,7 @@ class OursReader:
 def _read_our_config(reader: OursReader):
     from megatron_moe_hybrid.config import config_from_dict
 
-    # The layout it was trained with does not matter here; the weights are read whole.
-    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1,
-              "parallel.tensor_model_parallel_size": 1, "parallel.fsdp": False, "lora.enabled": False}  # fmt: skip
-    return config_from_dict(_raw_our_config(reader), single)
+    return config_from_dict(_raw_our_config(reader), {**SINGLE_PROCESS, "lora.enabled": False})
 
 
 class _TensorsReader:
@@ -882,10 +875,8 @@ def merged_lora_reader(reader: OursReader) -> _TensorsReader:
                          "their rank and scale")
     base = (raw.get("training") or {}).get("init_from")
     adapters_only = bool(raw["lora"].get("adapters_only_checkpoint"))
-    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.tensor_model_parallel_size": 1,
-              "parallel.context_parallel_size": 1, "parallel.fsdp": False, "training.init_from": None,
-              "training.tokenizer_model": None, "training.resume": "auto"}  # fmt: skip
-    config = config_from_dict(raw, single)
+    config = config_from_dict(raw, {**SINGLE_PROCESS, "training.init_from": None, "training.tokenizer_model": None,
+                                    "training.resume": "auto"})  # fmt: skip
     if adapters_only and not (base and os.path.isdir(base)):
         raise ValueError(f"{reader.dir}: an adapters-only checkpoint (lora.adapters_only_checkpoint) whose base, the run's "
                          f"training.init_from {base!r}, is not here; convert from a checkpoint that holds the base too")
@@ -905,17 +896,39 @@ def merged_lora_reader(reader: OursReader) -> _TensorsReader:
     return _TensorsReader(tensors, reader)
 
 
+# A checkpoint read whole in one process: the layout it was trained with does not matter.
+SINGLE_PROCESS = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1,
+                  "parallel.tensor_model_parallel_size": 1, "parallel.context_parallel_size": 1, "parallel.fsdp": False}
+
+
+def _run_file(reader, name: str) -> Optional[str]:
+    """A file of the run a checkpoint belongs to: in its directory, or the run directory one or two
+    levels up (<run>/checkpoints/step_*); None where there is none."""
+    for d in (reader.dir, os.path.dirname(reader.dir), os.path.dirname(os.path.dirname(reader.dir))):
+        if os.path.isfile(os.path.join(d, name)):
+            return os.path.join(d, name)
+    return None
+
+
+def _copy_hf_tokenizer(src_dir: str, dst_dir: str) -> bool:
+    """Copies src_dir's Hugging Face tokenizer.json (and tokenizer_config.json) into dst_dir;
+    whether there was one."""
+    if not os.path.isfile(os.path.join(src_dir, HF_TOKENIZER)):
+        return False
+    for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return True
+
+
 def _raw_our_config(reader: OursReader) -> dict:
     raw = reader.meta.get("config")
-    if raw is None:
-        # A checkpoint without its config in meta.json: the run's config.yaml beside it.
-        for d in (reader.dir, os.path.dirname(reader.dir), os.path.dirname(os.path.dirname(reader.dir))):
-            if os.path.isfile(os.path.join(d, OUR_CONFIG)):
-                with open(os.path.join(d, OUR_CONFIG)) as f:
-                    raw = yaml.safe_load(f)
-                break
-        else:
+    if raw is None:  # a checkpoint without its config in meta.json: the run's config.yaml beside it
+        path = _run_file(reader, OUR_CONFIG)
+        if path is None:
             raise FileNotFoundError(f"{reader.dir}: meta.json holds no config and no {OUR_CONFIG} is beside it")
+        with open(path) as f:
+            raw = yaml.safe_load(f)
     return raw
 
 
@@ -979,12 +992,9 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
         with open(os.path.join(tmp, HF_CONFIG), "w") as f:
             json.dump(hf_config, f, indent=2)
         # the run's Hugging Face tokenizer, where it has one (a converted model's, kept by its runs)
-        for d in (reader.dir, os.path.dirname(reader.dir), os.path.dirname(os.path.dirname(reader.dir))):
-            if os.path.isfile(os.path.join(d, HF_TOKENIZER)):
-                for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
-                    if os.path.isfile(os.path.join(d, name)):
-                        shutil.copyfile(os.path.join(d, name), os.path.join(tmp, name))
-                break
+        tokenizer = _run_file(reader, HF_TOKENIZER)
+        if tokenizer is not None:
+            _copy_hf_tokenizer(os.path.dirname(tokenizer), tmp)
         shard_keys: list[list[str]] = []  # keys of each shard written so far
         current: dict[str, torch.Tensor] = {}
         size = total = 0

@@ -33,10 +33,6 @@ def main(mode: str, argv=None) -> int:
         config = load_config(args.config, parse_overrides(rest))
         if mode == "finetune" and not config.lora.enabled:
             raise ConfigError("lora.enabled", "finetune needs lora.enabled: true (or use train)")
-        from megatron_moe_hybrid.training.trainer import lora_base_error, lora_loads_no_base
-
-        if lora_loads_no_base(config):  # before any process group or allocation
-            raise lora_base_error(config)
         try:  # every rank, before any process group: a rank failing alone there would leave the rest waiting
             os.makedirs(config.training.output_dir, exist_ok=True)
         except OSError as e:

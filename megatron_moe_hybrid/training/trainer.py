@@ -335,8 +335,6 @@ class Trainer:
         self.tracker = NonFiniteTracker(self.model)
         self.last_checkpoint: Optional[str] = None
         self._maybe_resume()
-        if config.lora.enabled and t.init_from is None and self.last_checkpoint is None:
-            raise lora_base_error(config)
         # Only now that the run has started from what it loaded: a run that stops above (a resume
         # into another model's output_dir, say) leaves that directory's config and tokenizer as they were.
         if self.rank == 0:
@@ -682,25 +680,20 @@ def loss_curve_text(losses: list, rows: int = 10) -> str:
     return "\n".join(lines)
 
 
-def lora_base_error(config: HybridMoEConfig):
-    """The ConfigError of a LoRA run that would load no base weights (no training.init_from, and
-    training.resume finds no checkpoint): its adapters would train on a randomly drawn base."""
-    t = config.training
-    return _start_error("training.init_from", ValueError(
-        f"LoRA fine-tuning needs base weights and none would be loaded (training.resume {t.resume!r} finds "
-        f"no checkpoint in {t.output_dir!r}); set training.init_from to a pretraining run's output_dir or "
-        "checkpoint"))
-
-
-def lora_loads_no_base(config: HybridMoEConfig) -> bool:
-    """Before launch, from the file system: a LoRA run with no training.init_from whose
-    training.resume would find no checkpoint."""
+def check_lora_base(config: HybridMoEConfig) -> None:
+    """Before launch, from the file system: a LoRA run loads base weights, from training.init_from
+    or a checkpoint training.resume finds; else a ConfigError naming training.init_from (its
+    adapters would train on a randomly drawn base)."""
     from megatron_moe_hybrid.training import checkpoint as ckpt
 
     t = config.training
     if not config.lora.enabled or t.init_from is not None:
-        return False
-    return t.resume == "none" or (t.resume == "auto" and not ckpt.list_checkpoints(t.output_dir))
+        return
+    if t.resume == "none" or (t.resume == "auto" and not ckpt.list_checkpoints(t.output_dir)):
+        raise _start_error("training.init_from", ValueError(
+            f"LoRA fine-tuning needs base weights and none would be loaded (training.resume {t.resume!r} finds "
+            f"no checkpoint in {t.output_dir!r}); set training.init_from to a pretraining run's output_dir or "
+            "checkpoint"))
 
 
 def _start_error(field: str, error: Exception):
@@ -716,6 +709,7 @@ def run(config: HybridMoEConfig, mode: str) -> RunResult:
     with lora.enabled is a fine-tune whichever entry point started it (its label, its adapter/)."""
     if config.lora.enabled:
         mode = "finetune"
+    check_lora_base(config)  # before any process group or allocation
     init_distributed(config)
     peer_failed = False
     try:

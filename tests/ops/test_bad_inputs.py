@@ -236,20 +236,42 @@ def test_load_balancing_loss_checks_expert_ids():
 
 
 @interpreter
-def test_the_indexers_selections_skip_the_repeat_check(monkeypatch):
-    """lightning_indexer_topk's output is marked as repeating no key, so a forward-only call
-    skips the sort; a write in place voids the mark, and an unmarked tensor is checked."""
+def test_the_indexers_selections_skip_the_checks(monkeypatch):
+    """lightning_indexer_topk's output is marked valid (in range, no key twice in a row), so the
+    fused ops skip their checks of it: no row sort in a forward-only call, no range read, no
+    repeated-key read in the backward, none per chunk of the KL loss. A write in place, a copy,
+    or more keys than it was made for void the mark, and the checks run again."""
     q, k, v, qi, ki, w, idx = sparse_args()
-    sorted_rows = []
-    real = triton_sparse._check_no_repeats
-    monkeypatch.setattr(triton_sparse, "_check_no_repeats", lambda i: sorted_rows.append(i) or real(i))
+    sorted_rows, range_reads = [], []
+    real_sort = triton_sparse._check_no_repeats
+    monkeypatch.setattr(triton_sparse, "_check_no_repeats", lambda i: sorted_rows.append(i) or real_sort(i))
+    real_aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: range_reads.append(t) or real_aminmax(t))
+    repeat_reads = []
+    real_raise = triton_sparse._raise_if_repeated
+
+    def raise_if_repeated(repeated):
+        if repeated is not None:  # a flag was formed: the host will read it
+            repeat_reads.append(repeated)
+        real_raise(repeated)
+
+    monkeypatch.setattr(triton_sparse, "_raise_if_repeated", raise_if_repeated)
     sel = sa.lightning_indexer_topk(qi, ki, w, 4, backend="triton")
-    assert sa_ref.known_unique_rows(sel) and not sa_ref.known_unique_rows(sel.clone())
+    assert sa_ref.known_valid_indices(sel, 12) and not sa_ref.known_valid_indices(sel.clone(), 12)
+    assert not sa_ref.known_valid_indices(sel, 11)  # made over 12 keys: not known valid over fewer
     sa.sparse_attention(q, k, v, sel, backend="triton")
-    assert sorted_rows == []
+    qg = q.clone().requires_grad_()
+    o, lse = sa.sparse_attention(qg, k, v, sel, backend="triton")
+    o.sum().backward()
+    sa.chunked_indexer_kl_loss(q, k, qi.requires_grad_(), ki, w, sel, budget_bytes=1, backend="triton")[0].backward()
+    assert sorted_rows == [] and range_reads == [] and repeat_reads == []
     sa.sparse_attention(q, k, v, sel.clone(), backend="triton")
-    assert len(sorted_rows) == 1
+    assert len(sorted_rows) == 1 and len(range_reads) == 1
+    o, lse = sa.sparse_attention(q.clone().requires_grad_(), k, v, sel.clone(), backend="triton")
+    o.sum().backward()
+    # unmarked copies: the forward-only call's row sort, then this backward, each read a flag
+    assert len(repeat_reads) == 2
     sel[0, 5, 1] = sel[0, 5, 0]  # in place: the mark no longer holds
-    assert not sa_ref.known_unique_rows(sel)
+    assert not sa_ref.known_valid_indices(sel, 12)
     with pytest.raises(ValueError, match="must not repeat a key"):
         sa.sparse_attention(q, k, v, sel, backend="triton")

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._checks import capturing
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -81,7 +83,7 @@ def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int, ignore_index: i
     """ValueError unless every label is in [0, vocab_size) or ignore_index. It reads the labels'
     range on the host (a device sync), which a stream capturing a CUDA graph does not allow: there
     it is skipped, the eager calls that warm a graph up before its capture having checked them."""
-    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(labels):
         return
     valid = labels[labels != ignore_index]
     if valid.numel() and (valid.min() < 0 or valid.max() >= vocab_size):

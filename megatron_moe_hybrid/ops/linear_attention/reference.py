@@ -15,13 +15,13 @@ dtype; the final state is returned in that dtype and o in v's dtype.
 """
 
 import functools
-import math
-import numbers
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .._checks import positive_finite
 
 _NO_BETA = "beta: the gated delta rule needs beta [B, T, H]; use simple GLA for no beta"
 
@@ -32,9 +32,7 @@ Core = Callable[[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Tensor], tupl
 def check_options(scale, cu_seqlens, chunk_size=None) -> None:
     """Raises ValueError naming a bad scalar option, whatever the backend: scale None or a finite
     positive number, cu_seqlens None or a tensor, chunk_size None or a positive int."""
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
-    ):
+    if scale is not None and not positive_finite(scale):
         raise ValueError(f"scale: expected None (K ** -0.5) or a finite positive number, got {scale!r}")
     if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):
         raise ValueError(

@@ -28,7 +28,7 @@ from .reference import (
     dense_masked_attention,
     indexer_kl_valid_queries,
     indices_to_mask,
-    mark_unique_rows,
+    mark_valid_indices,
     positions_from_cu_seqlens,
 )
 
@@ -219,7 +219,7 @@ def lightning_indexer_topk(
     indices = get_op("lightning_indexer_topk", backend, q_idx)(
         q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
     )
-    return reference.mark_unique_rows(indices)  # a selection repeats no key: sparse_attention skips that check
+    return reference.mark_valid_indices(indices, k_idx.shape[1])  # the fused ops then skip their checks of it
 
 
 def sparse_attention(
@@ -428,6 +428,7 @@ def chunked_indexer_kl_loss(
         )
     reference._check_scale(scale)
     X = S if indices is None else indices.shape[-1]
+    indices_valid = indices is not None and reference.known_valid_indices(indices, S)
     HI, DI = q_idx.shape[2:]
     budget = KL_CHUNK_BUDGET_BYTES if budget_bytes is None else budget_bytes
     per_query = B * X * (4 * (2 * HI + 4) + 2 * DI)
@@ -476,6 +477,8 @@ def chunked_indexer_kl_loss(
             idx = None
         else:
             idx, target_c = indices[:, t0:t1], target[:, t0:t1]
+            if indices_valid:  # a slice of rows of valid indices is valid: no range check (host read) per chunk
+                reference.mark_valid_indices(idx, S)
             scores = lightning_indexer_sparse(q_idx_c, k_idx, weights_c, idx, backend)
         return reference.indexer_kl_sum(scores, target_c, idx)  # (KL sum, valid [B, n])
 
@@ -510,7 +513,7 @@ __all__ = [
     "get_op",
     "indexer_kl_valid_queries",
     "indices_to_mask",
-    "mark_unique_rows",
+    "mark_valid_indices",
     "positions_from_cu_seqlens",
     "register_backend",
     "registered_backends",

@@ -13,14 +13,13 @@ Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that test
 be exact. The math (indexer, selection, attention, KL loss) is in README.md.
 """
 
-import math
-import numbers
 import weakref
 from itertools import pairwise
 
 import torch
 from torch import Tensor
 
+from .._checks import positive_finite
 from .._packed import host_offsets
 
 NEG_INF = float("-inf")
@@ -356,28 +355,30 @@ def _select_keys(x: Tensor, indices: Tensor) -> Tensor:
     return x.reshape(B * S, *x.shape[2:]).index_select(0, rows).view(*indices.shape, *x.shape[2:])
 
 
-# id -> (weak reference, version) of index tensors known to repeat no key within a row
-_UNIQUE_ROWS: dict[int, tuple] = {}
+# id -> (weak reference, version, S) of index tensors known valid over S keys: in [-1, S), no key
+# twice in a row (lightning_indexer_topk's selections)
+_VALID: dict[int, tuple] = {}
 
 
-def mark_unique_rows(indices: Tensor) -> Tensor:
-    """Records that no row of indices repeats a key (lightning_indexer_topk marks its selections),
-    so that a fused forward with no backward after it skips its sort of the rows; a write in
-    place (the version counter) voids the mark, and none is kept for inference-mode tensors.
-    Returns indices."""
+def mark_valid_indices(indices: Tensor, num_keys: int) -> Tensor:
+    """Records that indices [B, T, K] lie in [-1, num_keys) and repeat no key within a row, as
+    lightning_indexer_topk's selections do, so that the fused ops skip their checks of them (the
+    range's host read, the rows' sort, the backward's repeated-key read). A write in place (the
+    version counter) voids the mark; none is kept for inference-mode tensors. Returns indices."""
     try:
         version = indices._version
     except RuntimeError:  # inference-mode tensors keep no version counter
         return indices
     key = id(indices)
-    _UNIQUE_ROWS[key] = (weakref.ref(indices, lambda _, key=key: _UNIQUE_ROWS.pop(key, None)), version)
+    _VALID[key] = (weakref.ref(indices, lambda _, key=key: _VALID.pop(key, None)), version, num_keys)
     return indices
 
 
-def known_unique_rows(indices: Tensor) -> bool:
-    """mark_unique_rows was called on this tensor, and it has not been written since."""
-    entry = _UNIQUE_ROWS.get(id(indices))
-    if entry is None or entry[0]() is not indices:
+def known_valid_indices(indices: Tensor, num_keys: int) -> bool:
+    """mark_valid_indices was called on this tensor for at most num_keys keys, and it has not been
+    written since."""
+    entry = _VALID.get(id(indices))
+    if entry is None or entry[0]() is not indices or entry[2] > num_keys:
         return False
     try:
         return indices._version == entry[1]
@@ -405,9 +406,7 @@ def _check_indices(indices: Tensor, B: int, T: int, S: int) -> None:
 def _check_scale(scale) -> None:
     """scale: None (D ** -0.5) or a finite positive number."""
     _check(
-        scale is None or (
-            not isinstance(scale, bool) and isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0
-        ),
+        scale is None or positive_finite(scale),
         f"scale must be None (D ** -0.5) or a finite positive number, got {scale!r}",
     )
 

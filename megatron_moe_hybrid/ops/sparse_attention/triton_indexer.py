@@ -46,7 +46,7 @@ from .reference import (
     _query_positions,
     _segment_ids,
 )
-from .triton_sparse import _capturing, per_key_lists, sum_rows_per_key
+from .triton_sparse import check_index_range, per_key_lists, sum_rows_per_key
 from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
 
@@ -428,9 +428,7 @@ def lightning_indexer_sparse_triton(q_idx: Tensor, k_idx: Tensor, weights: Tenso
         indices.dim() == 3 and tuple(indices.shape[:2]) == (B, T) and not indices.is_floating_point(),
         f"indices must be an integer [B, T, K] = [{B}, {T}, K] tensor, got {indices.dtype} {tuple(indices.shape)}",
     )
-    if indices.numel() and not _capturing(indices):  # one host read; the kernels trust the range
-        lo, hi = torch.aminmax(indices)
-        _check(lo.item() >= -1 and hi.item() < S, f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
+    check_index_range(indices, S)  # the kernels read key rows by index
     _check(q_idx.shape[-1] <= 256 and q_idx.shape[2] <= 128,
            f"q_idx: {tuple(q_idx.shape[2:])} indexer heads x dim; the Triton kernel takes HI <= 128, DI <= 256")
     return SparseIndexScores.apply(q_idx, k_idx, weights, indices)

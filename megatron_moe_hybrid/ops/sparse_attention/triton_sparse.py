@@ -47,10 +47,10 @@ of two D1), the kernels read k once and use it as v (SHARED_KV).
 The forward checks shapes, dtypes, scale and the index range; a key repeated within one query's
 row is found by the backward's sort (ValueError there), or, where no backward will follow (no
 input needs a gradient, or grad mode is off), by a sort of each row in the forward
-(_check_no_repeats), as the reference raises; lightning_indexer_topk's selections are marked as
-repeating no key (reference.mark_unique_rows) and skip it. The data checks read the host, so a
-stream capturing a CUDA graph skips them (_capturing): the op then captures, forward and
-backward.
+(_check_no_repeats), as the reference raises. The data checks read the host, so a stream
+capturing a CUDA graph skips them (_capturing): the op then captures, forward and backward.
+Indices known valid (reference.mark_valid_indices: lightning_indexer_topk's selections, as the
+layer passes them) skip both checks, and their host reads.
 """
 
 import functools
@@ -63,7 +63,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from .reference import _bmm_f32, _check_attention_args, _check_scale, known_unique_rows
+from .reference import _bmm_f32, _check_attention_args, _check_scale, known_valid_indices
+from .._checks import capturing as _capturing
 from .._launch import fast_launch
 from .._intmath import cdiv
 
@@ -750,9 +751,10 @@ def _row_dots(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = False):
+def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = False, valid: bool = False):
     """dq, dk, dv; combine_kv (v is a differentiable view of k's first DV columns): dk holds
-    dv too and dv is None (the products form only; the kernels form returns both)."""
+    dv too and dv is None (the products form only; the kernels form returns both). valid: the
+    indices are known valid (mark_valid_indices), so no repeated key is looked for."""
     sh = _Shape(q, k, v, indices)
     # [B, T, H] fp32: rowsum(o do), minus dlse (d lse / d s = p, so it shifts ds = p (dp - delta))
     delta = _row_dots(o, do)
@@ -763,33 +765,28 @@ def _bwd(q, k, v, indices, o, lse, do, dlse, scale: float, combine_kv: bool = Fa
     delta = delta.contiguous()
     form = _form(sh, q, BACKWARD_FORM, "backward")
     if form == "products":
-        return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv)
-    return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale, fused=form == "fused")
+        return _bwd_products(sh, q, k, v, indices, lse2, delta, do, scale, combine_kv and sh.shared_kv, valid)
+    return _bwd_kernels(sh, q, k, v, indices, lse2, delta, do, scale, fused=form == "fused", valid=valid)
 
 
-def _capturing(x: Tensor) -> bool:
-    """Whether x's stream is capturing a CUDA graph, which refuses host reads: there the op skips
-    its two data checks (the index range, a key repeated in a row), as the loss skips its label
-    check; the eager calls that warm a graph up before its capture made them."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _raise_if_repeated(repeated: Tensor) -> None:
-    if not _capturing(repeated) and bool(repeated):
+def _raise_if_repeated(repeated: Tensor | None) -> None:
+    """repeated None: indices known valid, nothing was checked."""
+    if repeated is not None and not _capturing(repeated) and bool(repeated):
         raise ValueError("indices must not repeat a key within one query's row")
 
 
-def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor) -> tuple[Tensor, Tensor]:
+def _chunk_lists(idx_c: Tensor, S: int, repeated: Tensor | None) -> tuple[Tensor, Tensor]:
     """per_key_lists of one chunk's indices [B, n, K]; ORs into repeated whether a row holds a
-    key twice."""
+    key twice (not with repeated None: indices known valid)."""
     K = idx_c.shape[-1]
     sorted_keys, order, offsets = per_key_lists(idx_c, S)
     same_row = torch.div(order[1:], K, rounding_mode="floor") == torch.div(order[:-1], K, rounding_mode="floor")
-    repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < idx_c.shape[0] * S) & same_row).any()
+    if repeated is not None:
+        repeated |= ((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] < idx_c.shape[0] * S) & same_row).any()
     return order, offsets
 
 
-def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fused: bool = False):
+def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fused: bool = False, valid: bool = False):
     """The kernels form's backward: _bwd_dq_kernel, then per chunk of queries _bwd_dkv_kernel's
     contributions and their per-key sums; fused: _bwd_fused_kernel writes dq and the
     contributions per chunk (R <= FUSED_MAX_HEADS heads per group)."""
@@ -813,7 +810,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fu
     Tc = max(1, min(T, CONTRIB_BUDGET_BYTES // max(row_bytes, 1), (2**31 - 1) // max(B * K, 1)))
     C = _alloc((B, Tc, K, G, F), c_dtype, dev)
     acc = _alloc((B, S, G, F), torch.float32, dev)
-    repeated = torch.zeros((), dtype=torch.bool, device=dev)
+    repeated = None if valid else torch.zeros((), dtype=torch.bool, device=dev)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)
         if fused:
@@ -873,7 +870,7 @@ def _bmm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
         out.copy_(torch.bmm(a, b).view(out.shape))
 
 
-def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, combine_kv: bool):
+def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, combine_kv: bool, valid: bool = False):
     """The backward as batched products over each chunk of queries (cuBLAS on the GPU): the
     chunk's key rows gathered once into [n G, K, D] (v: k's first DV columns when shared), then
     s = q k^T and dp = do v^T (fp32), p and ds (_probs_grads_kernel, input dtype), dq = ds k, and
@@ -891,7 +888,7 @@ def _bwd_products(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, c
     dq = _alloc(q.shape, dt, dev)
     acc = _alloc((B, S, G, F), torch.float32, dev)
     acc2 = acc.view(B * S, G * F)
-    repeated = torch.zeros((), dtype=torch.bool, device=dev)
+    repeated = None if valid else torch.zeros((), dtype=torch.bool, device=dev)
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         N = B * n * G  # (batch, query, group) rows of the products
@@ -973,10 +970,10 @@ class SparseAttentionFunction(torch.autograd.Function):
     the products forward makes them (else a [0] stand-in), not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale, combine_kv=False, with_target=False):
+    def forward(ctx, q, k, v, indices, scale, combine_kv=False, with_target=False, valid=False):
         o, lse, target = _fwd(q, k, v, indices, scale, with_target, backward=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale, ctx.combine_kv = scale, combine_kv
+        ctx.scale, ctx.combine_kv, ctx.valid = scale, combine_kv, valid
         if not with_target:
             return o, lse
         target = q.new_empty((0,), dtype=torch.float32) if target is None else target
@@ -987,8 +984,8 @@ class SparseAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse, *_):
         q, k, v, indices, o, lse = ctx.saved_tensors
         combine = ctx.combine_kv and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
-        dq, dk, dv = _bwd(q, k, v, indices, o, lse, do.contiguous(), dlse, ctx.scale, combine)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _bwd(q, k, v, indices, o, lse, do.contiguous(), dlse, ctx.scale, combine, ctx.valid)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
@@ -1029,7 +1026,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> None:
             f"indices must be int64/int32 [B, T, K] with B={B}, T={T} on {q.device}, got "
             + (f"{indices.dtype} {tuple(indices.shape)} on {indices.device}" if isinstance(indices, Tensor) else type(indices).__name__)
         )
-    if indices.numel() and not _capturing(indices):
+    check_index_range(indices, S)
+
+
+def check_index_range(indices: Tensor, S: int) -> None:
+    """ValueError unless indices lie in [-1, S): one aminmax and one host read, none for indices
+    known valid (reference.mark_valid_indices: lightning_indexer_topk's selections) or while a
+    CUDA graph captures. The fused kernels read key rows by index: they trust this range."""
+    if indices.numel() and not known_valid_indices(indices, S) and not _capturing(indices):
         lo, hi = torch.aminmax(indices)
         if lo.item() < -1 or hi.item() >= S:
             raise ValueError(f"indices must lie in [-1, S={S}) (-1 marks an unused slot)")
@@ -1066,12 +1070,13 @@ def sparse_attention_triton(
     probabilities [B, T, K] (sparse_probs_target's value) or None in the kernels form."""
     _check(q, k, v, indices)
     _check_scale(scale)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))) and not known_unique_rows(indices):
-        _check_no_repeats(indices)
+    valid = known_valid_indices(indices, k.shape[1])
+    if not valid and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        _check_no_repeats(indices)  # no backward will look
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     combine = _view_of(v, k)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out = SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale, combine, with_target)
+    out = SparseAttentionFunction.apply(q, k, v, indices.contiguous(), scale, combine, with_target, valid)
     if not with_target:
         return out
     o, lse, target = out
