@@ -34,10 +34,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron_moe_hybrid.registry import (
     LAYER_KINDS,
     LINEAR_ATTENTION_VARIANTS,
+    LORA_ATTENTION_TARGETS,
     LORA_TARGETS,
     MOE_DISPATCHERS,
     ROUTER_SCORE_FUNCS,
     SPARSE_ATTENTION_STAGES,
+    expand_lora_targets,
 )
 
 
@@ -153,7 +155,9 @@ class LoRAConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    targets: list = field(default_factory=lambda: ["linear_attention", "sparse_attention", "experts"])
+    # "attention": every attention kind of model.pattern (L -> linear_attention, S/M ->
+    # sparse_attention, A -> full_attention); registry.LORA_TARGETS lists the rest
+    targets: list = field(default_factory=lambda: ["attention", "experts"])
     target_modules: list = field(default_factory=list)  # optional regexes over module paths, further restricting targets
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     expert_adapter: str = "per_expert"  # "per_expert" | "shared" (one adapter for all local experts)
@@ -630,7 +634,7 @@ def _validate(c: HybridMoEConfig) -> None:
                 f"unknown target {t!r}{_did_you_mean(t, LORA_TARGETS)}; valid: {', '.join(LORA_TARGETS)}",
             )
         # attention targets need their layer letter in the pattern (found here, not after the ranks start)
-        for t, letters in (("linear_attention", "L"), ("full_attention", "A"), ("sparse_attention", "SM")):
+        for t, letters in LORA_ATTENTION_TARGETS.items():
             _require(
                 t not in lo.targets or any(x in c.pattern for x in letters),
                 "lora.targets",
@@ -641,8 +645,8 @@ def _validate(c: HybridMoEConfig) -> None:
         # projection's input, where LoRA dropout would act (with target_modules the layer checks
         # at its first forward whether kv_up_proj got an adapter).
         _require(
-            not (lo.dropout > 0 and "M" in c.pattern and c.mla.absorbed and "sparse_attention" in lo.targets
-                 and not lo.target_modules),
+            not (lo.dropout > 0 and "M" in c.pattern and c.mla.absorbed
+                 and "sparse_attention" in expand_lora_targets(lo.targets, c.pattern) and not lo.target_modules),
             "lora.dropout",
             f"is {lo.dropout}, but absorbed MLA (mla.absorbed, the default for M layers) never forms the input of "
             "linear_kv_up_proj that LoRA dropout acts on; set lora.dropout 0, set mla.absorbed false, or leave "

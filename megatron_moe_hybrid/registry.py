@@ -72,6 +72,7 @@ MOE_DISPATCHERS: Registry[Any] = Registry(
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 LORA_TARGETS = (
+    "attention",  # every attention kind the model's pattern has: the three below where present (the default)
     "linear_attention",  # in_proj / out_proj of the linear-attention layers
     "sparse_attention",  # qkv / output projections of the sparse-attention layers (S; M: MLA's q/kv down/up, output)
     "full_attention",  # q (+ gate) / k / v / output projections of the gated full-attention layers (A)
@@ -80,3 +81,17 @@ LORA_TARGETS = (
     "shared_expert",
     "dense_mlp",
 )
+# the layer letters each attention target acts on; "attention" stands for those of them the pattern has
+LORA_ATTENTION_TARGETS = {"linear_attention": "L", "sparse_attention": "SM", "full_attention": "A"}
+
+
+def expand_lora_targets(targets, pattern: str) -> list[str]:
+    """lora.targets with "attention" replaced by the attention targets whose layers `pattern`
+    has (in LORA_ATTENTION_TARGETS' order), each target once."""
+    out: list[str] = []
+    for t in targets:
+        kinds = [k for k, letters in LORA_ATTENTION_TARGETS.items() if any(x in pattern for x in letters)]
+        for k in kinds if t == "attention" else [t]:
+            if k not in out:
+                out.append(k)
+    return out

@@ -39,6 +39,7 @@ INVALID = [
     ("lora-rank-zero", {"lora.enabled": True, "lora.rank": 0, "training.init_from": ROOT}, 1, "lora.rank"),
     ("lora-unknown-target", {"lora.enabled": True, "lora.targets": ["experst"], "training.init_from": ROOT}, 1, "lora.targets"),
     ("lora-target-without-its-layer", {"lora.enabled": True, "model.pattern": "SSSS", "training.init_from": ROOT,
+                                       "lora.targets": ["linear_attention", "experts"],
                                        "training.tokenizer_model": os.path.join(ROOT, "README.md")}, 1, "lora.targets"),
     ("lora-without-base", {"lora.enabled": True, "training.resume": "none"}, 1, "training.init_from"),
     ("world-not-divisible", {"parallel.expert_model_parallel_size": 2}, 3, "parallel.expert_model_parallel_size"),
@@ -137,6 +138,26 @@ def test_overrides_parse_and_apply(monkeypatch):
     assert c.moe.num_experts == 4 and c.training.lr == 1e-3 and c.parallel.expert_model_parallel_size == 2
     assert c.lora.targets == ["experts", "linear_attention"]
     assert c.data_parallel_size() == 2
+
+
+@pytest.mark.parametrize("pattern,kinds", [("LLLS", ["linear_attention", "sparse_attention"]),
+                                            ("LLLA", ["linear_attention", "full_attention"]), ("M", ["sparse_attention"])])
+def test_default_lora_targets_follow_the_pattern(pattern, kinds, monkeypatch):
+    """The default lora.targets, "attention" and experts, validate for every family (a converted
+    Qwen3-Next, LLLA, and DeepSeek-V3.2, M, each lacked one of the old default's attention kinds)
+    and take the attention kinds the pattern has; a kind named outright must still be there."""
+    from megatron_moe_hybrid.registry import expand_lora_targets
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    over = {"lora.enabled": True, "training.init_from": ROOT, "model.pattern": pattern, "model.num_layers": 4,
+            "training.tokenizer_model": os.path.join(ROOT, "README.md")}
+    c = config_from_dict(tiny_raw(), over)
+    assert c.lora.targets == ["attention", "experts"]
+    assert expand_lora_targets(c.lora.targets, c.pattern) == kinds + ["experts"]
+    assert expand_lora_targets(["linear_attention", "attention"], c.pattern) == list(dict.fromkeys(["linear_attention", *kinds]))
+    missing = "full_attention" if pattern != "LLLA" else "sparse_attention"
+    with pytest.raises(ConfigError, match=f"lora.targets: '{missing}' matches no layer"):
+        config_from_dict(tiny_raw(), {**over, "lora.targets": [missing]})
 
 
 def test_round_trip_through_yaml(tmp_path, monkeypatch):

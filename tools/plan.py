@@ -256,30 +256,68 @@ def count_parameters(c: HybridMoEConfig) -> dict[str, Any]:
             "num_moe_layers": num_moe, "breakdown": counts}
 
 
-def lora_parameters(c: HybridMoEConfig, rank: int, expert_adapter: str = "per_expert") -> int:
-    """Adapters on the attention projections and on both matmuls of every routed expert
-    (expert_adapter "per_expert"), or one adapter pair per MoE layer for all its experts
-    ("shared": a dense parameter, the same on every rank)."""
-    la, h = c.linear_attention, c.hidden_size
+def lora_parameter_groups(
+    c: HybridMoEConfig, rank: int, expert_adapter: str = "per_expert", targets: Optional[list] = None
+) -> dict[str, int]:
+    """Adapter parameters per lora.targets group (targets: default c.lora.targets, "attention"
+    expanded by the pattern): an [in, rank] and a [rank, out] matrix per wrapped linear, and on
+    both matmuls of every routed expert (expert_adapter "per_expert"), or one adapter pair per MoE
+    layer for all its experts ("shared": a dense parameter, the same on every rank).
+    lora.target_modules, which narrows the groups by module path, is not counted."""
+    from megatron_moe_hybrid.registry import expand_lora_targets
+
+    targets = expand_lora_targets(c.lora.targets if targets is None else targets, c.pattern)
+    h, heads = c.hidden_size, c.num_attention_heads
+
+    def pairs(*shapes: tuple[int, int]) -> int:  # (in, out) of each wrapped linear
+        return sum(rank * (i + o) for i, o in shapes)
+
+    la = c.linear_attention
     qk, v = la.num_qk_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
     logits = 2 if la.variant == "gated_delta_rule" else 1
-    lin = rank * (h + 2 * qk + 2 * v + logits * la.num_v_heads) + rank * (v + h)
-    heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
-    sparse = rank * (h + (heads + 2 * groups) * d) + rank * (heads * d + h)
+    lin = pairs((h, 2 * qk + 2 * v + logits * la.num_v_heads), (v, h))  # in_proj, out_proj
+    groups, d = c.num_query_groups or heads, c.kv_channels
+    sparse = pairs((h, (heads + 2 * groups) * d), (heads * d, h))  # S: linear_qkv, linear_proj
+    ga_d = c.kv_channels or h // heads  # A: q (+ its gate), k, v, output
+    full = pairs((h, 2 * heads * ga_d), (h, groups * ga_d), (h, groups * ga_d), (heads * ga_d, h))
     m = c.mla  # M: MLA's q (down, up; or plain), kv down / up and output projections
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    q = rank * (h + m.q_lora_rank) + rank * (m.q_lora_rank + heads * qk) if m.q_lora_rank else rank * (h + heads * qk)
-    mla = q + rank * (h + m.kv_lora_rank + m.qk_rope_head_dim)
-    mla += rank * (m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim)) + rank * (heads * m.v_head_dim + h)
-    F = c.moe.ffn_hidden_size
-    experts = (1 if expert_adapter == "shared" else c.moe.num_experts) * rank * ((h + 2 * F) + (F + h))
-    n = 0
-    # gated full attention (A) is not a default LoRA target: lora.targets "full_attention" adds it
+    mqk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = pairs((h, m.q_lora_rank), (m.q_lora_rank, heads * mqk)) if m.q_lora_rank else pairs((h, heads * mqk))
+    mla = q + pairs((h, m.kv_lora_rank + m.qk_rope_head_dim), (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                    (heads * m.v_head_dim, h))  # fmt: skip
+    sa = c.sparse_attention  # the indexer's query, key and head-weight projections
+
+    def indexer(q_in: int) -> int:
+        return pairs((q_in, sa.index_n_heads * sa.index_head_dim), (h, sa.index_head_dim), (h, sa.index_n_heads))
+
+    F, Fs, Fd = c.moe.ffn_hidden_size, c.moe.shared_expert_ffn_hidden_size, c.moe.dense_ffn_hidden_size
+    per_layer = {
+        "experts": (1 if expert_adapter == "shared" else c.moe.num_experts) * pairs((h, 2 * F), (F, h)),
+        "shared_expert": pairs((h, 2 * Fs), (Fs, h)) if Fs else 0,
+        "dense_mlp": pairs((h, 2 * Fd), (Fd, h)),
+    }
+    counts = dict.fromkeys(targets, 0)
     for i in range(c.num_layers):
-        n += {"L": lin, "S": sparse, "M": mla}.get(c.layer_kind(i), 0)
-        if c.is_moe_layer(i):
-            n += experts
-    return n
+        kind = c.layer_kind(i)
+        layer = {
+            "linear_attention": lin if kind == "L" else 0,
+            "sparse_attention": {"S": sparse, "M": mla}.get(kind, 0),
+            "full_attention": full if kind == "A" else 0,
+            "indexer": indexer(h if kind == "S" else m.q_lora_rank or h) if kind in "SM" else 0,
+            "experts": per_layer["experts"] if c.is_moe_layer(i) else 0,
+            "shared_expert": per_layer["shared_expert"] if c.is_moe_layer(i) else 0,
+            "dense_mlp": 0 if c.is_moe_layer(i) else per_layer["dense_mlp"],
+        }
+        for t in counts:
+            counts[t] += layer[t]
+    return counts
+
+
+def lora_parameters(
+    c: HybridMoEConfig, rank: int, expert_adapter: str = "per_expert", targets: Optional[list] = None
+) -> int:
+    """All adapter parameters of lora_parameter_groups."""
+    return sum(lora_parameter_groups(c, rank, expert_adapter, targets).values())
 
 
 # Memory ---------------------------------------------------------------------------------------
@@ -421,12 +459,10 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     if cl.training == "full":
         trainable_dense, trainable_expert = params["dense"], params["routed_experts"]
     else:
-        lora_total = lora_parameters(c, cl.lora_rank, cl.expert_adapter)
-        # fc1 [h -> 2F] and fc2 [F -> h] adapters per expert, as lora_parameters counts them;
-        # a shared adapter is a dense (replicated) parameter
-        per_layer_experts = c.moe.num_experts * cl.lora_rank * (2 * c.hidden_size + 3 * c.moe.ffn_hidden_size)
-        trainable_expert = per_layer_experts * params["num_moe_layers"] if cl.expert_adapter == "per_expert" else 0
-        trainable_dense = lora_total - trainable_expert
+        lora = lora_parameter_groups(c, cl.lora_rank, cl.expert_adapter)
+        # per-expert adapters are sharded with their experts; a shared one is a dense (replicated) parameter
+        trainable_expert = lora.get("experts", 0) if cl.expert_adapter == "per_expert" else 0
+        trainable_dense = sum(lora.values()) - trainable_expert
         weights += 4 * (trainable_dense * dense_share + trainable_expert * expert_share)  # fp32 adapters
     trainable_local = trainable_dense * dense_share + trainable_expert * expert_share
     # Adam m, v (fp32), plus an fp32 master copy where full training keeps lower-precision weights
@@ -899,6 +935,8 @@ def _fmt(n: float) -> str:
 
 
 def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
+    from megatron_moe_hybrid.registry import expand_lora_targets
+
     pr = p["parameters"]
     lines = [
         f"model: {c.num_layers} layers {c.pattern}, hidden {c.hidden_size}, {c.moe.num_experts} experts top-{c.moe.topk}, vocab {c.vocab_size}",
@@ -908,7 +946,9 @@ def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
         f"FSDP2 {'on' if cl.fsdp else 'off'}, micro-batch {cl.micro_batch_size} x {cl.seq_length}, recompute {cl.recompute}"
         + (", optimizer offloaded" if cl.offload_optimizer else ""),
         f"trainable parameters: {_fmt(p['trainable_parameters'])}"
-        + (f" (LoRA r{cl.lora_rank}, {cl.expert_adapter} expert adapters; their optimizer state is "
+        + (f" (LoRA r{cl.lora_rank} on {', '.join(expand_lora_targets(c.lora.targets, c.pattern))}"
+           + (" narrowed by lora.target_modules, counted without it" if c.lora.target_modules else "")
+           + f", {cl.expert_adapter} expert adapters; their optimizer state is "
            f"{100 * p['optimizer_over_base_weights']:.2f}% of the base weights)" if cl.training == "lora" else ""),
         "per-device memory:",
     ]

@@ -440,10 +440,11 @@ def find_lora_targets(
     """(parent, child name, full path) of every module to wrap.
 
     A module is taken when its group is in `targets` and, if `target_modules` is given, its
-    full path matches one of the regexes (re.fullmatch). A group or a pattern that selects
-    nothing raises ValueError listing what this model has.
+    full path matches one of the regexes (re.fullmatch); "attention" stands for every attention
+    group (LORA_ATTENTION_TARGETS) the model has. A group or a pattern that selects nothing
+    raises ValueError listing what this model has.
     """
-    from megatron_moe_hybrid.registry import LORA_TARGETS
+    from megatron_moe_hybrid.registry import LORA_ATTENTION_TARGETS, LORA_TARGETS
 
     targets, patterns = list(targets), list(target_modules)
     unknown = [t for t in targets if t not in LORA_TARGETS]
@@ -463,6 +464,12 @@ def find_lora_targets(
             walk(child, path, parents + [module])
 
     walk(model, "", [])
+    if "attention" in targets:
+        kinds = [k for k in LORA_ATTENTION_TARGETS if k in groups]
+        if not kinds:
+            have = ", ".join(groups) or "none"
+            raise ValueError(f"lora.targets: 'attention' matches no attention module of this model; its groups: {have}")
+        targets = list(dict.fromkeys(k for t in targets for k in (kinds if t == "attention" else [t])))
     for t in targets:
         if t not in groups:
             have = ", ".join(f"{g} (e.g. {m[0][2]})" for g, m in groups.items())

@@ -18,6 +18,7 @@ from megatron_moe_hybrid.layers.lora import (
     LoRAGroupedExperts,
     LoRALinear,
     allreduce_lora_partial_grads,
+    find_lora_targets,
     grouped_matmul,
     apply_lora,
     lora_scale,
@@ -336,10 +337,20 @@ def test_bad_targets_name_the_field_and_list_what_exists(tiny_model_factory):
     with pytest.raises(ValueError, match=r"lora\.target_modules: 'q_proj' matches no module.*in_proj"):
         apply_lora(model, ["linear_attention"], 2, 4.0, target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"lora\.targets: unknown"):
-        apply_lora(model, ["attention"], 2, 4.0)
+        apply_lora(model, ["atention"], 2, 4.0)
+    with pytest.raises(ValueError, match=r"lora\.targets: 'attention' matches no attention module"):
+        apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["attention"], 2, 4.0)
     with pytest.raises(ValueError, match=r"lora\.rank"):
         apply_lora(model, ["experts"], 0, 4.0)
     assert all(p.requires_grad for p in model.parameters())  # a failed call changes nothing
+
+
+def test_attention_target_is_every_attention_kind_of_the_model(tiny_model_factory):
+    model, _ = tiny_model_factory()
+    kinds = [p for _, _, p in find_lora_targets(model, ["linear_attention", "sparse_attention", "experts"])]
+    assert [p for _, _, p in find_lora_targets(model, ["attention", "experts"])] == kinds
+    assert [p for _, _, p in find_lora_targets(model, ["linear_attention", "attention", "experts"])] == kinds
+    assert not any("index" in p for p in kinds)  # the indexer stays a target of its own
 
 
 @pytest.mark.parametrize("mode", ["per_expert", "shared"])

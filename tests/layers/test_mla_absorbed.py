@@ -167,6 +167,8 @@ def test_absorbed_refuses_lora_dropout_and_bad_config():
     config_from_dict(raw, {**lora, "mla.absorbed": False})
     config_from_dict(raw, {**lora, "lora.dropout": 0.0})
     config_from_dict(raw, {**lora, "model.pattern": "LLLS"})  # no MLA: dropout is fine
+    with pytest.raises(ConfigError, match="lora.dropout.*mla.absorbed false"):  # "attention" takes in the M layers
+        config_from_dict(raw, {**lora, "lora.targets": ["attention"]})
 
 
 @pytest.mark.parametrize("form", ["kernels", "products"])

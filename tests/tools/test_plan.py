@@ -74,20 +74,39 @@ def test_analytic_plan_of_every_layer_kind(overrides):
         assert plan._activation_bytes_per_token(config, kind, config.is_moe_layer(i), seq_length=256) > 0, kind
 
 
+ALL_GROUPS = ["linear_attention", "sparse_attention", "full_attention", "indexer", "experts", "shared_expert", "dense_mlp"]
+
+
 @pytest.mark.parametrize("expert_adapter", ["per_expert", "shared"])
-@pytest.mark.parametrize("overrides", [{}, {"model.pattern": "LLLM"}, {"model.pattern": "LLLM", "mla.q_lora_rank": None}],
-                         ids=["LLLS", "LLLM", "LLLM-plain-q"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"model.pattern": "LLLM", "mla.q_lora_rank": 48}, {"model.pattern": "LLLM", "mla.q_lora_rank": None}, {"model.pattern": "LLLA"},
+     {"model.pattern": "LLLS", "moe.first_k_dense": 1}],
+    ids=["LLLS", "LLLM", "LLLM-plain-q", "LLLA", "LLLS-dense-first"],
+)
 def test_lora_parameter_count_equals_adapters(overrides, expert_adapter):
+    """plan's analytic count of every target group equals the adapters apply_lora makes, group
+    by group, and the default targets ("attention" + experts) take the pattern's attention kinds."""
     from megatron_moe_hybrid.layers.lora import apply_lora
     from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.registry import expand_lora_targets
 
     with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
     config = config_from_dict(raw, {"parallel.world_size": 1, **overrides})
-    model = build_model(config)
-    apply_lora(model, ["linear_attention", "sparse_attention", "experts"], 4, 8.0, expert_adapter=expert_adapter)
-    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert plan.lora_parameters(config, 4, expert_adapter) == adapters
+    present = [g for g in ALL_GROUPS if plan.lora_parameters(config, 4, expert_adapter, [g]) > 0]
+    assert set(present) >= {"linear_attention", "experts", "shared_expert"}
+    assert ("dense_mlp" in present) == ("moe.first_k_dense" in overrides)
+    for targets in [[g] for g in present] + [present, ["attention", "experts"]]:
+        torch.manual_seed(0)
+        model = build_model(config)
+        apply_lora(model, targets, 4, 8.0, expert_adapter=expert_adapter)
+        adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert plan.lora_parameters(config, 4, expert_adapter, targets) == adapters, targets
+    kinds = {"S": "sparse_attention", "M": "sparse_attention", "A": "full_attention"}
+    assert config.lora.targets == ["attention", "experts"]
+    assert expand_lora_targets(config.lora.targets, config.pattern) == [
+        "linear_attention", kinds[config.pattern[-1]], "experts"]  # fmt: skip
 
 
 def flagship(**cluster_overrides):
