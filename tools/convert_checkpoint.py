@@ -345,10 +345,13 @@ def _fused_experts(get: Callable[[str], torch.Tensor], m: str, num_experts: int)
 def _hf_experts(get: Callable[[str], torch.Tensor], num_experts: int, m: str, hm: str) -> dict[str, torch.Tensor]:
     """Our experts of MoE layer m -> HF's per-expert tensors under hm."""
     out = {}
+    # every expert's weight1, then every expert's weight2: a dist checkpoint's reader keeps one
+    # stacked [E, ...] tensor, and alternating read each whole once per expert
     for e in range(num_experts):
         gate, up = get(f"{m}experts.weight1.expert{e}").t().chunk(2)  # [h, 2F] -> [F, h] each
         out[f"{hm}experts.{e}.gate_proj.weight"] = gate
         out[f"{hm}experts.{e}.up_proj.weight"] = up
+    for e in range(num_experts):
         out[f"{hm}experts.{e}.down_proj.weight"] = get(f"{m}experts.weight2.expert{e}").t()  # [h, F]
     return out
 
@@ -845,55 +848,109 @@ def _read_our_config(reader: OursReader):
     return config_from_dict(_raw_our_config(reader), {**SINGLE_PROCESS, "lora.enabled": False})
 
 
-class _TensorsReader:
-    """OursReader's interface over tensors in memory (a merged LoRA model's), by the same names."""
+class MergedLoRAReader:
+    """OursReader's interface over a LoRA run's checkpoint with every adapter folded into its
+    base weight, W + s B A (per expert for the experts' adapters, [h, 2F] / [F, h] there: the
+    transpose), under the plain model's names; one tensor at a time, so a model of any size
+    merges in the memory of its largest layer. The adapters are found by their names in the
+    checkpoint (<module>.lora_A / lora_B; experts lora_A1 / B1 / A2 / B2, per expert or one
+    shared), their scale from the run's config (lora.rank, alpha, rslora). The sum is taken in
+    the run's model.params_dtype, as the trained model held it. An adapters-only checkpoint
+    (lora.adapters_only_checkpoint) takes its base weights from the run's training.init_from."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: OursReader):
-        self.tensors, self.dir, self.meta = tensors, source.dir, source.meta
-        self.file_of = dict.fromkeys(tensors, "(merged in memory)")
+    def __init__(self, reader: OursReader):
+        from megatron_moe_hybrid.config import config_from_dict
+        from megatron_moe_hybrid.layers.lora import lora_scale
+
+        raw = _raw_our_config(reader)
+        lo = raw.get("lora") or {}
+        if not lo.get("enabled"):
+            raise ValueError(f"{reader.dir}: holds LoRA tensors but its config has lora.enabled false; cannot tell "
+                             "their rank and scale")
+        config = config_from_dict(raw, {**SINGLE_PROCESS, "training.init_from": None, "training.tokenizer_model": None,
+                                        "training.resume": "auto"})  # fmt: skip
+        self.reader, self.dir, self.meta = reader, reader.dir, reader.meta
+        self.scale = lora_scale(config.lora.rank, config.lora.alpha, config.lora.rslora)
+        self.dtype = config.params_dtype
+        self.base = None  # where the base weights are: this checkpoint, or the run's init_from
+        if config.lora.adapters_only_checkpoint:
+            init_from = (raw.get("training") or {}).get("init_from")
+            if not (init_from and os.path.isdir(init_from)):
+                raise ValueError(f"{reader.dir}: an adapters-only checkpoint (lora.adapters_only_checkpoint) whose base, "
+                                 f"the run's training.init_from {init_from!r}, is not here; convert from a checkpoint "
+                                 "that holds the base too")
+            self.base = _ours_reader(init_from)
+        # wrapped module path -> "linear" | "experts"
+        self.wrapped: dict[str, str] = {}
+        for k in reader.file_of:
+            path, _, leaf = re.sub(r"\.expert\d+$", "", k).rpartition(".")
+            if leaf in ("lora_A", "lora_A1"):
+                self.wrapped[path] = "linear" if leaf == "lora_A" else "experts"
+        self._shared: tuple[Optional[str], dict] = (None, {})  # the last experts module's shared adapters
+        names = set(self.base.file_of) if self.base is not None else set()
+        for k in reader.file_of:
+            if ".lora_" not in k:
+                names.add(self._plain(k))
+        self.file_of = dict.fromkeys(sorted(names), "(merged as read)")
+
+    def _plain(self, key: str) -> str:
+        for path in self._prefixes(key):
+            if key.startswith(path + ".base."):
+                return path + key[len(path) + 5:]
+        return key
+
+    def _prefixes(self, key: str) -> Iterator[str]:
+        parts = key.split(".")
+        for n in range(len(parts) - 1, 0, -1):
+            path = ".".join(parts[:n])
+            if path in self.wrapped:
+                yield path
+
+    def _stored(self, key: str) -> torch.Tensor:
+        """A base tensor as stored: this checkpoint's <module>.base.<rest>, or init_from's."""
+        path = next(self._prefixes(key), None)
+        if path is not None and self.base is None:
+            return self.reader.get(path + ".base" + key[len(path):])
+        return (self.base or self.reader).get(key)
+
+    def _adapter(self, path: str, name: str, expert: Optional[int]) -> torch.Tensor:
+        if expert is None or f"{path}.{name}.expert{expert}" in self.reader.file_of:
+            return self.reader.get(f"{path}.{name}" + ("" if expert is None else f".expert{expert}")).to(self.dtype)
+        if self._shared[0] != path:  # one adapter for every expert of the layer: read once
+            self._shared = (path, {})
+        if name not in self._shared[1]:
+            self._shared[1][name] = self.reader.get(f"{path}.{name}").to(self.dtype)
+        return self._shared[1][name]
 
     def get(self, key: str) -> torch.Tensor:
-        if key not in self.tensors:
+        if key not in self.file_of:
             raise ValueError(f"{self.dir}: tensor {key!r} is missing from the merged model")
-        return self.tensors[key]
+        w = self._stored(key)
+        path = next(self._prefixes(key), None)
+        if path is None:
+            return w
+        rest = key[len(path) + 1:]
+        w = w.to(self.dtype)
+        with torch.no_grad():
+            if self.wrapped[path] == "linear":
+                if rest != "weight":
+                    return w  # a bias: no adapter
+                delta = (self._adapter(path, "lora_B", None) @ self._adapter(path, "lora_A", None)) * self.scale
+                return w + delta.to(w.dtype)
+            m = re.fullmatch(r"weight([12])\.expert(\d+)", rest)
+            if m is None:
+                return w
+            i, e = m.group(1), int(m.group(2))
+            b, a = self._adapter(path, "lora_B" + i, e), self._adapter(path, "lora_A" + i, e)
+            return w + ((b @ a).transpose(-1, -2) * self.scale).to(w.dtype)
 
 
-def merged_lora_reader(reader: OursReader) -> _TensorsReader:
-    """A LoRA run's checkpoint with every adapter folded into its base weight (W + scale B A, per
-    expert for the experts' adapters), under the base's names, as a checkpoint of the plain model
-    would hold them. The model is built whole in host memory, in the run's params_dtype, with the
-    run's LoRA settings; an adapters-only checkpoint takes its base from the run's
-    training.init_from."""
-    from megatron_moe_hybrid.config import config_from_dict
-    from megatron_moe_hybrid.layers.lora import apply_lora, merge_lora_
-    from megatron_moe_hybrid.models import build_model
-    from megatron_moe_hybrid.training import checkpoint as ckpt
+def _ours_reader(path: str):
+    """A checkpoint of ours, safetensors or dist, by OursReader's interface."""
+    from megatron_moe_hybrid.training.dist_checkpoint import DistCheckpointReader, find_dist_checkpoint
 
-    raw = _raw_our_config(reader)
-    if not (raw.get("lora") or {}).get("enabled"):
-        raise ValueError(f"{reader.dir}: holds LoRA tensors but its config has lora.enabled false; cannot tell "
-                         "their rank and scale")
-    base = (raw.get("training") or {}).get("init_from")
-    adapters_only = bool(raw["lora"].get("adapters_only_checkpoint"))
-    config = config_from_dict(raw, {**SINGLE_PROCESS, "training.init_from": None, "training.tokenizer_model": None,
-                                    "training.resume": "auto"})  # fmt: skip
-    if adapters_only and not (base and os.path.isdir(base)):
-        raise ValueError(f"{reader.dir}: an adapters-only checkpoint (lora.adapters_only_checkpoint) whose base, the run's "
-                         f"training.init_from {base!r}, is not here; convert from a checkpoint that holds the base too")
-    lo = config.lora
-    with _SingleProcess():
-        model = build_model(config)
-        apply_lora(model, lo.targets, lo.rank, lo.alpha, lo.dropout, rslora=lo.rslora,
-                   expert_adapter=lo.expert_adapter, target_modules=lo.target_modules)
-        try:
-            if adapters_only:
-                ckpt.load_model_weights(base, model, strict=False)
-            ckpt.load_model_weights(reader.dir, model, strict=not adapters_only)
-        except ckpt.CheckpointError as e:
-            raise ValueError(str(e)) from e
-        merge_lora_(model)
-        tensors = ckpt.model_tensors_to_save(model)
-    return _TensorsReader(tensors, reader)
+    dist_dir = find_dist_checkpoint(path)
+    return OursReader(path) if dist_dir is None else DistCheckpointReader(dist_dir)
 
 
 # A checkpoint read whole in one process: the layout it was trained with does not matter.
@@ -967,15 +1024,12 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
     """A checkpoint of ours (a step dir, or a run dir meaning its newest) -> HF config.json +
     model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json.
     merge_lora: a LoRA run's checkpoint is exported with its adapters folded into the base
-    weights (merged_lora_reader); without it such a checkpoint is refused.
+    weights (MergedLoRAReader, one tensor at a time); without it such a checkpoint is refused.
     Written into a temp dir renamed at the end: after an error nothing is left at out_dir."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: must be > 0 (or None for one file), got {max_shard_bytes}")
     _sibling_tmp(out_dir)  # refuse a non-empty out_dir before any work
-    from megatron_moe_hybrid.training.dist_checkpoint import DistCheckpointReader, find_dist_checkpoint
-
-    dist_dir = find_dist_checkpoint(ckpt_dir)
-    reader = OursReader(ckpt_dir) if dist_dir is None else DistCheckpointReader(dist_dir)
+    reader = _ours_reader(ckpt_dir)
     config = _read_our_config(reader)
     hf_config = export_hf_config(config)
     expected = hf_shapes(config)
@@ -984,9 +1038,7 @@ def ours_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: Optional[int] = Non
         raise ValueError(f"{reader.dir}: holds LoRA tensors ({lora[0]!r}, ...); pass --merge-lora (merge_lora=True) to "
                          "fold the adapters into the base weights, or export the adapter alone with tools/export_lora.py")
     if lora:
-        if not isinstance(reader, OursReader):
-            raise ValueError(f"{ckpt_dir}: --merge-lora reads our safetensors checkpoints, not a dist checkpoint")
-        reader = merged_lora_reader(reader)
+        reader = MergedLoRAReader(reader)
 
     def write(tmp):
         with open(os.path.join(tmp, HF_CONFIG), "w") as f:

@@ -197,33 +197,43 @@ def test_ours_to_hf_to_ours_is_bitwise(tmp_path):
         assert torch.equal(before[name], after[name]), name
 
 
-def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path):
+@pytest.mark.parametrize("variant", ["default", "shared-rslora-adapters-only"])
+def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path, variant):
     """ours-to-hf --merge-lora: a LoRA run's checkpoint (attention and per-expert adapters, all
     non-zero) becomes an HF model whose logits are the LoRA model's; without the flag it is
-    refused, naming the flag."""
-    paths = check_lora_merge(tmp_path, random_hf_model(seed=9), Qwen3NextForCausalLM, ["attention", "experts"])
-    # the default targets took both of Qwen3-Next's attention kinds (the README's recipe names none)
-    assert any(p.endswith(".in_proj") for p in paths) and any(p.endswith(".linear_q") for p in paths), paths
+    refused, naming the flag. Also one shared adapter for all experts, rsLoRA's scale, the shared
+    expert's adapters and an adapters-only checkpoint whose base is the run's init_from."""
+    if variant == "default":
+        paths = check_lora_merge(tmp_path, random_hf_model(seed=9), Qwen3NextForCausalLM, ["attention", "experts"])
+        # the default targets took both of Qwen3-Next's attention kinds (the README's recipe names none)
+        assert any(p.endswith(".in_proj") for p in paths) and any(p.endswith(".linear_q") for p in paths), paths
+    else:
+        check_lora_merge(tmp_path, random_hf_model(seed=9), Qwen3NextForCausalLM,
+                         ["attention", "experts", "shared_expert"], adapters_only=True,
+                         lora_overrides={"lora.expert_adapter": "shared", "lora.rslora": True})
 
 
-def check_lora_merge(tmp_path, hf, hf_class, targets, **model_overrides):
-    from megatron_moe_hybrid.layers.lora import apply_lora
-    from megatron_moe_hybrid.training.checkpoint import save_checkpoint
+def check_lora_merge(tmp_path, hf, hf_class, targets, adapters_only=False, lora_overrides=None, **model_overrides):
+    """Each tensor MergedLoRAReader gives, one at a time, equals the whole LoRA model's merged
+    (merge_lora_, the reference), and the exported HF model's logits equal the LoRA model's."""
+    from megatron_moe_hybrid.layers.lora import apply_lora, merge_lora_
+    from megatron_moe_hybrid.training.checkpoint import model_tensors_to_save, save_checkpoint
 
     base = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "base"), progress=False)
     lora = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0, "training.init_from": base, "lora.targets": targets,
-            "training.tokenizer_model": os.path.join(base, "config.yaml"), **model_overrides}  # fmt: skip
+            "lora.adapters_only_checkpoint": adapters_only, "training.tokenizer_model": os.path.join(base, "config.yaml"),
+            **(lora_overrides or {}), **model_overrides}  # fmt: skip
     config = load_config(os.path.join(base, "config.yaml"), {"parallel.world_size": 1, **lora})
+    lo = config.lora
     model = our_model(base, **model_overrides)
-    paths = apply_lora(model, config.lora.targets, config.lora.rank, config.lora.alpha,
-                       expert_adapter=config.lora.expert_adapter)
+    paths = apply_lora(model, lo.targets, lo.rank, lo.alpha, rslora=lo.rslora, expert_adapter=lo.expert_adapter)
     torch.manual_seed(10)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_(0.0, 0.05)  # lora_B starts at zero: give every adapter a real update
     run = str(tmp_path / "run")
-    save_checkpoint(run, 3, model, {}, {"config": config.to_dict()})
+    save_checkpoint(run, 3, model, {}, {"config": config.to_dict()}, trainable_only=adapters_only)
     with pytest.raises(ValueError, match="holds LoRA tensors .*pass --merge-lora"):
         convert.ours_to_hf(run, str(tmp_path / "refused"), progress=False)
     exported = convert.ours_to_hf(run, str(tmp_path / "merged"), progress=False, merge_lora=True)
@@ -235,6 +245,12 @@ def check_lora_merge(tmp_path, hf, hf_class, targets, **model_overrides):
         actual = merged(ids).logits
     torch.testing.assert_close(actual, expected, atol=LOGIT_TOL, rtol=0)
     assert (expected - plain).abs().max() > 100 * LOGIT_TOL  # the adapters changed the model
+    merge_lora_(model)  # the reference: the whole model merged in memory
+    expected_tensors = model_tensors_to_save(model)
+    reader = convert.MergedLoRAReader(convert.OursReader(run))
+    assert set(reader.file_of) == set(expected_tensors)
+    for key, t in expected_tensors.items():
+        torch.testing.assert_close(reader.get(key), t, msg=key)
     return paths
 
 
@@ -379,7 +395,20 @@ def test_dcp_saved_from_ep2_equals_ep1_and_exports_to_hf(tmp_path):
     assert sorted(a.keys()) == sorted(b.keys()) and any(".expert7" in k for k in a.keys())
     for key in a.keys():
         assert torch.equal(a.get(key), b.get(key)), key
-    exported = convert.ours_to_hf(str(resaved.parent), str(tmp_path / "hf2"), progress=False)
+    loads = []
+    whole = DistCheckpointReader._whole
+
+    def counted(self, name):
+        loads.append(name if self._cached[0] != name else None)
+        return whole(self, name)
+
+    DistCheckpointReader._whole = counted
+    try:
+        exported = convert.ours_to_hf(str(resaved.parent), str(tmp_path / "hf2"), progress=False)
+    finally:
+        DistCheckpointReader._whole = whole
+    read = [n for n in loads if n is not None]
+    assert sorted(read) == sorted(b.stored), "each stored tensor read once (experts' stacks were read once per expert)"
     before, after = hf_tensors(src_dir), hf_tensors(exported)
     assert sorted(before) == sorted(after)
     for name, w in before.items():
