@@ -970,8 +970,9 @@ def report(c: HybridMoEConfig, cl: Cluster, p: dict) -> str:
 
 def _run_shape_of(config_path: str, model_ov: dict) -> dict:
     """Cluster fields taken from the model config's own run when no cluster file is given:
-    training (lora if lora.enabled, else full), seq_length, micro_batch_size, lora_rank (the raw
-    YAML and overrides; a config that does not load is reported by load_config)."""
+    training (lora if lora.enabled, else full), seq_length, micro_batch_size, lora_rank and
+    expert_adapter (the raw YAML and overrides, lora.* defaulting to LoRAConfig's as finetune's
+    do; a config that does not load is reported by load_config)."""
     try:
         with open(config_path) as f:
             raw = yaml.safe_load(f) or {}
@@ -983,14 +984,18 @@ def _run_shape_of(config_path: str, model_ov: dict) -> dict:
     def get(group: str, name: str):
         return model_ov.get(f"{group}.{name}", (raw.get(group) or {}).get(name))
 
+    from megatron_moe_hybrid.config import LoRAConfig
+
+    lora = LoRAConfig()  # what finetune takes where the config leaves lora.* out (--cluster.training lora on a base)
     shape = {"training": "lora" if get("lora", "enabled") else "full", "seq_length": get("training", "seq_length"),
-             "micro_batch_size": get("training", "micro_batch_size"), "lora_rank": get("lora", "rank")}
+             "micro_batch_size": get("training", "micro_batch_size"),
+             "lora_rank": get("lora", "rank") or lora.rank, "expert_adapter": get("lora", "expert_adapter") or lora.expert_adapter}
     return {k: v for k, v in shape.items() if v is not None}
 
 
 CLUSTER_HELP = ("--cluster.<field> VALUE overrides one field of the cluster (its YAML file, --cluster, or the "
-                "defaults). Fields and defaults: {fields}. Without --cluster, training, seq_length, micro_batch_size "
-                "and lora_rank come from the config's own run (lora.enabled, training.*). --<group>.<field> VALUE "
+                "defaults). Fields and defaults: {fields}. Without --cluster, training, seq_length, micro_batch_size, "
+                "lora_rank and expert_adapter come from the config's own run (lora.enabled, training.*). --<group>.<field> VALUE "
                 "overrides a model config field, as for train/finetune. Exit status: 0 fits, 1 does not fit, "
                 "2 bad arguments.")
 

@@ -444,3 +444,11 @@ def test_without_a_cluster_file_the_config_sets_the_run(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"]["training"] == "full" and result["cluster"]["seq_length"] == 128
     assert result["cluster"]["micro_batch_size"] == 2
+    # a base config planned as the LoRA run finetune would make of it: LoRAConfig's rank and
+    # expert adapters where the config leaves lora.* out (the cluster's own default is rank 16)
+    plan.main(args + ["--cluster.training", "lora", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["training"] == "lora" and result["cluster"]["lora_rank"] == 8
+    plan.main(args + ["--cluster.training", "lora", "--lora.rank", "4", "--lora.expert_adapter", "shared", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["lora_rank"] == 4 and result["cluster"]["expert_adapter"] == "shared"
