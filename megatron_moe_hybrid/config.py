@@ -199,6 +199,12 @@ class TrainingConfig:
     text_field: str = "text"  # the JSONL field holding a document
     max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
     tokenizer_model: Optional[str] = None  # a sentencepiece .model or an HF tokenizer.json; None: train one on data_path
+    # held-out text (a .txt/.jsonl file or directory, as data_path) for a validation loss: the mean
+    # next-token loss over the same eval_batches global batches each time, every eval_interval
+    # steps (0: at the end of the run only) and at the end; logged as eval_loss in metrics.jsonl
+    eval_data_path: Optional[str] = None
+    eval_interval: int = 0
+    eval_batches: int = 2
     output_dir: str = "outputs/run"
     cache_dir: str = ".cache/megatron_moe_hybrid"
     seq_length: int = 128
@@ -327,6 +333,25 @@ def _model_keys_written() -> set[str]:
         "ffn_hidden_size", "pattern", "vocab_size", "normalization", "layernorm_epsilon",
         "init_method_std", "params_dtype", "hidden_dropout", "attention_dropout",
     }  # fmt: skip
+
+
+def _check_data_path(path: str, field_name: str) -> None:
+    """A text source the data loader takes: 'stdlib', 'stdlib:<package>', or a file / directory."""
+    if path.startswith("stdlib:"):
+        import sysconfig
+
+        subset = os.path.join(sysconfig.get_paths()["stdlib"], path[7:].replace(".", "/"))
+        _require(
+            os.path.exists(subset) or os.path.exists(subset + ".py"),
+            field_name,
+            f"{path!r} names no standard-library package or module; use e.g. 'stdlib:email'",
+        )
+    else:
+        _require(
+            path == "stdlib" or os.path.exists(path),
+            field_name,
+            f"{path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt/.jsonl file or directory",
+        )
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -747,21 +772,12 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(bool(t.text_field), "training.text_field", "is empty; name the JSONL field holding the text")
     if t.max_document_chars is not None:
         _positive(t.max_document_chars, "training.max_document_chars")
-    if t.data_path.startswith("stdlib:"):
-        import sysconfig
-
-        subset = os.path.join(sysconfig.get_paths()["stdlib"], t.data_path[7:].replace(".", "/"))
-        _require(
-            os.path.exists(subset) or os.path.exists(subset + ".py"),
-            "training.data_path",
-            f"{t.data_path!r} names no standard-library package or module; use e.g. 'stdlib:email'",
-        )
-    else:
-        _require(
-            t.data_path == "stdlib" or os.path.exists(t.data_path),
-            "training.data_path",
-            f"{t.data_path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt/.jsonl file or directory",
-        )
+    _check_data_path(t.data_path, "training.data_path")
+    if t.eval_data_path is not None:
+        _require(bool(t.eval_data_path), "training.eval_data_path", "is empty; use a .txt/.jsonl file or directory, or null")
+        _check_data_path(t.eval_data_path, "training.eval_data_path")
+    _require(t.eval_interval >= 0, "training.eval_interval", f"must be >= 0 (0: at the end only), got {t.eval_interval}")
+    _positive(t.eval_batches, "training.eval_batches")
     if t.tokenizer_model is not None:
         _require(
             os.path.isfile(t.tokenizer_model),

@@ -39,6 +39,7 @@ class RunResult:
     losses: list = field(default_factory=list)
     checkpoint: Optional[str] = None
     adapter_dir: Optional[str] = None
+    eval_losses: list = field(default_factory=list)  # (step, held-out loss) of this invocation
 
 
 def training_device(config: HybridMoEConfig) -> torch.device:
@@ -214,7 +215,7 @@ class Trainer:
         from megatron_moe_hybrid.models import build_model
         from megatron_moe_hybrid.parallel.data_parallel import ParallelGroups
         from megatron_moe_hybrid.training import checkpoint as ckpt
-        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer, load_tokenizer, tokenizer_files
+        from megatron_moe_hybrid.training.data import tokenizer_files
 
         self.config, self.mode = config, mode
         t = config.training
@@ -240,20 +241,24 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
 
-        # Rank 0 trains/tokenises first; the others then read the cache.
+        # Rank 0 trains/tokenises first; the others then read the cache. After each turn the
+        # ranks agree whether it failed, so none waits on a rank that stopped (the failing rank
+        # raises its error, the others say where to look).
         for turn in (0, 1):
+            failed: Optional[Exception] = None
             if (self.rank == 0) == (turn == 0):
-                data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars)
-                self.tokenizer = (
-                    load_tokenizer(t.tokenizer_model)
-                    if t.tokenizer_model
-                    else get_tokenizer(t.data_path, config.vocab_size, t.cache_dir, **data_opts)
-                )
-                self.dataset = TokenDataset(
-                    t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts
-                )
-            if turn == 0:
-                dist.barrier()
+                try:
+                    self._load_data()
+                except Exception as e:
+                    failed = e
+            flag = torch.tensor([float(failed is not None)], device=self.device)
+            dist.all_reduce(flag)
+            if failed is not None:
+                raise failed
+            if flag.item():
+                raise TrainingStopped(f"rank {self.rank}: {'rank 0' if turn == 0 else 'another rank'} could not load "
+                                      "the training data (tokenizer, training.data_path, training.eval_data_path); its "
+                                      "error says why")  # fmt: skip
         if self.tokenizer.vocab_size > config.vocab_size:
             raise ValueError(
                 f"model.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
@@ -402,6 +407,82 @@ class Trainer:
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
+    def _load_data(self) -> None:
+        """The tokenizer, the training samples and, with training.eval_data_path, the held-out ones."""
+        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer, load_tokenizer
+
+        t = self.config.training
+        data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars)
+        self.tokenizer = (
+            load_tokenizer(t.tokenizer_model)
+            if t.tokenizer_model
+            else get_tokenizer(t.data_path, self.config.vocab_size, t.cache_dir, **data_opts)
+        )
+        self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts)
+        self.eval_dataset = None
+        if t.eval_data_path is not None:
+            try:
+                self.eval_dataset = TokenDataset(
+                    t.eval_data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts
+                )
+            except ValueError as e:  # too little text for one sample
+                raise _start_error("training.eval_data_path", ValueError(str(e).replace(
+                    "training.seq_length: ", ""))) from e  # fmt: skip
+            need = t.eval_batches * t.global_batch_size
+            if self.eval_dataset.num_samples < need:
+                raise _start_error("training.eval_batches", ValueError(
+                    f"{t.eval_batches} global batches of {t.global_batch_size} samples need {need} samples of "
+                    f"{t.seq_length + 1} tokens; {t.eval_data_path!r} holds {self.eval_dataset.num_samples}: lower "
+                    "training.eval_batches or give more held-out text"))  # fmt: skip
+
+    def evaluate(self) -> dict:
+        """The mean next-token loss over the held-out samples (the same eval_batches global batches
+        each time, split over the data-parallel ranks as training splits its batches), without
+        gradients, dropout or MoE load statistics: {"eval_loss", "eval_tokens"}."""
+        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_mean
+        from megatron_moe_hybrid.training.data import batch
+
+        t = self.config.training
+        per_rank = t.global_batch_size // self.data_dp_size
+        total = torch.zeros((), device=self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for b in range(t.eval_batches):
+                    for micro in range(self.num_micro):
+                        start = b * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
+                        tokens, labels = batch(self.eval_dataset, start, t.micro_batch_size)
+                        tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+                        position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
+                        loss_bs = self.model(tokens.to(self.device), position_ids, None, labels=labels.to(self.device))
+                        total += loss_bs.float().mean()
+            self._check_dispatch_overflow("the evaluation before step")
+        finally:
+            self.model.train()
+            for layer in self.model.moe_layers():
+                layer.reset_stats()
+        loss = all_reduce_mean(total / (t.eval_batches * self.num_micro), self.groups.dp)
+        return {"eval_loss": float(loss), "eval_tokens": t.eval_batches * t.global_batch_size * t.seq_length}
+
+    def _check_dispatch_overflow(self, when: str) -> None:
+        """Raises TrainingStopped where any rank's static dispatcher dropped routed copies."""
+        layers = self.model.moe_layers()
+        if not layers:
+            return
+        overflow = torch.stack([layer.dispatch_overflow.float() for layer in layers])  # [L]
+        dist.all_reduce(overflow)
+        if overflow.any():
+            raise TrainingStopped(self._overflow_message(overflow, when))
+
+    def _overflow_message(self, overflow: torch.Tensor, when: str) -> str:
+        return (
+            f"moe.dispatch_capacity_factor={self.config.moe.dispatch_capacity_factor}: the static "
+            f"dispatcher's receive capacity overflowed in {when} {self.step + 1} ({int(overflow.sum())} routed "
+            f"copies not sent, first in MoE layer {int(overflow.nonzero()[0, 0])}). Raise moe.dispatch_capacity_factor "
+            "(up to the expert-parallel size, which can never overflow), or set moe.dispatcher=alltoall (exact, "
+            "one host sync per layer)"
+        )
+
     def _adapters_only(self) -> bool:
         return self.config.lora.enabled and self.config.lora.adapters_only_checkpoint
 
@@ -436,14 +517,7 @@ class Trainer:
         dist.all_reduce(counts)  # every rank routed its own tokens
         counts, overflow = counts[:, :-1], counts[:, -1]
         if overflow.any():
-            layer_idx = int(overflow.nonzero()[0, 0])
-            raise TrainingStopped(
-                f"moe.dispatch_capacity_factor={self.config.moe.dispatch_capacity_factor}: the static "
-                f"dispatcher's receive capacity overflowed at step {self.step + 1} ({int(overflow.sum())} routed "
-                f"copies not sent, first in MoE layer {layer_idx}). Raise moe.dispatch_capacity_factor (up to "
-                f"the expert-parallel size, which can never overflow), or set moe.dispatcher=alltoall (exact, "
-                "one host sync per layer)"
-            )
+            raise TrainingStopped(self._overflow_message(overflow, "step"))
         aux = torch.stack([layer.last_aux_loss.float().reshape(()) for layer in layers]).mean()
         for layer, c in zip(layers, counts):
             if self.config.moe.expert_bias:
@@ -631,12 +705,18 @@ class Trainer:
             while self.step < stop_at:
                 m = self.train_step()
                 result.losses.append(m["loss"])
+                if self.eval_dataset is not None and (
+                    self.step == stop_at or (t.eval_interval and self.step % t.eval_interval == 0)
+                ):  # on the step's line of metrics.jsonl
+                    m.update(self.evaluate())
+                    result.eval_losses.append((self.step, m["eval_loss"]))
                 if metrics_file is not None:
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}",
+                                    **({"eval_loss": f"{m['eval_loss']:.4f}"} if "eval_loss" in m else {}))
                 if t.save_interval and self.step % t.save_interval == 0 and self.step < stop_at:
                     self.save()
             result.checkpoint = self.save()
@@ -715,12 +795,18 @@ def run(config: HybridMoEConfig, mode: str) -> RunResult:
     try:
         trainer = Trainer(config, mode)
         result = trainer.fit()
-        all_losses = []
+        records = []
         path = trainer._metrics_path()
         if trainer.rank == 0 and os.path.exists(path):
             with open(path) as f:
-                all_losses = [json.loads(line)["loss"] for line in f if line.strip()]
+                records = [json.loads(line) for line in f if line.strip()]
+        all_losses = [r["loss"] for r in records]
         _print0(f"\n{mode} loss curve ({len(all_losses)} steps):\n{loss_curve_text(all_losses)}")
+        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        if evals:
+            shown = evals[:: -(-len(evals) // 10)]  # at most 10, the last among them
+            shown += evals[-1:] if shown[-1] != evals[-1] else []
+            _print0("held-out loss (training.eval_data_path): " + ", ".join(f"step {s} {v:.4f}" for s, v in shown))
         _print0(f"metrics: {os.path.join(trainer.output_dir, 'metrics.jsonl')}")
         _print0(f"checkpoint: {result.checkpoint}")
         if result.adapter_dir:
