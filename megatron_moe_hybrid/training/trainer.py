@@ -75,20 +75,23 @@ def init_distributed(config: HybridMoEConfig) -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
+        # Not under torchrun: a group of this one process, through its own port and without
+        # touching the environment (a caller's later runs and children would inherit a stale
+        # RANK / MASTER_PORT and skip this branch).
+        alone = {}
         if "RANK" not in os.environ:
             from megatron_moe_hybrid.parallel.launch import free_port
 
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            alone = dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         device = training_device(config)
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         if device.type == "cuda":
             if config.training.deterministic:  # cuBLAS is deterministic only with a fixed workspace
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
         else:
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group("gloo", timeout=timeout, **alone)
     _check_launch(config)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

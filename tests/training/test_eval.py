@@ -123,7 +123,12 @@ def test_cli_prints_the_held_out_losses_and_one_line_for_too_little_text(
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     args = ["--config", str(config)] + [x for k, v in ov.items() for x in (f"--{k}", str(v))]
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in launch}
     assert main("pretrain", args) == 0
+    # a run in this process leaves torchrun's variables as they were (a stale RANK / MASTER_PORT
+    # sent later runs and their children to one port: EADDRINUSE)
+    assert {k: os.environ.get(k) for k in launch} == before
     out = capsys.readouterr().out
     assert "held-out loss (training.eval_data_path): step 2 " in out, out
     assert main("pretrain", args + ["--training.eval_batches", "100000", "--training.output_dir", str(tmp_path / "b")]) == 2
