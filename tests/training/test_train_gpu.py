@@ -19,11 +19,17 @@ def _train(rank, world_size, raw, overrides, mode="pretrain"):
 
     result = run(config_from_dict(raw, overrides), mode)
     on_gpu = torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0
-    return {"losses": result.losses, "checkpoint": result.checkpoint, "adapter": result.adapter_dir, "on_gpu": on_gpu}
+    return {"losses": result.losses, "checkpoint": result.checkpoint, "adapter": result.adapter_dir, "on_gpu": on_gpu,
+            "evals": result.eval_losses}
 
 
 def test_gpu_run_matches_cpu_resumes_and_fine_tunes(corpus, cache_dir, tmp_path, raw_config):
-    steps = {"training.train_steps": 8, "training.warmup_steps": 2}
+    from megatron_moe_hybrid.training.data import stdlib_corpus
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(stdlib_corpus(max_bytes=60_000, subset="email"))
+    steps = {"training.train_steps": 8, "training.warmup_steps": 2, "training.eval_data_path": str(heldout),
+             "training.eval_batches": 1}  # fmt: skip
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "cpu"), **steps)
     (cpu,) = spawn(_train, 1, raw, ov)  # gloo: the CPU
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "gpu"), **steps)
@@ -33,6 +39,8 @@ def test_gpu_run_matches_cpu_resumes_and_fine_tunes(corpus, cache_dir, tmp_path,
     # Gated DeltaNet and sparse attention on their references there too)
     for a, b in zip(gpu["losses"], cpu["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b), (gpu["losses"], cpu["losses"])
+    # the held-out loss at the end, on the device as on the CPU
+    assert [s for s, _ in gpu["evals"]] == [8] and abs(gpu["evals"][0][1] - cpu["evals"][0][1]) <= 1e-2 * cpu["evals"][0][1]
 
     # stop after 4 steps and resume: the same curve as the straight GPU run
     part = str(tmp_path / "part")
