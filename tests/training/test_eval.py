@@ -74,13 +74,15 @@ def test_eval_loss_is_the_held_out_loss_and_leaves_training_alone(corpus, cache_
 
 
 @pytest.mark.distributed
-def test_eval_under_ep2_and_cp2_equals_one_process(corpus, cache_dir, heldout, tmp_path, raw_config):
-    """The held-out loss over 2 ranks (experts split; the sequence split) is one process's."""
+def test_eval_under_ep2_cp2_and_fsdp2_equals_one_process(corpus, cache_dir, heldout, tmp_path, raw_config):
+    """The held-out loss over 2 ranks (experts split; the sequence split; FSDP2's shards) is one
+    process's."""
     steps = {"training.train_steps": 2, "training.eval_data_path": heldout, "training.eval_batches": 1,
              "moe.dispatcher": "alltoall"}  # fmt: skip
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "one"), **steps)
     (one,) = spawn(_train, 1, raw, ov)
-    for name, extra in (("ep2", {"parallel.expert_model_parallel_size": 2}), ("cp2", {"parallel.context_parallel_size": 2})):
+    for name, extra in (("ep2", {"parallel.expert_model_parallel_size": 2}), ("cp2", {"parallel.context_parallel_size": 2}),
+                        ("fsdp2", {"parallel.fsdp": True})):
         raw, ov = raw_config(corpus, cache_dir, str(tmp_path / name), **steps, **{"parallel.world_size": 2, **extra})
         two = spawn(_train, 2, raw, ov)
         assert two[0]["evals"] == two[1]["evals"]  # the logged value is the global mean
