@@ -32,6 +32,7 @@ import yaml
 from megatron.core.transformer import TransformerConfig
 
 from megatron_moe_hybrid.registry import (
+    DATA_FORMATS,
     LAYER_KINDS,
     LINEAR_ATTENTION_VARIANTS,
     LORA_ATTENTION_TARGETS,
@@ -197,6 +198,12 @@ class TrainingConfig:
     data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", or a .txt/.jsonl file or dir
     bad_data: str = "error"  # "error": stop naming file and line; "skip": drop the record, count it in metrics
     text_field: str = "text"  # the JSONL field holding a document
+    # "text": documents, every token trained; "prompt_response": .jsonl records of prompt_field
+    # and response_field, packed into samples, the loss on the response's tokens only (and the
+    # end of sequence after it), averaged over the global batch's trained tokens
+    data_format: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
     max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
     tokenizer_model: Optional[str] = None  # a sentencepiece .model or an HF tokenizer.json; None: train one on data_path
     # held-out text (a .txt/.jsonl file or directory, as data_path) for a validation loss: the mean
@@ -770,6 +777,16 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(bool(t.data_path), "training.data_path", "is empty; use 'stdlib' or a .txt file/dir")
     _require(t.bad_data in ("error", "skip"), "training.bad_data", f"{t.bad_data!r} is not 'error' or 'skip'")
     _require(bool(t.text_field), "training.text_field", "is empty; name the JSONL field holding the text")
+    _require(t.data_format in DATA_FORMATS, "training.data_format",
+             f"{t.data_format!r} is not one of {', '.join(DATA_FORMATS)}{_did_you_mean(t.data_format, DATA_FORMATS)}")
+    for name in ("prompt_field", "response_field"):
+        _require(bool(getattr(t, name)), f"training.{name}", "is empty; name the JSONL field holding it")
+    if t.data_format == "prompt_response":
+        for name in ("data_path", "eval_data_path"):
+            path = getattr(t, name)
+            _require(path is None or not (path == "stdlib" or path.startswith("stdlib:")), "training.data_format",
+                     f"prompt_response reads .jsonl records of {t.prompt_field!r} and {t.response_field!r}; "
+                     f"training.{name} is {path!r}: point it at them")  # fmt: skip
     if t.max_document_chars is not None:
         _positive(t.max_document_chars, "training.max_document_chars")
     _check_data_path(t.data_path, "training.data_path")

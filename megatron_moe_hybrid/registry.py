@@ -71,6 +71,9 @@ MOE_DISPATCHERS: Registry[Any] = Registry(
 
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
+# training.data_format: "text": documents, every token trained; "prompt_response": .jsonl records
+# of a prompt and a response, the loss on the response's tokens (and the end of sequence after it)
+DATA_FORMATS = ("text", "prompt_response")
 LORA_TARGETS = (
     "attention",  # every attention kind the model's pattern has: the three below where present (the default)
     "linear_attention",  # in_proj / out_proj of the linear-attention layers

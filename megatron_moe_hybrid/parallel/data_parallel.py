@@ -128,8 +128,15 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float, total_
 
 
 def all_reduce_mean(value: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    value = all_reduce_sum(value, group)
+    if _size(group) > 1:
+        value /= _size(group)
+    return value
+
+
+def all_reduce_sum(value: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """A detached fp32 copy of value summed over the group."""
     value = value.detach().float().clone()
     if _size(group) > 1:
         dist.all_reduce(value, group=group)
-        value /= _size(group)
     return value

@@ -12,7 +12,10 @@ resumed run sees exactly the samples it would have seen.
 
 Files: a .jsonl file holds one JSON object per line, its `text_field` is one document;
 any other file is UTF-8 text whose documents are separated by a blank line; a directory
-is its *.txt and *.jsonl files in sorted order. Bad data (a line that is not UTF-8, not
+is its *.txt and *.jsonl files in sorted order. With `data_format="prompt_response"` every
+record of .jsonl files holds `prompt_field` and `response_field`: the record's tokens are its
+prompt's, its response's and the end of sequence, and only the last two are trained (the
+labels of the prompt's are IGNORE_INDEX). Bad data (a line that is not UTF-8, not
 JSON, lacks the text field, or a document over `max_document_chars`) raises a ValueError
 naming file and line under `bad_data="error"`, and is dropped and counted under "skip".
 
@@ -41,11 +44,14 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from megatron_moe_hybrid.registry import DATA_FORMATS
+
 logger = logging.getLogger(__name__)
 
 STDLIB = "stdlib"
 BAD_DATA_POLICIES = ("error", "skip")
 STAT_KEYS = ("skipped_bad_json", "skipped_non_utf8", "skipped_too_long", "skipped_missing_field")
+IGNORE_INDEX = -100  # a label the loss skips (the chunked cross-entropy's ignore_index)
 # Part of the file cache key: bump it when load_documents changes what it reads from files.
 _FILES_FORMAT_VERSION = 1
 _DATA_SUFFIXES = (".txt", ".jsonl")
@@ -141,8 +147,16 @@ class _TextOptions:
     bad_data: str = "error"
     text_field: str = "text"
     max_document_chars: int | None = None
+    data_format: str = "text"  # "text" | "prompt_response" (DATA_FORMATS)
+    prompt_field: str = "prompt"
+    response_field: str = "response"
 
     def __post_init__(self):
+        if self.data_format not in DATA_FORMATS:
+            raise ValueError(f"training.data_format: {self.data_format!r} is not one of {', '.join(DATA_FORMATS)}")
+        for name in ("prompt_field", "response_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"training.{name}: {getattr(self, name)!r} must be a non-empty JSON key")
         if self.bad_data not in BAD_DATA_POLICIES:
             raise ValueError(f"training.bad_data: {self.bad_data!r} is not a policy; use 'error' or 'skip'")
         if not isinstance(self.text_field, str) or not self.text_field:
@@ -154,21 +168,30 @@ class _TextOptions:
             )
 
 
-def load_documents(
-    data_path: str, *, bad_data: str = "error", text_field: str = "text", max_document_chars: int | None = None
-) -> tuple[list[str], dict[str, int]]:
-    """(documents, counts of skipped lines by STAT_KEYS) of data_path.
+def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
+    """(documents, counts of skipped lines by STAT_KEYS) of data_path; options are
+    _TextOptions' fields (bad_data, text_field, max_document_chars, data_format, prompt_field,
+    response_field). A document is a str, or under data_format "prompt_response" a
+    (prompt, response) pair.
 
     "stdlib" is generated, trusted text: its documents are the blank-line-separated
     paragraphs of stdlib_corpus() and the bad-data options do not apply to it.
     A non-UTF-8 line is dropped on its own (in a .txt file the rest of its document stays).
     """
-    opts = _TextOptions(bad_data, text_field, max_document_chars)
+    opts = _TextOptions(**options)
     stats = dict.fromkeys(STAT_KEYS, 0)
+    pairs = opts.data_format == "prompt_response"
     if data_path == STDLIB or data_path.startswith(STDLIB + ":"):
+        if pairs:
+            raise ValueError(f"training.data_format: prompt_response reads .jsonl records, not {data_path!r}; "
+                             "point training.data_path at them")
         return _stdlib_text(data_path).split(_DOC_SEP), stats
-    docs: list[str] = []
+    docs: list = []
     files = _data_files(data_path)
+    if pairs and any(path.suffix != ".jsonl" for path in files):
+        other = next(path for path in files if path.suffix != ".jsonl")
+        raise ValueError(f"training.data_format: prompt_response reads .jsonl records; {other} is not one "
+                         "(move it out, or use data_format: text)")
     num_empty = 0
     for path in files:
         raw = path.read_bytes()
@@ -188,7 +211,7 @@ def load_documents(
             f"training.data_path: directory {data_path!r} holds only empty files "
             f"({', '.join(f.name for f in files)}); point it at text data"
         )
-    if not any(doc.strip() for doc in docs):
+    if not any(_has_text(doc) for doc in docs):
         raise ValueError(
             f"training.data_path: {data_path!r} has no text left after skipping bad data ({stats}); "
             "fix the data, or check training.text_field and training.max_document_chars"
@@ -196,12 +219,15 @@ def load_documents(
     return docs, stats
 
 
-def load_text(
-    data_path: str, *, bad_data: str = "error", text_field: str = "text", max_document_chars: int | None = None
-) -> str:
-    """The documents of load_documents joined by a blank line: for a .txt file its text, minus skipped lines."""
-    docs, _ = load_documents(data_path, bad_data=bad_data, text_field=text_field, max_document_chars=max_document_chars)
-    return _DOC_SEP.join(docs)
+def load_text(data_path: str, **options) -> str:
+    """The documents of load_documents joined by a blank line (a prompt and its response by a
+    newline): for a .txt file its text, minus skipped lines."""
+    docs, _ = load_documents(data_path, **options)
+    return _DOC_SEP.join(doc if isinstance(doc, str) else "\n".join(doc) for doc in docs)
+
+
+def _has_text(doc) -> bool:
+    return bool(doc.strip()) if isinstance(doc, str) else bool(doc[1].strip())
 
 
 def _stdlib_text(data_path: str) -> str:
@@ -271,7 +297,7 @@ def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str,
 
 def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
     docs = []
-    field = opts.text_field
+    field = opts.text_field if opts.data_format == "text" else opts.prompt_field
     for number, line in _utf8_lines(path, raw, opts, stats):
         if not line.strip():
             continue  # blank lines, e.g. a trailing newline, are no records
@@ -286,22 +312,30 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
             fix = f"write one object per line, e.g. {{{json.dumps(field)}: \"...\"}}"
             _bad(opts, stats, "skipped_bad_json", f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
             continue
-        doc = record.get(field)
-        if not isinstance(doc, str):
-            found = "has no field" if doc is None else f"has a {type(doc).__name__}, not a string, in field"
-            problem = f"the record {found} {field!r} (its keys: {sorted(record)[:8]})"
-            _bad(opts, stats, "skipped_missing_field", f"{where}: {problem}; set training.text_field to the text's key")
+        keys = ("text_field",) if opts.data_format == "text" else ("prompt_field", "response_field")
+        parts = [record.get(getattr(opts, key)) for key in keys]
+        missing = next(((key, v) for key, v in zip(keys, parts) if not isinstance(v, str)), None)
+        if missing is not None:
+            key, value = missing
+            found = "has no field" if value is None else f"has a {type(value).__name__}, not a string, in field"
+            problem = f"the record {found} {getattr(opts, key)!r} (its keys: {sorted(record)[:8]})"
+            _bad(opts, stats, "skipped_missing_field", f"{where}: {problem}; set training.{key} to the text's key")
             continue
-        surrogate = _SURROGATE.search(doc)
+        if opts.data_format == "prompt_response" and not parts[1].strip():
+            problem = f"the response ({opts.response_field!r}) is empty: nothing to train on"
+            _bad(opts, stats, "skipped_missing_field", f"{where}: {problem}; fill or drop the record")
+            continue
+        surrogate = next((m for m in map(_SURROGATE.search, parts) if m), None)
         if surrogate:
             problem = f"the text holds the lone surrogate escape \\u{ord(surrogate.group()):04x}, which is not UTF-8"
             _bad(opts, stats, "skipped_non_utf8", f"{where}: {problem}; fix the escape")
             continue
-        if opts.max_document_chars is not None and len(doc) > opts.max_document_chars:
-            problem = f"the document has {len(doc)} characters, {_over_limit(opts)}"
+        size = sum(map(len, parts))
+        if opts.max_document_chars is not None and size > opts.max_document_chars:
+            problem = f"the document has {size} characters, {_over_limit(opts)}"
             _bad(opts, stats, "skipped_too_long", f"{where}: {problem}")
             continue
-        docs.append(doc)
+        docs.append(parts[0] if len(parts) == 1 else tuple(parts))
     return docs
 
 
@@ -323,10 +357,20 @@ def _text_key(data_path: str, opts: _TextOptions) -> str:
             name = path.relative_to(root).as_posix() if root.is_dir() else path.name  # the suffix picks the format
             with open(path, "rb") as f:
                 digests.append((name, hashlib.file_digest(f, "sha256").hexdigest()))
-        return _sha256(json.dumps([_FILES_FORMAT_VERSION, asdict(opts), digests]))
+        return _sha256(json.dumps([_FILES_FORMAT_VERSION, _key_options(opts), digests]))
     root = stdlib_root(data_path[len(STDLIB) + 1 :])
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in _stdlib_files(root)]
     return _sha256(json.dumps([_STDLIB_CORPUS_VERSION, sys.version, str(root), stats]))
+
+
+def _key_options(opts: _TextOptions) -> dict:
+    """The options that change the text read; the prompt / response ones only where they apply
+    (text data keeps the cache keys it had before they existed)."""
+    options = asdict(opts)
+    if opts.data_format == "text":
+        for name in ("data_format", "prompt_field", "response_field"):
+            del options[name]
+    return options
 
 
 @contextlib.contextmanager
@@ -445,18 +489,10 @@ def tokenizer_files(tokenizer: "Tokenizer | HFTokenizer") -> dict[str, Path]:
     return {"tokenizer.model": tokenizer.model_path}
 
 
-def get_tokenizer(
-    data_path: str,
-    vocab_size: int,
-    cache_dir: str | os.PathLike,
-    *,
-    bad_data: str = "error",
-    text_field: str = "text",
-    max_document_chars: int | None = None,
-) -> Tokenizer:
-    """The BPE tokenizer of data_path's text (read as load_text reads it), trained on first
-    use and then loaded from cache_dir."""
-    opts = _TextOptions(bad_data, text_field, max_document_chars)
+def get_tokenizer(data_path: str, vocab_size: int, cache_dir: str | os.PathLike, **options) -> Tokenizer:
+    """The BPE tokenizer of data_path's text (read as load_text reads it; options as
+    load_documents'), trained on first use and then loaded from cache_dir."""
+    opts = _TextOptions(**options)
     if vocab_size < _MIN_VOCAB:
         raise ValueError(
             f"model vocab size: {vocab_size} is too small; byte_fallback needs 256 byte pieces "
@@ -503,7 +539,10 @@ class TokenDataset:
     perm_e[i % num_samples] of epoch e = i // num_samples, where perm_e is a permutation
     seeded by (seed, e): every index is valid and the order is deterministic.
     data_stats counts the lines skipped under bad_data="skip" (keys STAT_KEYS), also
-    when the tokens come from the cache.
+    when the tokens come from the cache. Under data_format "prompt_response" each record is
+    its prompt's tokens, its response's and eos_id, packed into the stream like documents (a
+    sample's attention reaches the records before it in the sample), and `trained` marks the
+    response's tokens and the eos: the labels of the others are IGNORE_INDEX.
     """
 
     def __init__(
@@ -513,18 +552,15 @@ class TokenDataset:
         seq_length: int,
         cache_dir: str | os.PathLike,
         seed: int,
-        *,
-        bad_data: str = "error",
-        text_field: str = "text",
-        max_document_chars: int | None = None,
+        **options,
     ):
         if seq_length < 1:
             raise ValueError(f"training.seq_length must be >= 1, got {seq_length}")
         self.seq_length = seq_length
         self.seed = seed
-        opts = _TextOptions(bad_data, text_field, max_document_chars)
-        # [num_tokens] int32, and the skip counts by STAT_KEYS
-        self.tokens, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
+        opts = _TextOptions(**options)
+        # [num_tokens] int32, [num_tokens] uint8 (prompt_response) or None, the skip counts by STAT_KEYS
+        self.tokens, self.trained, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
         self.num_samples = (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(
@@ -550,27 +586,42 @@ class TokenDataset:
         epoch, position = divmod(sample_index, self.num_samples)
         start = int(self._permutation(epoch)[position]) * self.seq_length
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64))  # [S + 1]
-        return window[:-1], window[1:]
+        labels = window[1:]
+        if self.trained is not None:
+            trained = torch.from_numpy(np.asarray(self.trained[start + 1 : start + self.seq_length + 1], dtype=np.bool_))
+            labels = labels.masked_fill(~trained, IGNORE_INDEX)  # [S]
+        return window[:-1], labels
 
 
 def _cached_token_ids(
     data_path: str, tokenizer: Tokenizer, cache_dir: Path, opts: _TextOptions
-) -> tuple[np.ndarray, dict[str, int]]:
+) -> tuple[np.ndarray, np.ndarray | None, dict[str, int]]:
     key = _sha256(f"{_text_key(data_path, opts)}-{tokenizer.sha256}")
     ids_path = cache_dir / f"tokens-{key[:16]}.npy"
     stats_path = cache_dir / f"tokens-{key[:16]}.stats.json"  # the skip counts of the text behind ids_path
+    pairs = opts.data_format == "prompt_response"
+    trained_path = cache_dir / f"tokens-{key[:16]}.trained.npy"  # prompt_response: which tokens are trained
     with _locked(ids_path):
-        if not (ids_path.exists() and stats_path.exists()):
+        if not (ids_path.exists() and stats_path.exists() and (trained_path.exists() or not pairs)):
             docs, stats = load_documents(data_path, **asdict(opts))
             ids: list[int] = []
-            for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
-                ids.extend(doc_ids)
-                ids.append(tokenizer.eos_id)
+            trained: list[int] = []
+            if pairs:
+                for prompt, response in zip(tokenizer.encode_batch([p for p, _ in docs]),
+                                            tokenizer.encode_batch([r for _, r in docs])):  # fmt: skip
+                    ids.extend(prompt + response + [tokenizer.eos_id])
+                    trained.extend([0] * len(prompt) + [1] * (len(response) + 1))
+                mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
+                _atomic_write(trained_path, lambda f: np.save(f, mask))
+            else:
+                for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
+                    ids.extend(doc_ids)
+                    ids.append(tokenizer.eos_id)
             array = np.asarray(ids, dtype=np.int32)  # [num_tokens]
             _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
             _atomic_write(ids_path, lambda f: np.save(f, array))
         stats = json.loads(stats_path.read_text())
-    return np.load(ids_path, mmap_mode="r"), stats
+    return np.load(ids_path, mmap_mode="r"), np.load(trained_path, mmap_mode="r") if pairs else None, stats
 
 
 def batch(dataset: TokenDataset, start_sample: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -415,7 +415,8 @@ class Trainer:
         from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer, load_tokenizer
 
         t = self.config.training
-        data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars)
+        data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars,
+                         data_format=t.data_format, prompt_field=t.prompt_field, response_field=t.response_field)
         self.tokenizer = (
             load_tokenizer(t.tokenizer_model)
             if t.tokenizer_model
@@ -438,34 +439,62 @@ class Trainer:
                     f"{t.seq_length + 1} tokens; {t.eval_data_path!r} holds {self.eval_dataset.num_samples}: lower "
                     "training.eval_batches or give more held-out text"))  # fmt: skip
 
+    def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's pieces of a micro-batch: [b, s / CP] (context-parallel ranks read the same
+        samples; averaging over them, equal shares, makes the loss the mean over the sequence)."""
+        return self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+
+    def _trained_token_scale(self, labels: list[torch.Tensor]) -> Optional[float]:
+        """dp / (trained tokens of the global batch) where some labels are IGNORE_INDEX
+        (prompt_response data; one all-reduce of a count), else None."""
+        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_sum
+        from megatron_moe_hybrid.training.data import IGNORE_INDEX
+
+        if self.dataset.trained is None:
+            return None
+        local = sum(int((x != IGNORE_INDEX).sum()) for x in labels)
+        count = float(all_reduce_sum(torch.tensor(float(local), device=self.device), self.groups.dp))
+        return self.groups.dp_size / max(count, 1.0)  # a batch of prompts alone trains nothing
+
     def evaluate(self) -> dict:
         """The mean next-token loss over the held-out samples (the same eval_batches global batches
         each time, split over the data-parallel ranks as training splits its batches), without
         gradients, dropout or MoE load statistics: {"eval_loss", "eval_tokens"}."""
-        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_mean
+        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_mean, all_reduce_sum
         from megatron_moe_hybrid.training.data import batch
+
+        from megatron_moe_hybrid.training.data import IGNORE_INDEX
 
         t = self.config.training
         per_rank = t.global_batch_size // self.data_dp_size
         total = torch.zeros((), device=self.device)
+        trained = 0
         self.model.eval()
         try:
             with torch.no_grad():
                 for b in range(t.eval_batches):
                     for micro in range(self.num_micro):
                         start = b * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
-                        tokens, labels = batch(self.eval_dataset, start, t.micro_batch_size)
-                        tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+                        tokens, labels = self._local(*batch(self.eval_dataset, start, t.micro_batch_size))
                         position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
                         loss_bs = self.model(tokens.to(self.device), position_ids, None, labels=labels.to(self.device))
-                        total += loss_bs.float().mean()
+                        if self.eval_dataset.trained is None:
+                            total += loss_bs.float().mean()
+                        else:  # the sum over trained tokens; ignored ones add 0
+                            total += loss_bs.float().sum()
+                            trained += int((labels != IGNORE_INDEX).sum())
             self._check_dispatch_overflow("the evaluation before step")
         finally:
             self.model.train()
             for layer in self.model.moe_layers():
                 layer.reset_stats()
-        loss = all_reduce_mean(total / (t.eval_batches * self.num_micro), self.groups.dp)
-        return {"eval_loss": float(loss), "eval_tokens": t.eval_batches * t.global_batch_size * t.seq_length}
+        if self.eval_dataset.trained is None:
+            loss = all_reduce_mean(total / (t.eval_batches * self.num_micro), self.groups.dp)
+            tokens = t.eval_batches * t.global_batch_size * t.seq_length
+        else:
+            sums = all_reduce_sum(torch.stack([total, torch.tensor(float(trained), device=self.device)]), self.groups.dp)
+            loss, tokens = sums[0] / sums[1].clamp_min(1.0), int(sums[1])
+        return {"eval_loss": float(loss), "eval_tokens": tokens}
 
     def _check_dispatch_overflow(self, when: str) -> None:
         """Raises TrainingStopped where any rank's static dispatcher dropped routed copies."""
@@ -556,17 +585,24 @@ class Trainer:
         # the LM loss, so the gradient does not depend on how the batch is split.
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro, device=self.device))
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.num_micro):
-            tokens, labels = self._batch(self.step, micro)  # [b, s] int64
-            # [b, s / CP]: this rank's pieces; the loss below is their mean, and averaging the
-            # gradients over the CP ranks (equal shares) makes it the mean over the sequence.
-            tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+        # [b, s / CP]: this rank's pieces of each micro-batch (read on the CPU up front)
+        batches = [self._local(*self._batch(self.step, micro)) for micro in range(self.num_micro)]
+        # Labels some tokens do not train (prompt_response data): the loss is the sum over the
+        # global batch's trained tokens over their count, so each rank scales its sum by
+        # dp / count before the gradients' mean over the dp ranks. Otherwise every rank holds
+        # as many tokens, and the mean of the micro-batches' means is that sum over count.
+        scale = self._trained_token_scale([labels for _, labels in batches])
+        for tokens, labels in batches:
             position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             with self.activation_offload:  # a no-op context unless memory.activation_offload
                 loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
-                loss = loss_bs.mean()
-                (loss / self.num_micro).backward()
+                if scale is None:
+                    loss = loss_bs.mean()
+                    (loss / self.num_micro).backward()
+                else:
+                    loss = loss_bs.sum() * scale
+                    loss.backward()
             loss_sum += loss.detach()
         if self.config.lora.enabled:  # replicated LoRA factors hold per-TP-rank partial grads
             from megatron_moe_hybrid.layers.lora import allreduce_lora_partial_grads
@@ -574,7 +610,7 @@ class Trainer:
             allreduce_lora_partial_grads(self.model)
         sync_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
-        loss_value = float(all_reduce_mean(loss_sum / self.num_micro, self.groups.dp))
+        loss_value = float(all_reduce_mean(loss_sum / (self.num_micro if scale is None else 1), self.groups.dp))
         lr = lr_at(self.step, t)
         finite = math.isfinite(grad_norm) and math.isfinite(loss_value)
         if finite:
