@@ -94,7 +94,23 @@ def spawn(
     fn must be a module-level function; the gloo group is initialised before it runs
     (call init_megatron inside fn for Megatron's parallel_state). Returns the values
     fn returned, indexed by rank; re-raises the first child failure with its traceback.
+    A port another process took between free_port() and the rendezvous (EADDRINUSE, before
+    fn runs) is retried twice on a new port.
     """
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, args, timeout, backend)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _spawn_once(fn, world_size: int, args, timeout: float, backend: str) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -119,7 +135,8 @@ def spawn(
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RuntimeError("\n".join(errors))
+        taken = "EADDRINUSE" in errors[0] and "init_process_group" in errors[0] and not results
+        raise (_PortTaken if taken else RuntimeError)("\n".join(errors))
     return [results[r] for r in range(world_size)]
 
 
