@@ -98,6 +98,14 @@ def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, mod
         given = planner.load_cluster(cluster_path, {})  # checks the file; its own fields only below
         with open(cluster_path) as f:
             explicit = {**{k: getattr(given, k) for k in (yaml.safe_load(f) or {})}, **cluster_ov}
+    # a config field named on the command line wins over the cluster file's (and must agree with
+    # a --cluster.<field> given beside it)
+    for name, (dotted, to_config, _) in LINKED.items():
+        if dotted in model_ov and name in explicit:
+            if name in cluster_ov and to_config(cluster_ov[name]) != model_ov[dotted]:
+                raise ConfigError(f"cluster.{name}", f"{cluster_ov[name]!r} disagrees with --{dotted} "
+                                  f"{model_ov[dotted]!r}; give one of them")  # fmt: skip
+            del explicit[name]
     from_config = {}
     for name, (dotted, _, to_cluster) in LINKED.items():
         if name not in explicit:
@@ -107,7 +115,7 @@ def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, mod
     if "accelerators" not in explicit and "accelerators" not in from_config:
         raise ConfigError("cluster.accelerators", "how many accelerators? give --cluster FILE, --cluster.accelerators N "
                           "or the config's parallel.world_size")  # fmt: skip
-    cluster = planner.load_cluster(cluster_path, cluster_ov, from_config)
+    cluster = planner.load_cluster(cluster_path, {**{k: v for k, v in cluster_ov.items() if k in explicit}, **from_config})
     linked = {LINKED[k][0]: LINKED[k][1](getattr(cluster, k)) for k in explicit if k in LINKED}
     config = load_config(config_path, {**model_ov, **linked})
     return config, cluster

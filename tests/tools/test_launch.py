@@ -69,6 +69,21 @@ def test_slurm_script_for_the_flagship_cluster(launch, tmp_path, capsys):
     assert (c["training"]["seq_length"], c["training"]["micro_batch_size"]) == (16384, 1)
 
 
+def test_a_config_field_on_the_command_line_wins_over_the_cluster_file(launch, tmp_path, capsys):
+    """The cluster file says LoRA rank 16; --lora.rank 8 runs and is planned at 8. Given as both
+    --cluster.lora_rank and --lora.rank with different values, the launch stops naming them."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.model").write_text("")
+    args = ["--config", FLAGSHIP, "--cluster", CLUSTER, "--training.init_from", str(base),
+            "--training.tokenizer_model", str(base / "tokenizer.model"), "--training.output_dir", str(tmp_path / "ft")]
+    assert launch.main(args + ["--lora.rank", "8"]) == 0
+    assert "LoRA r8 on" in capsys.readouterr().out
+    assert _yaml(tmp_path / "ft" / "launch.yaml")["lora"]["rank"] == 8
+    assert launch.main(args + ["--lora.rank", "8", "--cluster.lora_rank", "16", "--training.output_dir", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: cluster.lora_rank: 16 disagrees with --lora.rank 8")
+
+
 def test_a_plan_that_does_not_fit_launches_nothing_unless_forced(launch, tmp_path, capsys):
     args = ["--config", FLAGSHIP, "--cluster", CLUSTER, "--cluster.training", "full", "--cluster.seq_length", "32768",
             "--training.output_dir", str(tmp_path / "big"), "--slurm", str(tmp_path / "big.sbatch")]  # fmt: skip
