@@ -204,6 +204,9 @@ class TrainingConfig:
     data_format: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    # attention within each record only: a micro-batch runs as one packed sequence whose pieces
+    # start at every sample and after every end-of-sequence token (RoPE positions restart there)
+    isolate_records: bool = False
     max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
     tokenizer_model: Optional[str] = None  # a sentencepiece .model or an HF tokenizer.json; None: train one on data_path
     # held-out text (a .txt/.jsonl file or directory, as data_path) for a validation loss: the mean
@@ -781,6 +784,12 @@ def _validate(c: HybridMoEConfig) -> None:
              f"{t.data_format!r} is not one of {', '.join(DATA_FORMATS)}{_did_you_mean(t.data_format, DATA_FORMATS)}")
     for name in ("prompt_field", "response_field"):
         _require(bool(getattr(t, name)), f"training.{name}", "is empty; name the JSONL field holding it")
+    _require(
+        not (t.isolate_records and c.parallel.context_parallel_size > 1 and t.micro_batch_size != 1),
+        "training.isolate_records",
+        f"under context parallelism packs one sample per micro-batch; set training.micro_batch_size 1 "
+        f"(it is {t.micro_batch_size}) or turn isolate_records off",
+    )
     if t.data_format == "prompt_response":
         for name in ("data_path", "eval_data_path"):
             path = getattr(t, name)

@@ -91,6 +91,8 @@ INVALID = [
     ("zero-bad-steps", {"training.max_consecutive_bad_steps": 0}, 1, "training.max_consecutive_bad_steps"),
     ("unknown-stdlib-package", {"training.data_path": "stdlib:nonexistent_pkg"}, 1, "training.data_path"),
     ("init-from-without-tokenizer", {"training.init_from": ROOT}, 1, "training.tokenizer_model"),
+    ("isolate-records-cp-micro-2", {"training.isolate_records": True, "parallel.context_parallel_size": 2}, 2,
+     "training.isolate_records"),
     ("eval-data-missing", {"training.eval_data_path": "/no/such/heldout.txt"}, 1, "training.eval_data_path"),
     ("eval-data-empty", {"training.eval_data_path": ""}, 1, "training.eval_data_path"),
     ("eval-batches-zero", {"training.eval_batches": 0}, 1, "training.eval_batches"),

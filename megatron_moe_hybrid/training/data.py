@@ -624,6 +624,17 @@ def _cached_token_ids(
     return np.load(ids_path, mmap_mode="r"), np.load(trained_path, mmap_mode="r") if pairs else None, stats
 
 
+def pack_records(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch [N, S] as one packed row [1, N S] and its cu_seqlens [R + 1] int32: a
+    sequence starts at every sample and after every eos_id, so attention (and the linear
+    attention's state) stays inside each record (training.isolate_records)."""
+    n, s = tokens.shape
+    flat = tokens.reshape(1, n * s)
+    ends = (flat[0] == eos_id).nonzero().flatten() + 1  # a record's first token follows its predecessor's eos
+    starts = torch.cat([torch.arange(0, n * s, s), ends, torch.tensor([n * s])])
+    return flat, torch.unique(starts).to(torch.int32)  # sorted, each once
+
+
 def batch(dataset: TokenDataset, start_sample: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples start_sample .. start_sample + num_samples - 1: (tokens [N, S], labels [N, S]) int64."""
     if num_samples < 1:

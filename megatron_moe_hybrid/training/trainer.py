@@ -439,10 +439,32 @@ class Trainer:
                     f"{t.seq_length + 1} tokens; {t.eval_data_path!r} holds {self.eval_dataset.num_samples}: lower "
                     "training.eval_batches or give more held-out text"))  # fmt: skip
 
-    def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's pieces of a micro-batch: [b, s / CP] (context-parallel ranks read the same
-        samples; averaging over them, equal shares, makes the loss the mean over the sequence)."""
-        return self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+    def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """This rank's pieces of a micro-batch, [b, s / CP] (context-parallel ranks read the same
+        samples; averaging over them, equal shares, makes the loss the mean over the sequence),
+        and the model's keyword arguments: with training.isolate_records the micro-batch as one
+        packed row [1, b s / CP] and its records' packed_seq_params (global offsets under CP)."""
+        if not self.config.training.isolate_records:
+            return self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1), {}
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from megatron_moe_hybrid.training.data import pack_records
+
+        tokens, cu = pack_records(tokens, self.tokenizer.eos_id)  # [1, b s], [R + 1]
+        labels = labels.reshape(1, -1)
+        longest = int((cu[1:] - cu[:-1]).max())
+        cu = cu.to(self.device)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)  # fmt: skip
+        if self.cp_layout.size > 1:  # one sample (validate()): the row is the sequence CP splits
+            tokens, labels = self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1)
+        return tokens, labels, {"packed_seq_params": packed}
+
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """position_ids [b, s / CP] (the layers derive their RoPE positions from these, or per record)."""
+        if self.config.training.isolate_records and self.cp_layout.size == 1:
+            return torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+        return self.cp_layout.positions().expand_as(tokens).to(self.device)
 
     def _trained_token_scale(self, labels: list[torch.Tensor]) -> Optional[float]:
         """dp / (trained tokens of the global batch) where some labels are IGNORE_INDEX
@@ -475,9 +497,9 @@ class Trainer:
                 for b in range(t.eval_batches):
                     for micro in range(self.num_micro):
                         start = b * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
-                        tokens, labels = self._local(*batch(self.eval_dataset, start, t.micro_batch_size))
-                        position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
-                        loss_bs = self.model(tokens.to(self.device), position_ids, None, labels=labels.to(self.device))
+                        tokens, labels, packed = self._local(*batch(self.eval_dataset, start, t.micro_batch_size))
+                        loss_bs = self.model(tokens.to(self.device), self._positions(tokens), None,
+                                             labels=labels.to(self.device), **packed)  # fmt: skip
                         if self.eval_dataset.trained is None:
                             total += loss_bs.float().mean()
                         else:  # the sum over trained tokens; ignored ones add 0
@@ -591,12 +613,12 @@ class Trainer:
         # global batch's trained tokens over their count, so each rank scales its sum by
         # dp / count before the gradients' mean over the dp ranks. Otherwise every rank holds
         # as many tokens, and the mean of the micro-batches' means is that sum over count.
-        scale = self._trained_token_scale([labels for _, labels in batches])
-        for tokens, labels in batches:
-            position_ids = self.cp_layout.positions().expand_as(tokens).to(self.device)
+        scale = self._trained_token_scale([labels for _, labels, _ in batches])
+        for tokens, labels, packed in batches:
+            position_ids = self._positions(tokens)
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             with self.activation_offload:  # a no-op context unless memory.activation_offload
-                loss_bs = self.model(tokens, position_ids, None, labels=labels)  # [b, s] fp32
+                loss_bs = self.model(tokens, position_ids, None, labels=labels, **packed)  # [b, s] fp32
                 if scale is None:
                     loss = loss_bs.mean()
                     (loss / self.num_micro).backward()

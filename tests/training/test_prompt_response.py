@@ -114,7 +114,14 @@ def _reference_first_step(rank, world_size, raw, overrides):
     ds = TokenDataset(t.data_path, tokenizer, t.seq_length, t.cache_dir, t.seed, **PAIRS)
     tokens, labels = batch(ds, 0, t.global_batch_size)
     positions = torch.arange(t.seq_length).expand_as(tokens)
-    loss_bs = model(tokens, positions, None, labels=labels)
+    kwargs = {}
+    if t.isolate_records:  # the whole batch as one packed row: the same records as per micro-batch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tokens, cu = data.pack_records(tokens, tokenizer.eos_id)
+        labels, positions = labels.reshape(1, -1), torch.arange(tokens.shape[1])[None]
+        kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    loss_bs = model(tokens, positions, None, labels=labels, **kwargs)
     assert float(loss_bs[labels == IGNORE_INDEX].abs().max()) == 0.0  # ignored tokens add nothing
     loss = loss_bs.sum() / (labels != IGNORE_INDEX).sum()
     loss.backward()
@@ -144,3 +151,90 @@ def test_loss_and_gradient_are_the_trained_tokens_mean_over_ranks_and_micro_batc
     for a, b in zip(one["losses"], two[0]["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * a, (one["losses"], two[0]["losses"])
     assert abs(one["evals"][-1][1] - two[0]["evals"][-1][1]) <= 1e-5 * one["evals"][-1][1]
+
+
+def test_pack_records_starts_a_sequence_at_every_sample_and_after_every_eos():
+    eos = 2
+    tokens = torch.tensor([[5, 6, 2, 7, 8, 2], [9, 2, 2, 4, 4, 4]])
+    flat, cu = data.pack_records(tokens, eos)
+    assert torch.equal(flat, tokens.reshape(1, 12))
+    assert cu.tolist() == [0, 3, 6, 8, 9, 12] and cu.dtype == torch.int32  # the sample end at 6 once
+
+
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLA"])
+def test_a_packed_micro_batch_equals_each_record_alone(pattern):
+    """isolate_records' packing: each token's loss in the packed row equals the loss of its record
+    run alone (linear attention's state, the short conv, sparse top-k, full attention and RoPE
+    positions all restart per record); without the packing they differ (attention crosses)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.testing import init_megatron, teardown
+    import yaml
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, "model.pattern": pattern, "sparse_attention.topk": 8})
+    init_megatron()
+    try:
+        torch.manual_seed(0)
+        model = build_model(config).double().eval()
+        eos, s = 2, 40
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(4, config.vocab_size, (2, s), generator=g)
+        tokens[0, [9, 25]] = eos
+        tokens[1, [30]] = eos
+        labels = torch.randint(4, config.vocab_size, (2, s), generator=g)
+        flat, cu = data.pack_records(tokens, eos)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=int((cu[1:] - cu[:-1]).max()), max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+        with torch.no_grad():
+            got = model(flat, torch.arange(2 * s)[None], None, labels=labels.reshape(1, -1), packed_seq_params=packed)[0]
+            pieces = []
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                alone = model(flat[:, a:b], torch.arange(b - a)[None], None, labels=labels.reshape(1, -1)[:, a:b])
+                pieces.append(alone[0])
+            want = torch.cat(pieces)
+            crossing = model(tokens, torch.arange(s).expand(2, s), None, labels=labels).reshape(-1)
+        assert len(pieces) == 5
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        assert (crossing - want).abs().max() > 1e-3  # the unpacked batch lets records see each other
+    finally:
+        teardown()
+
+
+def test_an_isolated_training_step_is_the_packed_reference(records, sft_cache, tmp_path, raw_config):
+    """training.isolate_records: step 1's logged loss and gradient norm equal the plain
+    reference over the batch packed per record; the gradient differs from the unpacked run's."""
+    common = {"training.data_format": "prompt_response", "training.data_path": records, "training.cache_dir": sft_cache,
+              "training.train_steps": 1, "training.warmup_steps": 0, "training.grad_clip": 0.0}  # fmt: skip
+    raw, ov = raw_config(records, sft_cache, str(tmp_path / "iso"), **common, **{"training.isolate_records": True})
+    (iso,) = spawn(_train, 1, raw, ov)
+    (loss, norm) = spawn(_reference_first_step, 1, raw, ov)[0]
+    with open(tmp_path / "iso" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert abs(first["loss"] - loss) <= 1e-5 * loss and abs(first["grad_norm"] - norm) <= 1e-4 * norm, (first, loss, norm)
+    raw, ov = raw_config(records, sft_cache, str(tmp_path / "crossing"), **common)
+    spawn(_train, 1, raw, ov)
+    with open(tmp_path / "crossing" / "metrics.jsonl") as f:
+        crossing = json.loads(f.readline())
+    # the loss at the initial weights is log V either way (near-zero logits); the gradient is not
+    assert abs(crossing["grad_norm"] - first["grad_norm"]) > 1e-6 * norm, (crossing, first)
+
+
+@pytest.mark.distributed
+def test_isolated_records_under_cp2_equal_one_process(records, sft_cache, tmp_path, raw_config):
+    """isolate_records with context parallelism (one sample per micro-batch, its records' offsets
+    global on both ranks): the losses of one process."""
+    common = {"training.data_format": "prompt_response", "training.data_path": records, "training.cache_dir": sft_cache,
+              "training.train_steps": 2, "training.warmup_steps": 0, "training.isolate_records": True,
+              "training.micro_batch_size": 1, "moe.dispatcher": "alltoall"}  # fmt: skip
+    raw, ov = raw_config(records, sft_cache, str(tmp_path / "one"), **common)
+    (one,) = spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(records, sft_cache, str(tmp_path / "cp2"), **common,
+                         **{"parallel.world_size": 2, "parallel.context_parallel_size": 2})
+    two = spawn(_train, 2, raw, ov)
+    for a, b in zip(one["losses"], two[0]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * a, (one["losses"], two[0]["losses"])
