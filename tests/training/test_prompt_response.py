@@ -161,7 +161,7 @@ def test_pack_records_starts_a_sequence_at_every_sample_and_after_every_eos():
     assert cu.tolist() == [0, 3, 6, 8, 9, 12] and cu.dtype == torch.int32  # the sample end at 6 once
 
 
-@pytest.mark.parametrize("pattern", ["LLLS", "LLLA"])
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLA", "LLLM"])
 def test_a_packed_micro_batch_equals_each_record_alone(pattern):
     """isolate_records' packing: each token's loss in the packed row equals the loss of its record
     run alone (linear attention's state, the short conv, sparse top-k, full attention and RoPE
