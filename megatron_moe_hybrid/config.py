@@ -234,6 +234,9 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 1234
     log_interval: int = 1
+    # also write every step's metrics (loss, lr, grad_norm, eval_loss, ...) as TensorBoard
+    # scalars here (rank 0; needs the tensorboard package); None: metrics.jsonl only
+    tensorboard_dir: Optional[str] = None
     save_interval: int = 50  # 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # "auto": newest complete checkpoint in output_dir; "none"; or a path
@@ -802,6 +805,12 @@ def _validate(c: HybridMoEConfig) -> None:
     if t.eval_data_path is not None:
         _require(bool(t.eval_data_path), "training.eval_data_path", "is empty; use a .txt/.jsonl file or directory, or null")
         _check_data_path(t.eval_data_path, "training.eval_data_path")
+    if t.tensorboard_dir is not None:
+        import importlib.util
+
+        _require(bool(t.tensorboard_dir), "training.tensorboard_dir", "is empty; name a directory, or null")
+        _require(importlib.util.find_spec("tensorboard") is not None, "training.tensorboard_dir",
+                 "needs the tensorboard package (pip install tensorboard), or leave it null")  # fmt: skip
     _require(t.eval_interval >= 0, "training.eval_interval", f"must be >= 0 (0: at the end only), got {t.eval_interval}")
     _positive(t.eval_batches, "training.eval_batches")
     if t.tokenizer_model is not None:

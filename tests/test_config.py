@@ -93,6 +93,7 @@ INVALID = [
     ("init-from-without-tokenizer", {"training.init_from": ROOT}, 1, "training.tokenizer_model"),
     ("isolate-records-cp-micro-2", {"training.isolate_records": True, "parallel.context_parallel_size": 2}, 2,
      "training.isolate_records"),
+    ("tensorboard-dir-empty", {"training.tensorboard_dir": ""}, 1, "training.tensorboard_dir"),
     ("eval-data-missing", {"training.eval_data_path": "/no/such/heldout.txt"}, 1, "training.eval_data_path"),
     ("eval-data-empty", {"training.eval_data_path": ""}, 1, "training.eval_data_path"),
     ("eval-batches-zero", {"training.eval_batches": 0}, 1, "training.eval_batches"),

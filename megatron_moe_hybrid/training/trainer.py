@@ -756,6 +756,11 @@ class Trainer:
             bar = tqdm(total=t.train_steps, initial=self.step, desc=self.mode, dynamic_ncols=True,
                        file=sys.stderr)
         metrics_file = open(self._metrics_path(), "a") if self.rank == 0 else None
+        board = None
+        if self.rank == 0 and t.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            board = SummaryWriter(t.tensorboard_dir, purge_step=self.step + 1)  # a resume rewrites what follows
         stop_at = t.train_steps
         if t.exit_after_steps:
             stop_at = min(t.train_steps, self.step + t.exit_after_steps)
@@ -774,6 +779,11 @@ class Trainer:
                 if metrics_file is not None:
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
+                if board is not None:
+                    for key, value in m.items():
+                        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                            board.add_scalar(f"{'eval' if key.startswith('eval_') else 'train'}/{key}", value, m["step"])
+                    board.flush()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}",
@@ -803,6 +813,8 @@ class Trainer:
                 bar.close()
             if metrics_file is not None:
                 metrics_file.close()
+            if board is not None:
+                board.close()
         return result
 
 

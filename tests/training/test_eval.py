@@ -136,3 +136,23 @@ def test_cli_prints_the_held_out_losses_and_one_line_for_too_little_text(
     assert main("pretrain", args + ["--training.eval_batches", "100000", "--training.output_dir", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: training.eval_batches: 100000 global batches") and err.count("\n") == 1, err
+
+
+def test_tensorboard_scalars_are_the_metrics(corpus, cache_dir, heldout, tmp_path, raw_config):
+    """training.tensorboard_dir: every step's numbers of metrics.jsonl as scalars (train/<key>,
+    eval/<key>), read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
+        "training.train_steps": 3, "training.eval_data_path": heldout, "training.eval_batches": 1,
+        "training.tensorboard_dir": str(board)})  # fmt: skip
+    spawn(_train, 1, raw, ov)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    events = EventAccumulator(str(board))
+    events.Reload()
+    for key, tag in (("loss", "train/loss"), ("grad_norm", "train/grad_norm"), ("lr", "train/lr")):
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics], tag
+    assert [(e.step, e.value) for e in events.Scalars("eval/eval_loss")] == [(3, pytest.approx(metrics[-1]["eval_loss"], rel=1e-6))]
