@@ -141,6 +141,7 @@ def test_cli_prints_the_held_out_losses_and_one_line_for_too_little_text(
 def test_tensorboard_scalars_are_the_metrics(corpus, cache_dir, heldout, tmp_path, raw_config):
     """training.tensorboard_dir: every step's numbers of metrics.jsonl as scalars (train/<key>,
     eval/<key>), read back with TensorBoard's own reader."""
+    pytest.importorskip("tensorboard")  # an optional dependency (validate() names it when missing)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tb"
