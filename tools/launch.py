@@ -14,7 +14,8 @@ the config field it stands for (accelerators -> parallel.world_size, expert_mode
 context_parallel_size, fsdp, training lora|full -> lora.enabled, lora_rank, expert_adapter,
 recompute full|none -> memory.recompute_layers -1|0, activation_offload, micro_batch_size,
 seq_length, optimizer_state_dtype); every other cluster field the plan needs is read from the
-config. So the plan printed is the plan of the run launched.
+config (weight_bytes from model.params_dtype, or lora.base_dtype bfloat16). So the plan printed
+is the plan of the run launched.
 
 Before anything is written: the config is validated at the cluster's world size, a LoRA run's
 base weights are looked for (training.init_from), and the plan must fit the devices (--force
@@ -118,6 +119,11 @@ def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, mod
     cluster = planner.load_cluster(cluster_path, {**{k: v for k, v in cluster_ov.items() if k in explicit}, **from_config})
     linked = {LINKED[k][0]: LINKED[k][1](getattr(cluster, k)) for k in explicit if k in LINKED}
     config = load_config(config_path, {**model_ov, **linked})
+    if "weight_bytes" not in explicit:  # the dtype the run holds its (base) weights in
+        import torch
+
+        lora_bf16 = config.lora.enabled and config.lora.base_dtype == "bfloat16"
+        cluster.weight_bytes = torch.empty((), dtype=torch.bfloat16 if lora_bf16 else config.params_dtype).element_size()
     return config, cluster
 
 

@@ -121,3 +121,13 @@ def test_bad_input_names_the_field_and_writes_nothing(launch, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: {field}:") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_weight_bytes_follow_the_model_dtype_unless_given(launch):
+    tiny = {"parallel.world_size": 2, "parallel.expert_model_parallel_size": 2, "training.global_batch_size": 96}
+    assert launch.resolve(TINY, None, {"devices_per_node": 2}, tiny)[1].weight_bytes == 4  # tiny.yaml: float32
+    bf16 = {**tiny, "model.params_dtype": "bfloat16"}
+    assert launch.resolve(TINY, None, {"devices_per_node": 2}, bf16)[1].weight_bytes == 2
+    assert launch.resolve(TINY, None, {"devices_per_node": 2, "weight_bytes": 1}, tiny)[1].weight_bytes == 1
+    flagship = launch.resolve(FLAGSHIP, CLUSTER, {"training": "full"}, {})
+    assert flagship[1].weight_bytes == 2 and flagship[0].params_dtype.itemsize == 2
