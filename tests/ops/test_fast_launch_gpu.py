@@ -90,9 +90,12 @@ def loss_ops():
 def sparse_ops(monkeypatch):
     bf = torch.bfloat16
     res = {}
-    # GQA through the kernels form, absorbed MLA (one latent kv, 64 heads) through the products form
-    for form, (H, G, D, DV) in (("kernels", (8, 2, 64, 64)), ("products", (64, 1, 576, 512))):
-        monkeypatch.setattr(triton_sparse, "FORWARD_FORM", form)
+    # GQA through the kernels form (its backward also fused: _bwd_fused_kernel), absorbed MLA (one
+    # latent kv, 64 heads) through the products form
+    cases = (("kernels", "kernels", (8, 2, 64, 64)), ("fused", "kernels", (8, 2, 64, 64)),
+             ("products", "products", (64, 1, 576, 512)))  # fmt: skip
+    for form, forward, (H, G, D, DV) in cases:
+        monkeypatch.setattr(triton_sparse, "FORWARD_FORM", forward)
         monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", form)
         T, K = 256, 64
         x = _leaves(9, q=((1, T, H, D), bf), k=((1, T, G, D), bf))
