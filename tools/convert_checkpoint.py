@@ -906,9 +906,9 @@ class MergedLoRAReader:
             if path in self.wrapped:
                 yield path
 
-    def _stored(self, key: str) -> torch.Tensor:
-        """A base tensor as stored: this checkpoint's <module>.base.<rest>, or init_from's."""
-        path = next(self._prefixes(key), None)
+    def _stored(self, key: str, path: Optional[str]) -> torch.Tensor:
+        """A base tensor as stored: this checkpoint's <module>.base.<rest> (path: the wrapped
+        module key belongs to, or None), or init_from's."""
         if path is not None and self.base is None:
             return self.reader.get(path + ".base" + key[len(path):])
         return (self.base or self.reader).get(key)
@@ -925,8 +925,8 @@ class MergedLoRAReader:
     def get(self, key: str) -> torch.Tensor:
         if key not in self.file_of:
             raise ValueError(f"{self.dir}: tensor {key!r} is missing from the merged model")
-        w = self._stored(key)
         path = next(self._prefixes(key), None)
+        w = self._stored(key, path)
         if path is None:
             return w
         rest = key[len(path) + 1:]

@@ -32,7 +32,6 @@ import sys
 from dataclasses import fields
 from typing import Any, Callable, Optional
 
-import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,18 +86,9 @@ def _config_value(raw: dict, model_ov: dict, dotted: str) -> Any:
 def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, model_ov: dict):
     """(config, cluster) of the run: the linked fields the cluster gives explicitly set the
     config's, the rest of the cluster comes from the config. ConfigError naming the field."""
-    try:
-        with open(config_path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError("config", f"{config_path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError("config", f"{config_path} is not valid YAML ({str(e).splitlines()[0]})") from None
-    explicit = dict(cluster_ov)
-    if cluster_path:
-        given = planner.load_cluster(cluster_path, {})  # checks the file; its own fields only below
-        with open(cluster_path) as f:
-            explicit = {**{k: getattr(given, k) for k in (yaml.safe_load(f) or {})}, **cluster_ov}
+    raw = planner.read_yaml_mapping(config_path, "config")
+    # the cluster fields given (the file's, checked by load_cluster below, and the overrides)
+    explicit = set(cluster_ov) | set(planner.read_yaml_mapping(cluster_path, "cluster") if cluster_path else {})
     # a config field named on the command line wins over the cluster file's (and must agree with
     # a --cluster.<field> given beside it)
     for name, (dotted, to_config, _) in LINKED.items():
@@ -106,7 +96,7 @@ def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, mod
             if name in cluster_ov and to_config(cluster_ov[name]) != model_ov[dotted]:
                 raise ConfigError(f"cluster.{name}", f"{cluster_ov[name]!r} disagrees with --{dotted} "
                                   f"{model_ov[dotted]!r}; give one of them")  # fmt: skip
-            del explicit[name]
+            explicit.discard(name)
     from_config = {}
     for name, (dotted, _, to_cluster) in LINKED.items():
         if name not in explicit:

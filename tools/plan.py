@@ -138,21 +138,26 @@ def _cluster_value(key: str, value, kind: str):
     return float(value) if kind == "float" else value
 
 
+def read_yaml_mapping(path: str, field: str) -> dict:
+    """A YAML file holding a mapping (empty: {}); ConfigError naming field and the file."""
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(field, f"{path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(field, f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(field, f"{path} must hold a mapping of fields")
+    return loaded
+
+
 def load_cluster(path: Optional[str], overrides: dict, defaults: Optional[dict] = None) -> Cluster:
     """The Cluster of a YAML file (path) and --cluster.<field> overrides over defaults (fields
     neither gives; Cluster's own otherwise). ConfigError naming the file or the field."""
     raw = dict(defaults or {})
     if path:
-        try:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError("cluster", f"{path}: {e.strerror or e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError("cluster", f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError("cluster", f"{path} must hold a mapping of Cluster fields")
-        raw.update(loaded)
+        raw.update(read_yaml_mapping(path, "cluster"))
     raw.update(overrides)
     names = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(Cluster)}
     for key in raw:

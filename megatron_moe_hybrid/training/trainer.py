@@ -482,14 +482,14 @@ class Trainer:
         """The mean next-token loss over the held-out samples (the same eval_batches global batches
         each time, split over the data-parallel ranks as training splits its batches), without
         gradients, dropout or MoE load statistics: {"eval_loss", "eval_tokens"}."""
-        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_mean, all_reduce_sum
+        from megatron_moe_hybrid.parallel.data_parallel import all_reduce_sum
         from megatron_moe_hybrid.training.data import batch
 
         from megatron_moe_hybrid.training.data import IGNORE_INDEX
 
         t = self.config.training
         per_rank = t.global_batch_size // self.data_dp_size
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)  # the loss summed over trained tokens (ignored ones add 0)
         trained = 0
         self.model.eval()
         try:
@@ -500,22 +500,15 @@ class Trainer:
                         tokens, labels, packed = self._local(*batch(self.eval_dataset, start, t.micro_batch_size))
                         loss_bs = self.model(tokens.to(self.device), self._positions(tokens), None,
                                              labels=labels.to(self.device), **packed)  # fmt: skip
-                        if self.eval_dataset.trained is None:
-                            total += loss_bs.float().mean()
-                        else:  # the sum over trained tokens; ignored ones add 0
-                            total += loss_bs.float().sum()
-                            trained += int((labels != IGNORE_INDEX).sum())
+                        total += loss_bs.float().sum()
+                        trained += int((labels != IGNORE_INDEX).sum())  # labels on the CPU: no sync
             self._check_dispatch_overflow("the evaluation before step")
         finally:
             self.model.train()
             for layer in self.model.moe_layers():
                 layer.reset_stats()
-        if self.eval_dataset.trained is None:
-            loss = all_reduce_mean(total / (t.eval_batches * self.num_micro), self.groups.dp)
-            tokens = t.eval_batches * t.global_batch_size * t.seq_length
-        else:
-            sums = all_reduce_sum(torch.stack([total, torch.tensor(float(trained), device=self.device)]), self.groups.dp)
-            loss, tokens = sums[0] / sums[1].clamp_min(1.0), int(sums[1])
+        sums = all_reduce_sum(torch.stack([total, torch.tensor(float(trained), device=self.device)]), self.groups.dp)
+        loss, tokens = sums[0] / sums[1].clamp_min(1.0), int(sums[1])
         return {"eval_loss": float(loss), "eval_tokens": tokens}
 
     def _check_dispatch_overflow(self, when: str) -> None:

@@ -11,7 +11,7 @@ from megatron_moe_hybrid.testing import spawn
 
 
 @pytest.fixture(scope="module")
-def heldout(corpus, tmp_path_factory):
+def heldout(tmp_path_factory):
     """Text the run does not train on (the standard library's email package)."""
     from megatron_moe_hybrid.training.data import stdlib_corpus
 
