@@ -201,9 +201,14 @@ class TrainingConfig:
     # "text": documents, every token trained; "prompt_response": .jsonl records of prompt_field
     # and response_field, packed into samples, the loss on the response's tokens only (and the
     # end of sequence after it), averaged over the global batch's trained tokens
+    # "messages": .jsonl records of messages_field, a conversation [{"role", "content"}, ...] rendered
+    # in chat_format (a registry.CHAT_FORMATS name: chatml, llama3; or a .json file of its keys),
+    # the loss on the assistant turns' content and end-of-turn marker only
     data_format: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    messages_field: str = "messages"
+    chat_format: str = "chatml"
     # attention within each record only: a micro-batch runs as one packed sequence whose pieces
     # start at every sample and after every end-of-sequence token (RoPE positions restart there)
     isolate_records: bool = False
@@ -785,7 +790,7 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(bool(t.text_field), "training.text_field", "is empty; name the JSONL field holding the text")
     _require(t.data_format in DATA_FORMATS, "training.data_format",
              f"{t.data_format!r} is not one of {', '.join(DATA_FORMATS)}{_did_you_mean(t.data_format, DATA_FORMATS)}")
-    for name in ("prompt_field", "response_field"):
+    for name in ("prompt_field", "response_field", "messages_field"):
         _require(bool(getattr(t, name)), f"training.{name}", "is empty; name the JSONL field holding it")
     _require(
         not (t.isolate_records and c.parallel.context_parallel_size > 1 and t.micro_batch_size != 1),
@@ -793,12 +798,20 @@ def _validate(c: HybridMoEConfig) -> None:
         f"under context parallelism packs one sample per micro-batch; set training.micro_batch_size 1 "
         f"(it is {t.micro_batch_size}) or turn isolate_records off",
     )
-    if t.data_format == "prompt_response":
+    if t.data_format != "text":
+        fields = (f"{t.prompt_field!r} and {t.response_field!r}" if t.data_format == "prompt_response"
+                  else f"{t.messages_field!r}")
         for name in ("data_path", "eval_data_path"):
             path = getattr(t, name)
             _require(path is None or not (path == "stdlib" or path.startswith("stdlib:")), "training.data_format",
-                     f"prompt_response reads .jsonl records of {t.prompt_field!r} and {t.response_field!r}; "
-                     f"training.{name} is {path!r}: point it at them")  # fmt: skip
+                     f"{t.data_format} reads .jsonl records of {fields}; training.{name} is {path!r}: point it at them")
+    if t.data_format == "messages":
+        from megatron_moe_hybrid.training.data import load_chat_format
+
+        try:
+            load_chat_format(t.chat_format)
+        except ValueError as err:  # its message starts with "training.chat_format: "
+            raise ConfigError("training.chat_format", str(err).split(": ", 1)[1]) from None
     if t.max_document_chars is not None:
         _positive(t.max_document_chars, "training.max_document_chars")
     _check_data_path(t.data_path, "training.data_path")

@@ -72,8 +72,36 @@ MOE_DISPATCHERS: Registry[Any] = Registry(
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 # training.data_format: "text": documents, every token trained; "prompt_response": .jsonl records
-# of a prompt and a response, the loss on the response's tokens (and the end of sequence after it)
-DATA_FORMATS = ("text", "prompt_response")
+# of a prompt and a response, the loss on the response's tokens (and the end of sequence after it);
+# "messages": .jsonl records of a conversation (a list of {"role", "content"}) rendered turn by turn
+# in training.chat_format, the loss on the assistant turns' content and end-of-turn marker
+DATA_FORMATS = ("text", "prompt_response", "messages")
+# training.chat_format presets: the text before the conversation (bos), each role's text before and
+# after its content (an assistant turn trains its content and its suffix, the end-of-turn marker the
+# model learns to stop at), and the separator after every turn (untrained). A .json file of the same
+# keys defines another format.
+CHAT_FORMATS = {
+    # Qwen's (Qwen3-Next-Instruct's template for plain turns) and many others'
+    "chatml": {
+        "bos": "",
+        "roles": {
+            "system": ["<|im_start|>system\n", "<|im_end|>"],
+            "user": ["<|im_start|>user\n", "<|im_end|>"],
+            "assistant": ["<|im_start|>assistant\n", "<|im_end|>"],
+        },
+        "separator": "\n",
+    },
+    # Llama 3's
+    "llama3": {
+        "bos": "<|begin_of_text|>",
+        "roles": {
+            "system": ["<|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"],
+            "user": ["<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>"],
+            "assistant": ["<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"],
+        },
+        "separator": "",
+    },
+}
 LORA_TARGETS = (
     "attention",  # every attention kind the model's pattern has: the three below where present (the default)
     "linear_attention",  # in_proj / out_proj of the linear-attention layers

@@ -15,7 +15,10 @@ any other file is UTF-8 text whose documents are separated by a blank line; a di
 is its *.txt and *.jsonl files in sorted order. With `data_format="prompt_response"` every
 record of .jsonl files holds `prompt_field` and `response_field`: the record's tokens are its
 prompt's, its response's and the end of sequence, and only the last two are trained (the
-labels of the prompt's are IGNORE_INDEX). Bad data (a line that is not UTF-8, not
+labels of the prompt's are IGNORE_INDEX). With `data_format="messages"` every record holds
+`messages_field`, a conversation: a list of {"role": "system" | "user" | "assistant", "content":
+str}, rendered turn by turn in `chat_format` (registry.CHAT_FORMATS, or a .json file of its keys);
+only the assistant turns' content and their end-of-turn marker are trained. Bad data (a line that is not UTF-8, not
 JSON, lacks the text field, or a document over `max_document_chars`) raises a ValueError
 naming file and line under `bad_data="error"`, and is dropped and counted under "skip".
 
@@ -44,7 +47,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from megatron_moe_hybrid.registry import DATA_FORMATS
+from megatron_moe_hybrid.registry import CHAT_FORMATS, DATA_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +150,18 @@ class _TextOptions:
     bad_data: str = "error"
     text_field: str = "text"
     max_document_chars: int | None = None
-    data_format: str = "text"  # "text" | "prompt_response" (DATA_FORMATS)
+    data_format: str = "text"  # "text" | "prompt_response" | "messages" (DATA_FORMATS)
     prompt_field: str = "prompt"
     response_field: str = "response"
+    messages_field: str = "messages"
+    chat_format: str = "chatml"  # a CHAT_FORMATS name or a .json file of its keys
 
     def __post_init__(self):
         if self.data_format not in DATA_FORMATS:
             raise ValueError(f"training.data_format: {self.data_format!r} is not one of {', '.join(DATA_FORMATS)}")
-        for name in ("prompt_field", "response_field"):
+        if self.data_format == "messages":
+            load_chat_format(self.chat_format)  # names the problem before any file is read
+        for name in ("prompt_field", "response_field", "messages_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"training.{name}: {getattr(self, name)!r} must be a non-empty JSON key")
         if self.bad_data not in BAD_DATA_POLICIES:
@@ -168,11 +175,59 @@ class _TextOptions:
             )
 
 
+def load_chat_format(chat_format: str) -> dict:
+    """training.chat_format: a CHAT_FORMATS name, or a .json file holding {"bos": str, "roles":
+    {role: [prefix, suffix]}, "separator": str} with an "assistant" role; checked, then returned."""
+    if chat_format in CHAT_FORMATS:
+        return CHAT_FORMATS[chat_format]
+    fix = f"use one of {', '.join(CHAT_FORMATS)} or a .json file of the same keys (registry.CHAT_FORMATS)"
+    if not str(chat_format).endswith(".json"):
+        raise ValueError(f"training.chat_format: {chat_format!r} is neither a preset nor a .json file; {fix}")
+    try:
+        spec = json.loads(Path(chat_format).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"training.chat_format: cannot read {chat_format!r} as JSON ({err}); {fix}") from None
+    roles = spec.get("roles") if isinstance(spec, dict) else None
+    problem = None
+    if not isinstance(roles, dict) or "assistant" not in roles:
+        problem = 'has no "roles" mapping with an "assistant" role'
+    elif any(not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)) for v in roles.values()):
+        problem = 'has a role that is not [prefix, suffix] strings'
+    elif not all(isinstance(spec.get(k, ""), str) for k in ("bos", "separator")):
+        problem = 'has a "bos" or "separator" that is not a string'
+    elif not roles["assistant"][1]:
+        problem = "gives the assistant no suffix: the model would never learn where its turn ends"
+    if problem:
+        raise ValueError(f"training.chat_format: {chat_format} {problem}; {fix}")
+    return {"bos": spec.get("bos", ""), "roles": roles, "separator": spec.get("separator", "")}
+
+
+def render_messages(messages: list[dict], chat_format: dict) -> tuple[tuple[str, bool], ...]:
+    """A conversation as (text, trained) pieces: the bos, each turn's prefix, content and suffix,
+    and the separator after it; trained are the assistant turns' content and suffix. Adjacent pieces
+    of one kind are merged (fewer, longer strings to tokenize)."""
+    pieces: list[tuple[str, bool]] = [(chat_format["bos"], False)]
+    for message in messages:
+        prefix, suffix = chat_format["roles"][message["role"]]
+        trained = message["role"] == "assistant"
+        pieces += [(prefix, False), (message["content"] + suffix, trained), (chat_format["separator"], False)]
+    merged: list[tuple[str, bool]] = []
+    for text, trained in pieces:
+        if not text:
+            continue
+        if merged and merged[-1][1] == trained:
+            merged[-1] = (merged[-1][0] + text, trained)
+        else:
+            merged.append((text, trained))
+    return tuple(merged)
+
+
 def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     """(documents, counts of skipped lines by STAT_KEYS) of data_path; options are
     _TextOptions' fields (bad_data, text_field, max_document_chars, data_format, prompt_field,
-    response_field). A document is a str, or under data_format "prompt_response" a
-    (prompt, response) pair.
+    response_field, messages_field, chat_format). A document is a str; under data_format
+    "prompt_response" a (prompt, response) pair; under "messages" the (text, trained) pieces of
+    render_messages.
 
     "stdlib" is generated, trusted text: its documents are the blank-line-separated
     paragraphs of stdlib_corpus() and the bad-data options do not apply to it.
@@ -180,17 +235,17 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     """
     opts = _TextOptions(**options)
     stats = dict.fromkeys(STAT_KEYS, 0)
-    pairs = opts.data_format == "prompt_response"
+    records = opts.data_format != "text"
     if data_path == STDLIB or data_path.startswith(STDLIB + ":"):
-        if pairs:
-            raise ValueError(f"training.data_format: prompt_response reads .jsonl records, not {data_path!r}; "
+        if records:
+            raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records, not {data_path!r}; "
                              "point training.data_path at them")
         return _stdlib_text(data_path).split(_DOC_SEP), stats
     docs: list = []
     files = _data_files(data_path)
-    if pairs and any(path.suffix != ".jsonl" for path in files):
+    if records and any(path.suffix != ".jsonl" for path in files):
         other = next(path for path in files if path.suffix != ".jsonl")
-        raise ValueError(f"training.data_format: prompt_response reads .jsonl records; {other} is not one "
+        raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records; {other} is not one "
                          "(move it out, or use data_format: text)")
     num_empty = 0
     for path in files:
@@ -221,13 +276,25 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
 
 def load_text(data_path: str, **options) -> str:
     """The documents of load_documents joined by a blank line (a prompt and its response by a
-    newline): for a .txt file its text, minus skipped lines."""
+    newline, a conversation's rendered pieces by nothing): for a .txt file its text, minus skipped lines."""
     docs, _ = load_documents(data_path, **options)
-    return _DOC_SEP.join(doc if isinstance(doc, str) else "\n".join(doc) for doc in docs)
+    return _DOC_SEP.join(_doc_text(doc) for doc in docs)
+
+
+def _doc_text(doc) -> str:
+    if isinstance(doc, str):
+        return doc
+    if isinstance(doc[0], str):  # (prompt, response)
+        return "\n".join(doc)
+    return "".join(text for text, _ in doc)  # (text, trained) pieces
 
 
 def _has_text(doc) -> bool:
-    return bool(doc.strip()) if isinstance(doc, str) else bool(doc[1].strip())
+    if isinstance(doc, str):
+        return bool(doc.strip())
+    if isinstance(doc[0], str):
+        return bool(doc[1].strip())
+    return any(trained and text.strip() for text, trained in doc)
 
 
 def _stdlib_text(data_path: str) -> str:
@@ -297,7 +364,8 @@ def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str,
 
 def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
     docs = []
-    field = opts.text_field if opts.data_format == "text" else opts.prompt_field
+    field = {"text": opts.text_field, "prompt_response": opts.prompt_field, "messages": opts.messages_field}[opts.data_format]
+    chat_format = load_chat_format(opts.chat_format) if opts.data_format == "messages" else None
     for number, line in _utf8_lines(path, raw, opts, stats):
         if not line.strip():
             continue  # blank lines, e.g. a trailing newline, are no records
@@ -311,6 +379,11 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
         if not isinstance(record, dict):
             fix = f"write one object per line, e.g. {{{json.dumps(field)}: \"...\"}}"
             _bad(opts, stats, "skipped_bad_json", f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
+            continue
+        if chat_format is not None:
+            pieces = _conversation(record, where, opts, stats, chat_format)
+            if pieces is not None:
+                docs.append(pieces)
             continue
         keys = ("text_field",) if opts.data_format == "text" else ("prompt_field", "response_field")
         parts = [record.get(getattr(opts, key)) for key in keys]
@@ -337,6 +410,40 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
             continue
         docs.append(parts[0] if len(parts) == 1 else tuple(parts))
     return docs
+
+
+def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str, int], chat_format: dict):
+    """A messages record's render_messages pieces, or None where it is bad data (reported by _bad)."""
+    messages = record.get(opts.messages_field)
+    roles = chat_format["roles"]
+    example = '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
+    if not isinstance(messages, list) or not messages:
+        found = "has no field" if messages is None else f"has a {type(messages).__name__}, not a list of turns, in field"
+        problem = f"the record {found} {opts.messages_field!r} (its keys: {sorted(record)[:8]})"
+        _bad(opts, stats, "skipped_missing_field", f"{where}: {problem}; set training.messages_field to the "
+             f"conversation's key, a list like {example}")
+        return None
+    for number, turn in enumerate(messages):
+        if not (isinstance(turn, dict) and isinstance(turn.get("content"), str) and turn.get("role") in roles):
+            problem = (f"turn {number} is {json.dumps(turn)[:80]}, not {{\"role\": one of {sorted(roles)}, "
+                       "\"content\": a string}")
+            _bad(opts, stats, "skipped_bad_json", f"{where}: {problem}; fix the turn (or add its role to "
+                 "training.chat_format)")
+            return None
+    if not any(turn["role"] == "assistant" and turn["content"].strip() for turn in messages):
+        _bad(opts, stats, "skipped_missing_field",
+             f"{where}: the conversation has no assistant turn with content: nothing to train on; fill or drop the record")
+        return None
+    surrogate = next((m for m in (_SURROGATE.search(turn["content"]) for turn in messages) if m), None)
+    if surrogate:
+        problem = f"the text holds the lone surrogate escape \\u{ord(surrogate.group()):04x}, which is not UTF-8"
+        _bad(opts, stats, "skipped_non_utf8", f"{where}: {problem}; fix the escape")
+        return None
+    size = sum(len(turn["content"]) for turn in messages)
+    if opts.max_document_chars is not None and size > opts.max_document_chars:
+        _bad(opts, stats, "skipped_too_long", f"{where}: the document has {size} characters, {_over_limit(opts)}")
+        return None
+    return render_messages(messages, chat_format)
 
 
 def _sha256(data: bytes | str) -> str:
@@ -368,8 +475,13 @@ def _key_options(opts: _TextOptions) -> dict:
     (text data keeps the cache keys it had before they existed)."""
     options = asdict(opts)
     if opts.data_format == "text":
-        for name in ("data_format", "prompt_field", "response_field"):
-            del options[name]
+        del options["data_format"]
+    if opts.data_format != "prompt_response":
+        del options["prompt_field"], options["response_field"]
+    if opts.data_format == "messages":  # a chat format file is keyed by what it holds
+        options["chat_format"] = load_chat_format(opts.chat_format)
+    else:
+        del options["messages_field"], options["chat_format"]
     return options
 
 
@@ -542,7 +654,9 @@ class TokenDataset:
     when the tokens come from the cache. Under data_format "prompt_response" each record is
     its prompt's tokens, its response's and eos_id, packed into the stream like documents (a
     sample's attention reaches the records before it in the sample), and `trained` marks the
-    response's tokens and the eos: the labels of the others are IGNORE_INDEX.
+    response's tokens and the eos: the labels of the others are IGNORE_INDEX. Under "messages"
+    a record is its rendered pieces' tokens (each piece tokenized alone) and eos_id, and
+    `trained` marks the assistant turns' pieces (the eos, a separator, is not trained).
     """
 
     def __init__(
@@ -599,18 +713,28 @@ def _cached_token_ids(
     key = _sha256(f"{_text_key(data_path, opts)}-{tokenizer.sha256}")
     ids_path = cache_dir / f"tokens-{key[:16]}.npy"
     stats_path = cache_dir / f"tokens-{key[:16]}.stats.json"  # the skip counts of the text behind ids_path
-    pairs = opts.data_format == "prompt_response"
-    trained_path = cache_dir / f"tokens-{key[:16]}.trained.npy"  # prompt_response: which tokens are trained
+    masked = opts.data_format != "text"
+    trained_path = cache_dir / f"tokens-{key[:16]}.trained.npy"  # records: which tokens are trained
     with _locked(ids_path):
-        if not (ids_path.exists() and stats_path.exists() and (trained_path.exists() or not pairs)):
+        if not (ids_path.exists() and stats_path.exists() and (trained_path.exists() or not masked)):
             docs, stats = load_documents(data_path, **asdict(opts))
             ids: list[int] = []
             trained: list[int] = []
-            if pairs:
+            if opts.data_format == "prompt_response":
                 for prompt, response in zip(tokenizer.encode_batch([p for p, _ in docs]),
                                             tokenizer.encode_batch([r for _, r in docs])):  # fmt: skip
                     ids.extend(prompt + response + [tokenizer.eos_id])
                     trained.extend([0] * len(prompt) + [1] * (len(response) + 1))
+            elif masked:  # messages: each piece tokenized alone, the conversation closed by an untrained eos
+                encoded = iter(tokenizer.encode_batch([text for doc in docs for text, _ in doc]))
+                for doc in docs:
+                    for _, piece_trained in doc:
+                        piece = next(encoded)
+                        ids.extend(piece)
+                        trained.extend([int(piece_trained)] * len(piece))
+                    ids.append(tokenizer.eos_id)
+                    trained.append(0)
+            if masked:
                 mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
                 _atomic_write(trained_path, lambda f: np.save(f, mask))
             else:
@@ -621,7 +745,7 @@ def _cached_token_ids(
             _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
             _atomic_write(ids_path, lambda f: np.save(f, array))
         stats = json.loads(stats_path.read_text())
-    return np.load(ids_path, mmap_mode="r"), np.load(trained_path, mmap_mode="r") if pairs else None, stats
+    return np.load(ids_path, mmap_mode="r"), np.load(trained_path, mmap_mode="r") if masked else None, stats
 
 
 def pack_records(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

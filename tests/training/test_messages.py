@@ -1,0 +1,227 @@
+"""training.data_format: messages: .jsonl conversations rendered turn by turn in a chat format,
+the loss on the assistant turns' content and end-of-turn marker only. The rendered text against a
+hand-written ChatML string, the trained tokens decoded back to the assistant turns (a sentencepiece
+tokenizer and a tokenizer.json whose ChatML markers are special tokens), a chat format file, bad
+records and config values named, and a run that trains on them."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_moe_hybrid.registry import CHAT_FORMATS
+from megatron_moe_hybrid.testing import spawn
+from megatron_moe_hybrid.training import data
+from megatron_moe_hybrid.training.data import IGNORE_INDEX, TokenDataset, get_tokenizer
+
+MESSAGES = dict(data_format="messages")
+
+
+def _conversations(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9))) for _ in range(400)]
+
+    def say(lo, hi):
+        return " ".join(rng.choice(words, rng.integers(lo, hi)))
+
+    out = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for _ in range(int(rng.integers(1, 4))):
+            turns += [{"role": "user", "content": f"Q{i}: " + say(3, 20)}, {"role": "assistant", "content": say(1, 10) + "."}]
+        out.append(turns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "train.jsonl"
+    with open(path, "w") as f:
+        for turns in _conversations(200):
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("chat-cache"))
+
+
+def test_chatml_renders_each_turn_and_trains_the_assistant_content_and_end_marker():
+    turns = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
+             {"role": "user", "content": "U2"}, {"role": "assistant", "content": "A2"}]
+    pieces = data.render_messages(turns, CHAT_FORMATS["chatml"])
+    assert "".join(text for text, _ in pieces) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+        "<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n"
+    )
+    assert [text for text, trained in pieces if trained] == ["A1<|im_end|>", "A2<|im_end|>"]
+    llama = data.render_messages(turns[1:3], CHAT_FORMATS["llama3"])
+    assert llama == (("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nU1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n", False), ("A1<|eot_id|>", True))
+
+
+def _trained_runs(tokens, trained, eos_id):
+    """Per record (split at eos): the runs of trained tokens and the untrained tokens."""
+    records, current = [], ([], [], [])
+    for token, mask in zip(tokens.tolist(), trained.tolist()):
+        if token == eos_id and not mask:
+            records.append(current)
+            current = ([], [], [])
+            continue
+        runs, untrained, last = current
+        if mask:
+            if not last or not last[-1]:
+                runs.append([])
+            runs[-1].append(token)
+        else:
+            untrained.append(token)
+        last.append(mask)
+    return [(runs, untrained) for runs, untrained, _ in records]
+
+
+def _check_labels(ds, tok, conversations, end_marker):
+    tokens, trained = np.asarray(ds.tokens), np.asarray(ds.trained, dtype=bool)
+    records = _trained_runs(tokens, trained, tok.eos_id)
+    assert len(records) == len(conversations)
+    for (runs, _), turns in zip(records, conversations):
+        want = [t["content"] + end_marker for t in turns if t["role"] == "assistant"]
+        assert [tok.decode(run) for run in runs] == want
+    # the dataset's labels: the next token where it is trained, IGNORE_INDEX elsewhere
+    for i in range(min(ds.num_samples, 40)):
+        window_tokens, labels = ds.get(i)
+        start = int(ds._permutation(0)[i]) * ds.seq_length
+        nxt = tokens[start + 1 : start + 1 + ds.seq_length]
+        want = np.where(trained[start + 1 : start + 1 + ds.seq_length], nxt, IGNORE_INDEX)
+        assert np.array_equal(labels.numpy(), want), i
+    share = float(trained.mean())
+    assert 0.05 < share < 0.6, share
+
+
+def test_labels_are_the_assistant_turns_sentencepiece(chats, chat_cache):
+    tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
+    ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, **MESSAGES)
+    docs, _ = data.load_documents(chats, **MESSAGES)
+    conversations = [json.loads(line)["messages"] for line in open(chats)]
+    assert len(docs) == len(conversations)
+    _check_labels(ds, tok, conversations, "<|im_end|>")
+
+
+def test_labels_are_the_assistant_turns_with_special_token_markers(chats, tmp_path):
+    """A released model's tokenizer.json: ChatML's markers are single special tokens in the stream."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    hf = HF(models.BPE(unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([open(chats).read()], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = data.load_tokenizer(tmp_path / "tokenizer.json")
+    ds = TokenDataset(chats, tok, 48, str(tmp_path / "cache"), seed=0, **MESSAGES)
+    tokens = np.asarray(ds.tokens)
+    im_end = hf.token_to_id("<|im_end|>")
+    conversations = [json.loads(line)["messages"] for line in open(chats)]
+    num_turns = sum(len(turns) for turns in conversations)
+    assert int((tokens == im_end).sum()) == num_turns  # one token per end of turn, never split
+    assert int((tokens == hf.token_to_id("<|im_start|>")).sum()) == num_turns
+    assert np.asarray(ds.trained, dtype=bool)[tokens == im_end].sum() == sum(
+        t["role"] == "assistant" for turns in conversations for t in turns)
+    _check_labels(ds, tok, conversations, "<|im_end|>")
+
+
+def test_a_chat_format_file_and_its_cache_key(chats, chat_cache, tmp_path):
+    spec = {"bos": "<s>", "roles": {"user": ["User: ", "\n"], "assistant": ["Assistant: ", "</s>"],
+                                    "system": ["", "\n"]}, "separator": ""}
+    path = tmp_path / "fmt.json"
+    path.write_text(json.dumps(spec))
+    options = dict(MESSAGES, chat_format=str(path))
+    docs, _ = data.load_documents(chats, **options)
+    conversations = [json.loads(line)["messages"] for line in open(chats)]
+    first = conversations[1]  # no system turn
+    assert docs[1] == data.render_messages(first, spec)
+    assert docs[1][0] == ("<s>User: " + first[0]["content"] + "\nAssistant: ", False)
+    tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
+    ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, **options)
+    _check_labels(ds, tok, conversations, "</s>")
+    # the same file name with other contents is another cache entry
+    path.write_text(json.dumps(dict(spec, roles=dict(spec["roles"], assistant=["A: ", "<end>"]))))
+    again = TokenDataset(chats, tok, 48, chat_cache, seed=0, **options)
+    _check_labels(again, tok, conversations, "<end>")
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("nope", "neither a preset nor a .json file; use one of chatml, llama3"),
+    ({"roles": {"user": ["a", "b"]}}, 'has no "roles" mapping with an "assistant" role'),
+    ({"roles": {"assistant": ["a"]}}, "not \\[prefix, suffix\\] strings"),
+    ({"roles": {"assistant": ["a", ""]}}, "no suffix: the model would never learn where its turn ends"),
+    ({"roles": {"assistant": ["a", "b"]}, "bos": 1}, '"bos" or "separator" that is not a string'),
+])
+def test_bad_chat_formats_name_the_field(tmp_path, spec, match):
+    if not isinstance(spec, str):
+        (tmp_path / "f.json").write_text(json.dumps(spec))
+        spec = str(tmp_path / "f.json")
+    with pytest.raises(ValueError, match="^training.chat_format: .*" + match):
+        data.load_chat_format(spec)
+
+
+def test_bad_records_name_the_turn_and_line(tmp_path):
+    lines = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"conversation": []},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
+        {"messages": "hi"},
+        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]},
+    ]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=r"c.jsonl:2: the record has no field 'messages' .*training.messages_field"):
+        data.load_documents(str(path), **MESSAGES)
+    docs, stats = data.load_documents(str(path), bad_data="skip", **MESSAGES)
+    assert len(docs) == 1 and stats["skipped_missing_field"] == 3 and stats["skipped_bad_json"] == 2
+    bad_role = tmp_path / "r.jsonl"
+    bad_role.write_text(json.dumps(lines[2]) + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: turn 1 is .*tool.*, not .*one of \['assistant', 'system', 'user'\]"):
+        data.load_documents(str(bad_role), **MESSAGES)
+    with pytest.raises(ValueError, match=r"^training.data_format: messages reads .jsonl records, not 'stdlib'"):
+        data.load_documents("stdlib", **MESSAGES)
+
+
+def test_config_checks(chats, monkeypatch, tmp_path):
+    from megatron_moe_hybrid.config import ConfigError, load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny.yaml")
+    with pytest.raises(ConfigError, match="^training.data_format: messages reads .jsonl records of 'messages'"):
+        load_config(tiny, {"training.data_format": "messages"})
+    with pytest.raises(ConfigError, match="^training.chat_format: 'chatmI' is neither a preset"):
+        load_config(tiny, {"training.data_format": "messages", "training.data_path": chats,
+                           "training.chat_format": "chatmI"})
+    with pytest.raises(ConfigError, match="^training.messages_field: is empty"):
+        load_config(tiny, {"training.messages_field": ""})
+    config = load_config(tiny, {"training.data_format": "messages", "training.data_path": chats,
+                                "training.chat_format": "llama3", "training.output_dir": str(tmp_path)})
+    assert config.training.chat_format == "llama3"
+
+
+def _train(rank, world_size, raw, overrides):
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.training.trainer import run
+
+    result = run(config_from_dict(raw, overrides), "pretrain")
+    return {"losses": result.losses, "evals": result.eval_losses}
+
+
+def test_a_run_trains_on_conversations(chats, chat_cache, tmp_path, raw_config):
+    """The trainer reads the conversations with their masks (the loss path is prompt_response's,
+    tests/training/test_prompt_response.py); the loss falls and the held-out loss is logged."""
+    common = {"training.data_format": "messages", "training.train_steps": 12, "training.warmup_steps": 2,
+              "training.eval_data_path": chats, "training.eval_batches": 1, "training.lr": 3e-3}
+    raw, ov = raw_config(chats, chat_cache, str(tmp_path / "run"), **common)
+    (result,) = spawn(_train, 1, raw, ov)
+    losses = result["losses"]
+    assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+    assert result["evals"] and np.isfinite(result["evals"][-1][1])
