@@ -91,6 +91,17 @@ CHAT_FORMATS = {
         },
         "separator": "\n",
     },
+    # DeepSeek-V3.1's and V3.2's non-thinking mode (their model cards): the assistant's turn opens
+    # with </think> and ends with the end of sentence, which is also their eos
+    "deepseek_v3.1": {
+        "bos": "<｜begin▁of▁sentence｜>",
+        "roles": {
+            "system": ["", ""],
+            "user": ["<｜User｜>", ""],
+            "assistant": ["<｜Assistant｜></think>", "<｜end▁of▁sentence｜>"],
+        },
+        "separator": "",
+    },
     # Llama 3's
     "llama3": {
         "bos": "<|begin_of_text|>",

@@ -655,8 +655,9 @@ class TokenDataset:
     its prompt's tokens, its response's and eos_id, packed into the stream like documents (a
     sample's attention reaches the records before it in the sample), and `trained` marks the
     response's tokens and the eos: the labels of the others are IGNORE_INDEX. Under "messages"
-    a record is its rendered pieces' tokens (each piece tokenized alone) and eos_id, and
-    `trained` marks the assistant turns' pieces (the eos, a separator, is not trained).
+    a record is its rendered pieces' tokens (each piece tokenized alone) and eos_id (unless its
+    last piece already ends with it), and `trained` marks the assistant turns' pieces (the
+    appended eos, a separator, is not trained).
     """
 
     def __init__(
@@ -732,8 +733,9 @@ def _cached_token_ids(
                         piece = next(encoded)
                         ids.extend(piece)
                         trained.extend([int(piece_trained)] * len(piece))
-                    ids.append(tokenizer.eos_id)
-                    trained.append(0)
+                    if ids[-1] != tokenizer.eos_id:  # not where the format's last suffix is the eos itself
+                        ids.append(tokenizer.eos_id)
+                        trained.append(0)
             if masked:
                 mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
                 _atomic_write(trained_path, lambda f: np.save(f, mask))

@@ -99,6 +99,18 @@ def _check_labels(ds, tok, conversations, end_marker):
     assert 0.05 < share < 0.6, share
 
 
+def _hf_tokenizer(path, text, specials):
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    hf = HF(models.BPE(unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(path))
+    return hf
+
+
 def test_labels_are_the_assistant_turns_sentencepiece(chats, chat_cache):
     tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
     ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, **MESSAGES)
@@ -110,15 +122,7 @@ def test_labels_are_the_assistant_turns_sentencepiece(chats, chat_cache):
 
 def test_labels_are_the_assistant_turns_with_special_token_markers(chats, tmp_path):
     """A released model's tokenizer.json: ChatML's markers are single special tokens in the stream."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    hf = HF(models.BPE(unk_token=None))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator([open(chats).read()], trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf.save(str(tmp_path / "tokenizer.json"))
+    hf = _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok = data.load_tokenizer(tmp_path / "tokenizer.json")
     ds = TokenDataset(chats, tok, 48, str(tmp_path / "cache"), seed=0, **MESSAGES)
     tokens = np.asarray(ds.tokens)
@@ -130,6 +134,27 @@ def test_labels_are_the_assistant_turns_with_special_token_markers(chats, tmp_pa
     assert np.asarray(ds.trained, dtype=bool)[tokens == im_end].sum() == sum(
         t["role"] == "assistant" for turns in conversations for t in turns)
     _check_labels(ds, tok, conversations, "<|im_end|>")
+
+
+def test_deepseek_format_ends_each_answer_with_its_eos_once(chats, tmp_path):
+    """deepseek_v3.1: the assistant's end marker is the tokenizer's eos, trained after every answer;
+    the record gets no second, untrained eos."""
+    fmt = CHAT_FORMATS["deepseek_v3.1"]
+    bos, eos = fmt["bos"], fmt["roles"]["assistant"][1]
+    hf = _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(),
+                       [eos, bos, "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "</think>"])
+    tok = data.load_tokenizer(tmp_path / "tokenizer.json")
+    assert tok.eos_token == eos
+    ds = TokenDataset(chats, tok, 48, str(tmp_path / "cache"), seed=0, data_format="messages", chat_format="deepseek_v3.1")
+    tokens, trained = np.asarray(ds.tokens), np.asarray(ds.trained, dtype=bool)
+    conversations = [json.loads(line)["messages"] for line in open(chats)]
+    answers = [t["content"] for turns in conversations for t in turns if t["role"] == "assistant"]
+    assert int((tokens == tok.eos_id).sum()) == len(answers) and trained[tokens == tok.eos_id].all()
+    starts = np.flatnonzero(tokens == hf.token_to_id(bos))
+    assert len(starts) == len(conversations) and starts[0] == 0 and (tokens[starts[1:] - 1] == tok.eos_id).all()
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], trained.astype(int), [0]])))  # run starts and ends
+    runs = [tok.decode(tokens[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == [a + eos for a in answers]
 
 
 def test_a_chat_format_file_and_its_cache_key(chats, chat_cache, tmp_path):
@@ -153,7 +178,7 @@ def test_a_chat_format_file_and_its_cache_key(chats, chat_cache, tmp_path):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("nope", "neither a preset nor a .json file; use one of chatml, llama3"),
+    ("nope", "neither a preset nor a .json file; use one of chatml, deepseek_v3.1, llama3"),
     ({"roles": {"user": ["a", "b"]}}, 'has no "roles" mapping with an "assistant" role'),
     ({"roles": {"assistant": ["a"]}}, "not \\[prefix, suffix\\] strings"),
     ({"roles": {"assistant": ["a", ""]}}, "no suffix: the model would never learn where its turn ends"),
