@@ -202,7 +202,8 @@ class TrainingConfig:
     # and response_field, packed into samples, the loss on the response's tokens only (and the
     # end of sequence after it), averaged over the global batch's trained tokens
     # "messages": .jsonl records of messages_field, a conversation [{"role", "content"}, ...] rendered
-    # in chat_format (a registry.CHAT_FORMATS name: chatml, deepseek_v3.1, llama3; or a .json file of its keys),
+    # in chat_format (a registry.CHAT_FORMATS name: chatml, deepseek_v3.1, llama3; a .json file of its keys;
+    # or a model's Jinja chat template: its tokenizer_config.json or a chat_template.jinja),
     # the loss on the assistant turns' content and end-of-turn marker only
     data_format: str = "text"
     prompt_field: str = "prompt"

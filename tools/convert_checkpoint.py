@@ -56,6 +56,7 @@ from tqdm import tqdm
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_CHAT_TEMPLATE = "chat_template.jinja"  # newer releases keep the chat template here, not in the config
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 OUR_CONFIG = "config.yaml"
@@ -968,11 +969,11 @@ def _run_file(reader, name: str) -> Optional[str]:
 
 
 def _copy_hf_tokenizer(src_dir: str, dst_dir: str) -> bool:
-    """Copies src_dir's Hugging Face tokenizer.json (and tokenizer_config.json) into dst_dir;
-    whether there was one."""
+    """Copies src_dir's Hugging Face tokenizer.json (and tokenizer_config.json, chat_template.jinja)
+    into dst_dir; whether there was one."""
     if not os.path.isfile(os.path.join(src_dir, HF_TOKENIZER)):
         return False
-    for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG):
+    for name in (HF_TOKENIZER, HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE):
         if os.path.isfile(os.path.join(src_dir, name)):
             shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
     return True

@@ -176,17 +176,25 @@ class _TextOptions:
 
 
 def load_chat_format(chat_format: str) -> dict:
-    """training.chat_format: a CHAT_FORMATS name, or a .json file holding {"bos": str, "roles":
-    {role: [prefix, suffix]}, "separator": str} with an "assistant" role; checked, then returned."""
+    """training.chat_format, checked: a CHAT_FORMATS name; a .json file holding {"bos": str,
+    "roles": {role: [prefix, suffix]}, "separator": str} with an "assistant" role; or a model's own
+    Jinja chat template: its tokenizer_config.json (the "chat_template" key) or a .jinja file (with
+    the bos / eos tokens of a tokenizer_config.json beside it). Returns the preset's dict, or
+    {"jinja": template text, "bos_token": str, "eos_token": str}."""
     if chat_format in CHAT_FORMATS:
         return CHAT_FORMATS[chat_format]
-    fix = f"use one of {', '.join(CHAT_FORMATS)} or a .json file of the same keys (registry.CHAT_FORMATS)"
-    if not str(chat_format).endswith(".json"):
-        raise ValueError(f"training.chat_format: {chat_format!r} is neither a preset nor a .json file; {fix}")
+    fix = (f"use one of {', '.join(CHAT_FORMATS)}, a .json file of the same keys (registry.CHAT_FORMATS), or a "
+           "model's tokenizer_config.json / chat_template.jinja")
+    path = Path(str(chat_format))
+    if path.suffix not in (".json", ".jinja"):
+        raise ValueError(f"training.chat_format: {chat_format!r} is neither a preset nor a .json or .jinja file; {fix}")
     try:
-        spec = json.loads(Path(chat_format).read_text())
+        text = path.read_text()
+        spec = json.loads(text) if path.suffix == ".json" else None
     except (OSError, ValueError) as err:
-        raise ValueError(f"training.chat_format: cannot read {chat_format!r} as JSON ({err}); {fix}") from None
+        raise ValueError(f"training.chat_format: cannot read {chat_format!r} ({err}); {fix}") from None
+    if spec is None or (isinstance(spec, dict) and "chat_template" in spec):
+        return _jinja_chat_format(chat_format, text if spec is None else spec["chat_template"], fix)
     roles = spec.get("roles") if isinstance(spec, dict) else None
     problem = None
     if not isinstance(roles, dict) or "assistant" not in roles:
@@ -202,15 +210,114 @@ def load_chat_format(chat_format: str) -> dict:
     return {"bos": spec.get("bos", ""), "roles": roles, "separator": spec.get("separator", "")}
 
 
+def _jinja_chat_format(where: str, template, fix: str) -> dict:
+    if isinstance(template, list):  # named templates: the "default" one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"training.chat_format: {where} holds no chat template string; {fix}")
+    config_path = Path(where) if where.endswith(".json") else Path(where).with_name("tokenizer_config.json")
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    tokens = {}
+    for name in ("bos_token", "eos_token"):
+        value = config.get(name)
+        tokens[name] = (value.get("content") if isinstance(value, dict) else value) or ""
+    try:
+        _compiled_template(template)
+    except Exception as err:  # jinja2's TemplateSyntaxError and kin
+        raise ValueError(f"training.chat_format: the chat template of {where} does not compile ({err}); {fix}") from None
+    return {"jinja": template, **tokens}
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """A chat template compiled as transformers compiles it: a sandbox, trim_blocks and lstrip_blocks,
+    loop controls, tojson without HTML escaping, raise_exception and strftime_now; {% generation %}
+    blocks render their body."""
+    import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be cut into turns for this conversation."""
+
+
+def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of a conversation in a model's own template, cut where rendering the
+    conversation up to each turn ends; an assistant turn's head is what the template's generation
+    prompt adds, its trained text what the turn adds after it (whitespace at the end untrained).
+    Each cut must be a prefix of the next rendering, and the pieces must join into the whole
+    conversation's rendering; a template that renders an earlier turn differently once later turns
+    follow (Qwen3's thinking blocks) raises ChatTemplateError."""
+    template = _compiled_template(chat_format["jinja"])
+    tokens = {"bos_token": chat_format["bos_token"], "eos_token": chat_format["eos_token"]}
+
+    def render(turns, generation_prompt):
+        try:
+            return template.render(messages=turns, add_generation_prompt=generation_prompt, **tokens)
+        except Exception as err:  # a template's raise_exception, or an error inside it
+            raise ChatTemplateError(f"the chat template fails on turns 0-{len(turns) - 1} ({err})") from None
+
+    def extend(done, text, what):
+        if not text.startswith(done):
+            raise ChatTemplateError(
+                f"the chat template renders the turns before {what} differently once {what} follows (their "
+                "rendering is not a prefix of the longer one), so turns cannot be cut from it")
+        return text[len(done):]
+
+    pieces, done = [], ""
+    for number, message in enumerate(messages):
+        full = render(messages[: number + 1], False)
+        if message["role"] == "assistant":
+            head = render(messages[:number], True)
+            pieces.append((extend(done, head, f"turn {number}'s generation prompt"), False))
+            body = extend(head, full, f"turn {number}")
+            answer = body.rstrip()
+            pieces += [(answer, True), (body[len(answer):], False)]
+        else:
+            pieces.append((extend(done, full, f"turn {number}"), False))
+        done = full
+    if render(messages, False) != done:
+        raise ChatTemplateError("the chat template's rendering of the whole conversation is not its turns' in order")
+    return pieces
+
+
 def render_messages(messages: list[dict], chat_format: dict) -> tuple[tuple[str, bool], ...]:
     """A conversation as (text, trained) pieces: the bos, each turn's prefix, content and suffix,
-    and the separator after it; trained are the assistant turns' content and suffix. Adjacent pieces
-    of one kind are merged (fewer, longer strings to tokenize)."""
-    pieces: list[tuple[str, bool]] = [(chat_format["bos"], False)]
-    for message in messages:
-        prefix, suffix = chat_format["roles"][message["role"]]
-        trained = message["role"] == "assistant"
-        pieces += [(prefix, False), (message["content"] + suffix, trained), (chat_format["separator"], False)]
+    and the separator after it; trained are the assistant turns' content and suffix. In a model's
+    Jinja template (chat_format "jinja") the pieces are cut from its renderings (_render_jinja).
+    Adjacent pieces of one kind are merged (fewer, longer strings to tokenize)."""
+    if "jinja" in chat_format:
+        pieces = _render_jinja(messages, chat_format)
+    else:
+        pieces = [(chat_format["bos"], False)]
+        for message in messages:
+            prefix, suffix = chat_format["roles"][message["role"]]
+            trained = message["role"] == "assistant"
+            pieces += [(prefix, False), (message["content"] + suffix, trained), (chat_format["separator"], False)]
     merged: list[tuple[str, bool]] = []
     for text, trained in pieces:
         if not text:
@@ -415,7 +522,7 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
 def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str, int], chat_format: dict):
     """A messages record's render_messages pieces, or None where it is bad data (reported by _bad)."""
     messages = record.get(opts.messages_field)
-    roles = chat_format["roles"]
+    roles = chat_format.get("roles")  # a Jinja template takes any role it knows (and raises on others)
     example = '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
     if not isinstance(messages, list) or not messages:
         found = "has no field" if messages is None else f"has a {type(messages).__name__}, not a list of turns, in field"
@@ -424,9 +531,11 @@ def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str,
              f"conversation's key, a list like {example}")
         return None
     for number, turn in enumerate(messages):
-        if not (isinstance(turn, dict) and isinstance(turn.get("content"), str) and turn.get("role") in roles):
-            problem = (f"turn {number} is {json.dumps(turn)[:80]}, not {{\"role\": one of {sorted(roles)}, "
-                       "\"content\": a string}")
+        role = turn.get("role") if isinstance(turn, dict) else None
+        if not (isinstance(turn, dict) and isinstance(turn.get("content"), str)
+                and (role in roles if roles is not None else isinstance(role, str))):
+            allowed = f"one of {sorted(roles)}" if roles is not None else "a string"
+            problem = f"turn {number} is {json.dumps(turn)[:80]}, not {{\"role\": {allowed}, \"content\": a string}}"
             _bad(opts, stats, "skipped_bad_json", f"{where}: {problem}; fix the turn (or add its role to "
                  "training.chat_format)")
             return None
@@ -443,7 +552,12 @@ def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str,
     if opts.max_document_chars is not None and size > opts.max_document_chars:
         _bad(opts, stats, "skipped_too_long", f"{where}: the document has {size} characters, {_over_limit(opts)}")
         return None
-    return render_messages(messages, chat_format)
+    try:
+        return render_messages(messages, chat_format)
+    except ChatTemplateError as err:
+        _bad(opts, stats, "skipped_bad_json", f"{where}: {err}; write the format as a .json of per-role prefixes and "
+             "suffixes (training.chat_format), or render the records to prompt / response pairs")
+        return None
 
 
 def _sha256(data: bytes | str) -> str:
@@ -594,9 +708,9 @@ def tokenizer_files(tokenizer: "Tokenizer | HFTokenizer") -> dict[str, Path]:
     """{name in a run's output_dir: the file}: what a run keeps of its tokenizer."""
     if isinstance(tokenizer, HFTokenizer):
         files = {"tokenizer.json": tokenizer.model_path}
-        config = tokenizer.model_path.with_name("tokenizer_config.json")
-        if config.is_file():
-            files["tokenizer_config.json"] = config
+        for name in ("tokenizer_config.json", "chat_template.jinja"):
+            if tokenizer.model_path.with_name(name).is_file():
+                files[name] = tokenizer.model_path.with_name(name)
         return files
     return {"tokenizer.model": tokenizer.model_path}
 

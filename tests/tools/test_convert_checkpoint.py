@@ -261,9 +261,10 @@ def _train_worker(rank, world_size, raw, overrides):
 
 
 def test_converted_model_trains_with_its_own_tokenizer(tmp_path):
-    """hf-to-ours copies the HF directory's tokenizer.json (and tokenizer_config.json) into the
-    run and points training.tokenizer_model at it: training from the converted run reads text
-    with the model's own tokenizer, and keeps it in its output_dir."""
+    """hf-to-ours copies the HF directory's tokenizer.json (and tokenizer_config.json,
+    chat_template.jinja) into the run and points training.tokenizer_model at it: training from the
+    converted run reads chat records in the model's own template with its own tokenizer, and keeps
+    both in its output_dir."""
     from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers
 
     hf_dir = save_hf(random_hf_model(seed=31), tmp_path / "hf")
@@ -274,23 +275,34 @@ def test_converted_model_trains_with_its_own_tokenizer(tmp_path):
     tok.save(os.path.join(hf_dir, "tokenizer.json"))
     with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "</s>"}, f)
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}"
+                "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    with open(os.path.join(hf_dir, "chat_template.jinja"), "w") as f:
+        f.write(template)
     out = convert.hf_to_ours(hf_dir, str(tmp_path / "ours"), progress=False)
     raw = yaml.safe_load(open(os.path.join(out, "config.yaml")))
     assert raw["training"]["tokenizer_model"] == os.path.join(out, "tokenizer.json")
     assert sorted(f for f in os.listdir(out) if f.startswith("tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
-    text = tmp_path / "text.txt"
-    text.write_text("\n\n".join(f"the lazy dog {i} jumps over the quick brown fox" for i in range(400)))
+    assert os.path.isfile(os.path.join(out, "chat_template.jinja"))
+    chats = tmp_path / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(200):
+            turns = [{"role": "user", "content": f"the lazy dog {i}"}, {"role": "assistant", "content": "jumps over the fox"}]
+            f.write(json.dumps({"messages": turns}) + "\n")
     ft = str(tmp_path / "ft")
     overrides = {"training.init_from": out, "training.output_dir": ft, "training.train_steps": 2,
-                 "training.data_path": str(text), "training.seq_length": 16, "training.micro_batch_size": 1,
+                 "training.data_path": str(chats), "training.data_format": "messages",
+                 "training.chat_format": os.path.join(out, "chat_template.jinja"),
+                 "training.seq_length": 16, "training.micro_batch_size": 1,
                  "training.global_batch_size": 1, "training.warmup_steps": 1, "training.save_interval": 0,
                  "training.cache_dir": str(tmp_path / "cache"), "training.progress_bar": False,
                  "training.device": "cpu", "parallel.world_size": 1}  # fmt: skip
     (losses,) = spawn(_train_worker, 1, raw, overrides)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    assert os.path.isfile(os.path.join(ft, "tokenizer.json")) and os.path.isfile(os.path.join(ft, "tokenizer_config.json"))
+    kept = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert all(os.path.isfile(os.path.join(ft, name)) for name in kept)
     exported = convert.ours_to_hf(ft, str(tmp_path / "hf_ft"), progress=False)  # the tokenizer goes back too
-    assert sorted(f for f in os.listdir(exported) if f.startswith("tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(f for f in os.listdir(exported) if f.startswith(("tokenizer", "chat"))) == kept
 
 
 def test_hf_to_ours_to_hf_keeps_every_tensor(tmp_path):

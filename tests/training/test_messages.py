@@ -178,7 +178,7 @@ def test_a_chat_format_file_and_its_cache_key(chats, chat_cache, tmp_path):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("nope", "neither a preset nor a .json file; use one of chatml, deepseek_v3.1, llama3"),
+    ("nope", "neither a preset nor a .json or .jinja file; use one of chatml, deepseek_v3.1, llama3"),
     ({"roles": {"user": ["a", "b"]}}, 'has no "roles" mapping with an "assistant" role'),
     ({"roles": {"assistant": ["a"]}}, "not \\[prefix, suffix\\] strings"),
     ({"roles": {"assistant": ["a", ""]}}, "no suffix: the model would never learn where its turn ends"),
@@ -250,3 +250,87 @@ def test_a_run_trains_on_conversations(chats, chat_cache, tmp_path, raw_config):
     losses = result["losses"]
     assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     assert result["evals"] and np.isfinite(result["evals"][-1][1])
+
+
+# A Qwen-style ChatML template (a default system turn where the conversation has none, as Qwen2.5's)
+CHATML_JINJA = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_JINJA = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def _tokenizer_config(path, template, **tokens):
+    path.write_text(json.dumps({"chat_template": template, **tokens}))
+    return str(path)
+
+
+def test_a_models_jinja_template_cuts_into_the_presets_turns(tmp_path):
+    """training.chat_format as a model's tokenizer_config.json or chat_template.jinja: the pieces cut
+    from the template's renderings are the preset's (ChatML's and Llama 3's, its bos from the
+    tokenizer_config.json beside the .jinja file)."""
+    chatml = data.load_chat_format(_tokenizer_config(tmp_path / "tokenizer_config.json", CHATML_JINJA))
+    (tmp_path / "l").mkdir()
+    (tmp_path / "l" / "chat_template.jinja").write_text(LLAMA3_JINJA)
+    _tokenizer_config(tmp_path / "l" / "tokenizer_config.json", None, bos_token={"content": "<|begin_of_text|>"})
+    llama = data.load_chat_format(str(tmp_path / "l" / "chat_template.jinja"))
+    assert llama["bos_token"] == "<|begin_of_text|>"
+    for turns in _conversations(30, seed=3):
+        if turns[0]["role"] != "system":  # the template's default system turn, as the preset renders it
+            want = data.render_messages([{"role": "system", "content": "Be brief."}] + turns, CHAT_FORMATS["chatml"])
+        else:
+            want = data.render_messages(turns, CHAT_FORMATS["chatml"])
+        assert data.render_messages(turns, chatml) == want
+        assert data.render_messages(turns, llama) == data.render_messages(turns, CHAT_FORMATS["llama3"])
+
+
+def test_jinja_rendering_equals_transformers_apply_chat_template(tmp_path, chats):
+    """Our template environment renders what transformers' apply_chat_template renders."""
+    transformers = pytest.importorskip("transformers")
+    _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}{{ m.role | upper }}{{ m | tojson }}{% if m.role == 'user' %}{% continue %}"
+                "{% endif %}<{{ m.content | length }}>{% endfor %}{% if add_generation_prompt %}ASSISTANT{% endif %}")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    ours = data.load_chat_format(_tokenizer_config(tmp_path / "tokenizer_config.json", template))
+    turns = [{"role": "user", "content": "é <b>"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "again"}, {"role": "assistant", "content": "done"}]
+    rendered = hf.apply_chat_template(turns, tokenize=False)
+    assert "".join(text for text, _ in data.render_messages(turns, ours)) == rendered
+    assert '"é <b>"' in rendered  # tojson without HTML or ASCII escaping
+
+
+def test_a_template_that_rewrites_earlier_turns_is_named(tmp_path):
+    """A template whose last assistant turn renders differently (a thinking block on the last turn
+    only) cannot be cut for multi-turn records: the record is named, a single turn still works."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.last %}<think></think>"
+                "{% endif %}{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>"
+                "<think></think>{% endif %}")
+    fmt = _tokenizer_config(tmp_path / "tokenizer_config.json", template)
+    one = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": one}) + "\n" + json.dumps({"messages": one + one}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2: the chat template renders the turns before turn 2 differently once "
+                                         r"turn 2 follows .*training.chat_format"):
+        data.load_documents(str(path), data_format="messages", chat_format=fmt)
+    docs, stats = data.load_documents(str(path), data_format="messages", chat_format=fmt, bad_data="skip")
+    assert docs == [(("<user>q</user><assistant><think></think>", False), ("a</assistant>", True))]
+    assert stats["skipped_bad_json"] == 1
+    with pytest.raises(ValueError, match="^training.chat_format: .* does not compile"):
+        data.load_chat_format(_tokenizer_config(tmp_path / "bad.json", "{% for %}"))
+    with pytest.raises(ValueError, match="^training.chat_format: .* holds no chat template string"):
+        data.load_chat_format(_tokenizer_config(tmp_path / "none.json", None))
+
+
+def test_a_dataset_in_a_models_template(chats, chat_cache, tmp_path):
+    fmt = _tokenizer_config(tmp_path / "tokenizer_config.json", CHATML_JINJA)
+    tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
+    ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, data_format="messages", chat_format=fmt)
+    _check_labels(ds, tok, [json.loads(line)["messages"] for line in open(chats)], "<|im_end|>")
