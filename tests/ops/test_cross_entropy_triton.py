@@ -122,27 +122,6 @@ def test_triton_per_token_loss_with_frozen_weight_makes_logits_once(monkeypatch,
     assert len(calls) == (2 * chunks if weight_trainable else chunks)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["halves", "whole"])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen", "trainable"])
-def test_triton_chunk_in_two_row_halves_matches_oracle(monkeypatch, weight_trainable, reduction, overlap):
-    """ROW_OVERLAP: each chunk's logits go in two row halves, split at a multiple of ROW_SPLIT_ALIGN
-    (the first half's row passes run beside the second half's product on the GPU); a chunk of at
-    most that many rows, the last one here, runs whole. Without it every chunk runs whole. Loss
-    and gradients equal the oracle either way."""
-    monkeypatch.setattr(triton_backend, "ROW_OVERLAP", overlap)
-    monkeypatch.setattr(triton_backend, "ROW_SPLIT_ALIGN", 2)
-    passes = []
-    row_passes = triton_backend._Chunks.row_passes_
-    monkeypatch.setattr(triton_backend._Chunks, "row_passes_",
-                        lambda self, logits, rows, *a: passes.append(rows.stop - rows.start) or row_passes(self, logits, rows, *a))
-    check_against_oracle(torch.float32, 30, 8, 45, 7, reduction, seed=12, tolerance=1e-5,
-                         weight_trainable=weight_trainable, z_loss_weight=0.01, label_smoothing=0.1)
-    forward = ([4, 3] if overlap else [7]) * 4 + [2]  # chunks of 7, 7, 7, 7, 2 tokens
-    recompute = weight_trainable and reduction == "none"  # the backward's pass over the chunks again
-    assert passes == forward * (2 if recompute else 1)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("scale", [1.0, 1.0 + 2**-20, 0.5, -3.7, float("nan")])
 def test_scale_in_place_equals_torch_mul(monkeypatch, dtype, scale):

@@ -21,7 +21,10 @@ is compute-bound; the next chunk's logits wait for it (they overwrite the buffer
 The side stream adds into grad_weight in chunk order, so results are bitwise reproducible.
 (Two half-size buffers, letting the next logits overlap it too, were slower in an H200
 probe: halving the chunk costs more in the grad_weight product, 315 TFLOP/s at 256 tokens
-against 465 at 512, than the overlap wins: loss_parts.json.)
+against 465 at 512, than the overlap wins: loss_parts.json. Cutting each chunk's logits product in two
+row halves, the first half's row passes on a second stream beside the second half's product, was
+slower too on an H100: 99.7 against 95.8 ms trainable, 79.0 against 68.8 frozen at N 16384, D 4096,
+V 151936: results/h100/loss_row_overlap.json.)
 
 With reduction "mean" or "sum" and gradients wanted, the gradients are computed in the
 forward (the upstream gradient is a scalar, applied in the backward in place by _scale_kernel,
@@ -94,11 +97,6 @@ GEMM_BACKEND = "auto"
 # H200 with the tuned product (98.2 vs 99.2 ms at N 16384, D 4096, V 151936, chunk 768:
 # benchmarks/results/h200/loss_variants.json), at the same peak (the tuned product's workspace is its own, a few bytes).
 SIDE_STREAM = True
-# Each chunk in two row halves, the first half's row passes on a second side stream beside the second
-# half's logits product (_Chunks.chunk_). The halves split at a multiple of ROW_SPLIT_ALIGN rows (a
-# cuBLAS tile); a chunk of at most that many rows runs whole. Untimed on the GPU so far.
-ROW_OVERLAP = True
-ROW_SPLIT_ALIGN = 128
 
 
 @triton.jit
@@ -327,7 +325,6 @@ class _Chunks:
         self.free = None  # the event after which the side stream no longer reads the buffer
         self.forked = False  # whether the side stream took work (and so must be joined)
         self.lt = _use_cublaslt(hidden)
-        self.rows_side = _side_stream(hidden.device, "rows") if hidden.is_cuda and ROW_OVERLAP else None
 
     def ranges(self):
         for start in range(0, self.hidden.shape[0], self.chunk_size):
@@ -374,42 +371,8 @@ class _Chunks:
             lse[rows], target, logit_sum, self.valid[rows], self.z_loss_weight, self.label_smoothing, self.num_classes
         )
 
-    def chunk_(self, rows, lse, loss, grad_token):
-        """This chunk's logits into the buffer, then the row passes: the statistics into lse[rows] and
-        loss[rows] (where loss is given) and d loss / d logits in place (where grad_token is given).
-
-        With ROW_OVERLAP the chunk goes in two row halves: the first half's row passes run on a second
-        side stream while the main stream's cuBLAS product forms the second half's logits (row passes
-        are per row, and memory-bound beside a compute-bound product); only the second half's passes
-        are left exposed. Off CUDA the halves run in order, the same arithmetic.
-        """
-        num_rows = rows.stop - rows.start
-        half = cdiv(cdiv(num_rows, 2), ROW_SPLIT_ALIGN) * ROW_SPLIT_ALIGN
-        if not ROW_OVERLAP or half >= num_rows:
-            logits = self.logits(rows)
-            self.row_passes_(logits, rows, lse, loss, grad_token)
-            return logits
-        first, second = slice(rows.start, rows.start + half), slice(rows.start + half, rows.stop)
-        self.logits(first)
-        logits = self.buffer[:num_rows]  # [C, V]
-        if self.rows_side is not None:
-            self.rows_side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.rows_side) if self.rows_side is not None else contextlib.nullcontext():
-            self.row_passes_(logits[:half], first, lse, loss, grad_token)
-        torch.mm(self.hidden[second], self.weight.T, out=logits[half:])
-        self.row_passes_(logits[half:], second, lse, loss, grad_token)
-        if self.rows_side is not None:
-            torch.cuda.current_stream().wait_stream(self.rows_side)
-        return logits
-
-    def row_passes_(self, logits, rows, lse, loss, grad_token):
-        if loss is not None:
-            self.stats_(logits, rows, lse, loss)
-        if grad_token is not None:
-            self.grad_logits_(logits, rows, lse, grad_token)
-
-    def grad_logits_(self, logits, rows, lse, grad_token):
-        """Turns logits into d loss / d logits, in place."""
+    def grads_(self, logits, rows, lse, grad_token, grad_hidden, grad_weight):
+        """Turns logits into d loss / d logits and adds their products into the gradients."""
         num_rows, num_cols = logits.shape
         num_splits, cols_per_split = _splits(num_rows, num_cols, GRAD_PROGRAMS_PER_CHUNK)
         _grad_logits_kernel[(num_rows, num_splits)](
@@ -418,9 +381,6 @@ class _Chunks:
             BLOCK_V=min(BLOCK_V, next_power_of_2(num_cols)), HAS_SMOOTHING=self.label_smoothing != 0.0,
             FAST_EXP=logits.is_cuda, num_warps=ROW_WARPS,
         )
-
-    def products_(self, logits, rows, grad_hidden, grad_weight):
-        """Adds the products of d loss / d logits (the buffer, after chunk_) into the gradients."""
         if grad_weight is not None:
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream())
@@ -472,15 +432,15 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-_SIDE_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device, role: str = "grad_weight") -> torch.cuda.Stream:
-    """One side stream per device and role, reused: each new stream would get its own cuBLAS workspace."""
-    key = (torch.device(device), role)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
-    return _SIDE_STREAMS[key]
+def _side_stream(device) -> torch.cuda.Stream:
+    """One side stream per device, reused: each new stream would get its own cuBLAS workspace."""
+    device = torch.device(device)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
 
 
 class TritonLinearCrossEntropy(torch.autograd.Function):
@@ -498,9 +458,10 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
         loss = torch.empty_like(lse)  # [N]
         for rows in chunks.ranges():
-            logits = chunks.chunk_(rows, lse, loss, grad_token if grads_now else None)  # [C, V]
+            logits = chunks.logits(rows)  # [C, V]
+            chunks.stats_(logits, rows, lse, loss)
             if grads_now:
-                chunks.products_(logits, rows, grad_hidden, grad_weight)
+                chunks.grads_(logits, rows, lse, grad_token, grad_hidden, grad_weight)
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
@@ -542,7 +503,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, D]
         grad_weight = _grad_weight_buffer(weight, hidden.shape[0]) if need_weight else None  # [V, D]
         for rows in chunks.ranges():
-            chunks.products_(chunks.chunk_(rows, lse, None, grad_token), rows, grad_hidden, grad_weight)
+            chunks.grads_(chunks.logits(rows), rows, lse, grad_token, grad_hidden, grad_weight)
         chunks.join()
         if grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, dist.ReduceOp.SUM, chunks.tp_group)
