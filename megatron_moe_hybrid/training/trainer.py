@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -209,6 +210,19 @@ def _is_rank0() -> bool:
 def _print0(*args) -> None:
     if _is_rank0():
         print(*args, flush=True)
+
+
+def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
+    """One line on what a run reads: tokens, samples and, for records, the share of trained tokens
+    (the quick check that a prompt / chat mask is what was meant)."""
+    line = (f"{what}: {path} ({data_format}): {len(dataset.tokens):,} tokens, {dataset.num_samples:,} samples of "
+            f"{dataset.seq_length} tokens")
+    if dataset.trained is not None:
+        line += f"; {float(np.asarray(dataset.trained).mean()):.1%} of the tokens trained"
+    skipped = {k: v for k, v in dataset.data_stats.items() if v}
+    if skipped:
+        line += f"; skipped lines (training.bad_data: skip): {skipped}"
+    return line
 
 
 class Trainer:
@@ -424,6 +438,7 @@ class Trainer:
             else get_tokenizer(t.data_path, self.config.vocab_size, t.cache_dir, **data_opts)
         )
         self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts)
+        _print0(_data_summary("data", t.data_path, self.dataset, t.data_format))
         self.eval_dataset = None
         if t.eval_data_path is not None:
             try:
@@ -433,6 +448,7 @@ class Trainer:
             except ValueError as e:  # too little text for one sample
                 raise _start_error("training.eval_data_path", ValueError(str(e).replace(
                     "training.seq_length: ", ""))) from e  # fmt: skip
+            _print0(_data_summary("held-out data", t.eval_data_path, self.eval_dataset, t.data_format))
             need = t.eval_batches * t.global_batch_size
             if self.eval_dataset.num_samples < need:
                 raise _start_error("training.eval_batches", ValueError(

@@ -236,8 +236,14 @@ def _train(rank, world_size, raw, overrides):
     from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.training.trainer import run
 
-    result = run(config_from_dict(raw, overrides), "pretrain")
-    return {"losses": result.losses, "evals": result.eval_losses}
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = run(config_from_dict(raw, overrides), "pretrain")
+    summary = next(line for line in out.getvalue().splitlines() if line.startswith("data: "))
+    return {"losses": result.losses, "evals": result.eval_losses, "summary": summary}
 
 
 def test_a_run_trains_on_conversations(chats, chat_cache, tmp_path, raw_config):
@@ -247,6 +253,10 @@ def test_a_run_trains_on_conversations(chats, chat_cache, tmp_path, raw_config):
               "training.eval_data_path": chats, "training.eval_batches": 1, "training.lr": 3e-3}
     raw, ov = raw_config(chats, chat_cache, str(tmp_path / "run"), **common)
     (result,) = spawn(_train, 1, raw, ov)
+    ds = TokenDataset(chats, data.load_tokenizer(tmp_path / "run" / "tokenizer.model"), 32, chat_cache, 0, **MESSAGES)
+    share = float(np.asarray(ds.trained).mean())
+    assert result["summary"].startswith(f"data: {chats} (messages): {len(ds.tokens):,} tokens, ")
+    assert result["summary"].endswith(f"samples of 32 tokens; {share:.1%} of the tokens trained"), result["summary"]
     losses = result["losses"]
     assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     assert result["evals"] and np.isfinite(result["evals"][-1][1])
