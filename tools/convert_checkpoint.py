@@ -946,6 +946,114 @@ class MergedLoRAReader:
             return w + ((b @ a).transpose(-1, -2) * self.scale).to(w.dtype)
 
 
+_ADAPTER_LINEAR = re.compile(r"^(?P<mod>.+)\.lora_(?P<p>[AB])$")
+_ADAPTER_EXPERT = re.compile(r"^(?P<mod>.+)\.lora_(?P<p>[AB][12])(?:\.expert(?P<g>\d+))?$")
+_HF_EXPERT_KEY = re.compile(r"\.experts\.(?P<g>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class _AdapterProbe:
+    """A reader for one layer's export (_hf_layer) in which the chosen keys hold LoRA B factors,
+    laid out as the weight they adapt (rows the weight's output rows), and every other key is a
+    meta tensor of its shape: the export's row splits and permutations carry the B factors to
+    the HF tensors they belong to, and leave the rest on the meta device."""
+
+    def __init__(self, shapes: dict[str, torch.Size], real: dict[str, torch.Tensor]):
+        self.shapes, self.real = shapes, real
+
+    def get(self, key: str) -> torch.Tensor:
+        if key in self.real:
+            return self.real[key]
+        return torch.empty(self.shapes[key], device="meta")
+
+
+def hf_lora_adapter(tensors: dict[str, torch.Tensor], config) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Our adapter (the trainer's adapter file: <module>.lora_A / lora_B; experts lora_A1 / B1 /
+    A2 / B2, per expert or one shared) -> {HF module path: (lora_A [r, in], lora_B [out, r])} over
+    the transformers model's modules, whose merge W_hf + s B A equals ours-to-hf --merge-lora.
+
+    A fused projection of ours adapts several HF projections with one A: each gets that A and its
+    rows of B, as the weight's export splits them (Qwen3-Next's in_proj into in_proj_qkvz and
+    in_proj_ba, per head; the experts' gate | up into gate_proj and up_proj; MLA's projections
+    one to one). Found by running the weight export itself on the B factors (_AdapterProbe), so
+    the mapping is the converter's; a B whose rows the export would mix with its columns is refused.
+    """
+    from megatron_moe_hybrid.models import build_model
+
+    family = family_of(config)
+    with _SingleProcess(), torch.device("meta"):
+        model = build_model(config)
+    shapes: dict[str, torch.Size] = {}
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if re.search(r"\.experts\.weight[12]$", name):
+            shapes.update({f"{name}.expert{e}": t.shape[1:] for e in range(t.shape[0])})
+        else:
+            shapes[name] = t.shape
+    linear: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[str, dict[str, dict]] = {}  # experts module -> factor -> {expert or None: tensor}
+    for key, t in tensors.items():
+        m = _ADAPTER_LINEAR.match(key)
+        if m and m["mod"] + ".weight" in shapes:
+            linear.setdefault(m["mod"], {})[m["p"]] = t
+            continue
+        m = _ADAPTER_EXPERT.match(key)
+        if m is None or m["mod"] + ".weight1.expert0" not in shapes:
+            raise ValueError(f"tensors: {key!r} adapts no module of this model (its config's pattern and sizes)")
+        experts.setdefault(m["mod"], {}).setdefault(m["p"], {})[None if m["g"] is None else int(m["g"])] = t
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer_of(path: str) -> int:
+        found = re.match(r"decoder\.layers\.(\d+)\.", path)
+        if found is None:
+            raise ValueError(f"tensors: {path!r} is not inside a decoder layer; only layers' adapters export to HF names")
+        return int(found.group(1))
+
+    def derived(i: int, real: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        got = {k: v for k, v in _hf_layer(_AdapterProbe(shapes, real), config, i).items() if v.device.type != "meta"}
+        if not got:
+            raise ValueError(f"tensors: no HF tensor of layer {i} comes from {sorted(real)[:2]}: the {family.name} "
+                             "export does not carry this adapter")
+        for k, v in got.items():
+            if not k.endswith(".weight") or v.dim() != 2 or v.shape[1] != rank:
+                raise ValueError(f"tensors: the export turns the adapter of {sorted(real)[0]} into {k} {tuple(v.shape)}, "
+                                 "not rows of B; this projection cannot be adapted under HF names")
+        return got
+
+    for path, ab in sorted(linear.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"tensors: {path} has lora_{''.join(sorted(ab))} only; an adapter needs lora_A and lora_B")
+        for k, b in derived(layer_of(path), {path + ".weight": ab["B"]}, ab["A"].shape[0]).items():
+            out[k[: -len(".weight")]] = (ab["A"], b)
+    for path, factors in sorted(experts.items()):
+        if set(factors) != {"A1", "B1", "A2", "B2"}:
+            raise ValueError(f"tensors: {path} has lora_{sorted(factors)}; the experts' adapter needs A1, B1, A2 and B2")
+        count = sum(1 for k in shapes if k.startswith(path + ".weight1.expert"))
+
+        def factor(name, e):
+            by_expert = factors[name]
+            if e in by_expert:
+                return by_expert[e]
+            if None in by_expert:
+                return by_expert[None]
+            raise ValueError(f"tensors: {path}.lora_{name} has no adapter for expert {e}")
+
+        # ours: weight1.expert<e> [h, 2F] += s (B1 A1)^T, weight2.expert<e> [F, h] += s (B2 A2)^T; the
+        # export reads weight^T's rows, so the probe holds B^T where the weight is
+        real = {}
+        for e in range(count):
+            real[f"{path}.weight1.expert{e}"] = factor("B1", e).t()
+            real[f"{path}.weight2.expert{e}"] = factor("B2", e).t()
+        rank = factor("A1", 0).shape[0]
+        for k, b in derived(layer_of(path), real, rank).items():
+            m = _HF_EXPERT_KEY.search(k)
+            if m is None:
+                raise ValueError(f"tensors: the export turns {path}'s adapters into {k}, not a per-expert projection")
+            a = factor("A2" if m["proj"] == "down_proj" else "A1", int(m["g"]))
+            out[k[: -len(".weight")]] = (a, b.contiguous())
+    return out
+
+
 def _ours_reader(path: str):
     """A checkpoint of ours, safetensors or dist, by OursReader's interface."""
     from megatron_moe_hybrid.training.dist_checkpoint import DistCheckpointReader, find_dist_checkpoint

@@ -3,6 +3,7 @@
     python tools/export_lora.py outputs/ft peft_out                 # a run: its adapter/ folder
     python tools/export_lora.py outputs/ft/adapter peft_out --num-experts 8
     python tools/export_lora.py peft_out ours_out --to-ours         # PEFT -> our names
+    python tools/export_lora.py outputs/ft peft_hf --hf             # PEFT over the transformers model's modules
 
 Shape legend: r rank, h hidden size, F expert FFN size, g a global expert index.
 Ours (adapter/adapter_model.safetensors):
@@ -13,9 +14,11 @@ PEFT (its key format, one module per expert and projection as vLLM's MoE LoRA la
   base_model.model.<module>.lora_A.weight / lora_B.weight
   base_model.model.<experts>.<g>.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight
 <module> is our model's module path (decoder.layers.0.self_attention.in_proj, ...), so PEFT loads
-the file onto our model's module tree, not onto a transformers model, whose modules are named
-and split otherwise (Qwen3-Next's linear_attn.in_proj_qkvz and in_proj_ba are our one in_proj).
-For transformers or vLLM, fold the adapters into the weights instead:
+the file onto our model's module tree. With --hf the modules are the transformers model's
+(model.layers.0.linear_attn.in_proj_qkvz, ...; experts per expert, as the HF checkpoint files and
+vLLM's MoE LoRA name them): a fused projection of ours gives each HF projection it becomes its
+rows of B and the same A (convert_checkpoint.hf_lora_adapter; the run's config.yaml names the
+model). Or fold the adapters into the weights:
   python tools/convert_checkpoint.py ours-to-hf --ckpt outputs/ft --out hf_out --merge-lora
 Our fused gate|up adapter becomes two with the same A and B split by rows, so a PEFT adapter
 imports back only where gate_proj and up_proj share A. A shared expert adapter is written
@@ -183,6 +186,48 @@ def export_peft(src: str, out_dir: str, num_experts: int | None = None) -> str:
     return write_adapter(out_dir, peft_tensors, peft_config, metadata)
 
 
+def _run_config(src: str, config_path: str | None):
+    """The model config of the run an adapter belongs to: config_path, else config.yaml in the
+    run's output_dir (src, or the adapter dir's parent)."""
+    from megatron_moe_hybrid.config import load_config
+
+    candidates = [config_path] if config_path else [os.path.join(src, "config.yaml"),
+                                                    os.path.join(os.path.dirname(os.path.abspath(_adapter_dir(src))),
+                                                                 "config.yaml")]  # fmt: skip
+    path = next((c for c in candidates if c and os.path.isfile(c)), None)
+    if path is None:
+        raise ValueError(f"config: --hf needs the run's model config; none of {candidates} exists: pass --config")
+    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.fsdp": False,
+              "parallel.tensor_model_parallel_size": 1, "parallel.context_parallel_size": 1,
+              "training.init_from": None, "training.tokenizer_model": None}  # fmt: skip
+    return load_config(path, single)
+
+
+def export_peft_hf(src: str, out_dir: str, config_path: str | None = None) -> str:
+    """Our adapter -> PEFT over the transformers model's module paths (module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import convert_checkpoint  # tools/convert_checkpoint.py: the families' weight export
+
+    tensors, config, _ = read_adapter(src)
+    for key in ("r", "lora_alpha"):
+        if key not in config:
+            raise ValueError(f"config: adapter_config.json lacks {key!r}; it is written by the trainer's save_adapter")
+    model_config = _run_config(src, config_path)
+    modules = convert_checkpoint.hf_lora_adapter(tensors, model_config)
+    out = {}
+    for mod, (a, b) in modules.items():
+        out[f"{PREFIX}{mod}.lora_A.weight"] = a
+        out[f"{PREFIX}{mod}.lora_B.weight"] = b
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(config["r"]), "lora_alpha": config["lora_alpha"],
+        "lora_dropout": config.get("lora_dropout", 0.0), "use_rslora": bool(config.get("rslora", False)),
+        "target_modules": sorted({mod.rsplit(".", 1)[-1] for mod in modules}), "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": config.get("base_checkpoint"),
+    }  # fmt: skip
+    return write_adapter(out_dir, out, peft_config)
+
+
 def import_peft(peft_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, peft_config, metadata = read_adapter(peft_dir)
     if peft_config.get("peft_type", "LORA") != "LORA":
@@ -196,9 +241,14 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--num-experts", type=int, default=None, help="experts per layer (for a shared expert adapter)")
     ap.add_argument("--to-ours", action="store_true", help="convert a PEFT adapter back to our names")
+    ap.add_argument("--hf", action="store_true", help="PEFT over the transformers model's module paths (for "
+                    "transformers / vLLM), not ours")
+    ap.add_argument("--config", default=None, help="with --hf: the run's config.yaml (default: the run's own)")
     args = ap.parse_args(argv)
     try:
-        if args.to_ours:
+        if args.hf:
+            export_peft_hf(args.src, args.out_dir, args.config)
+        elif args.to_ours:
             tensors, config = import_peft(args.src)
             write_adapter(args.out_dir, tensors, config)
         else:

@@ -215,8 +215,10 @@ def test_lora_run_exports_to_hf_with_its_adapters_merged(tmp_path, variant):
 
 def check_lora_merge(tmp_path, hf, hf_class, targets, adapters_only=False, lora_overrides=None, **model_overrides):
     """Each tensor MergedLoRAReader gives, one at a time, equals the whole LoRA model's merged
-    (merge_lora_, the reference), and the exported HF model's logits equal the LoRA model's."""
-    from megatron_moe_hybrid.layers.lora import apply_lora, merge_lora_
+    (merge_lora_, the reference), and the exported HF model's logits equal the LoRA model's.
+    The adapters under HF module names (hf_lora_adapter) merge into the base's HF tensors as
+    the merged export holds them: W_hf + s B A for every adapted HF tensor, W_hf elsewhere."""
+    from megatron_moe_hybrid.layers.lora import adapter_tensors, apply_lora, lora_scale, merge_lora_
     from megatron_moe_hybrid.training.checkpoint import model_tensors_to_save, save_checkpoint
 
     base = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "base"), progress=False)
@@ -232,6 +234,7 @@ def check_lora_merge(tmp_path, hf, hf_class, targets, adapters_only=False, lora_
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_(0.0, 0.05)  # lora_B starts at zero: give every adapter a real update
+    adapters = adapter_tensors(model)
     run = str(tmp_path / "run")
     save_checkpoint(run, 3, model, {}, {"config": config.to_dict()}, trainable_only=adapters_only)
     with pytest.raises(ValueError, match="holds LoRA tensors .*pass --merge-lora"):
@@ -251,7 +254,68 @@ def check_lora_merge(tmp_path, hf, hf_class, targets, adapters_only=False, lora_
     assert set(reader.file_of) == set(expected_tensors)
     for key, t in expected_tensors.items():
         torch.testing.assert_close(reader.get(key), t, msg=key)
+    check_hf_adapter(adapters, config, convert.ours_to_hf(base, str(tmp_path / "base_hf"), progress=False), exported,
+                     lora_scale(lo.rank, lo.alpha, lo.rslora))
     return paths
+
+
+def check_hf_adapter(adapters, config, base_hf_dir, merged_hf_dir, scale):
+    hf_adapter = convert.hf_lora_adapter(adapters, config)
+    base, merged = convert.HFReader(base_hf_dir), convert.HFReader(merged_hf_dir)
+    assert set(base.file_of) == set(merged.file_of)
+    assert {m + ".weight" for m in hf_adapter} <= set(merged.file_of)  # every name is an HF tensor's module
+    changed = 0
+    for key in sorted(merged.file_of):
+        want = base.get(key).double()
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if module in hf_adapter:
+            a, b = hf_adapter[module]
+            want = want + scale * (b.double() @ a.double())
+            changed += 1
+        torch.testing.assert_close(merged.get(key).double(), want, rtol=1e-5, atol=1e-6, msg=key)
+    assert changed == len(hf_adapter) > 0
+
+
+def test_hf_named_adapter_loads_in_peft_onto_the_transformers_model(tmp_path):
+    """tools/export_lora.py --hf: attention adapters (both of Qwen3-Next's kinds: GDN's in_proj
+    split into in_proj_qkvz and in_proj_ba per head) as PEFT over the transformers model's
+    modules; peft.PeftModel loads them onto the HF model, whose logits are then our LoRA model's."""
+    import subprocess
+    import sys
+
+    peft = pytest.importorskip("peft")
+    from megatron_moe_hybrid.layers.lora import adapter_tensors, apply_lora
+    from safetensors.torch import save_file as save
+
+    hf = random_hf_model(seed=9)
+    base = convert.hf_to_ours(save_hf(hf, tmp_path / "hf"), str(tmp_path / "base"), progress=False)
+    model = our_model(base)
+    apply_lora(model, ["attention"], 4, 8.0)
+    torch.manual_seed(10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0.0, 0.05)
+    ours = tmp_path / "adapter"
+    ours.mkdir()
+    save(adapter_tensors(model), str(ours / "adapter_model.safetensors"))
+    (ours / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8.0}))
+    tool = os.path.join(ROOT, "tools", "export_lora.py")
+    done = subprocess.run([sys.executable, tool, str(ours), str(tmp_path / "peft"), "--hf", "--config",
+                           os.path.join(base, "config.yaml")], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj"} <= set(config["target_modules"])
+    ids = tokens(2, 29, seed=11)
+    with torch.no_grad():
+        plain = hf(ids).logits
+        adapted = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+        actual = adapted(ids).logits
+        expected = our_logits(model.eval(), ids)
+    torch.testing.assert_close(actual, expected, atol=LOGIT_TOL, rtol=0)
+    assert (expected - plain).abs().max() > 100 * LOGIT_TOL  # the adapters changed the model
+    missing = subprocess.run([sys.executable, tool, str(ours), str(tmp_path / "x"), "--hf"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "--hf needs the run's model config" in missing.stderr
 
 
 def _train_worker(rank, world_size, raw, overrides):
