@@ -963,6 +963,9 @@ class _AdapterProbe:
     def get(self, key: str) -> torch.Tensor:
         if key in self.real:
             return self.real[key]
+        if key not in self.shapes:
+            raise ValueError(f"config: the model has no {key!r}, which the HF export reads; the run's config does not "
+                             "describe the model the adapter was trained on")
         return torch.empty(self.shapes[key], device="meta")
 
 
@@ -979,6 +982,7 @@ def hf_lora_adapter(tensors: dict[str, torch.Tensor], config) -> dict[str, tuple
     """
     from megatron_moe_hybrid.models import build_model
 
+    export_hf_config(config)  # refuses, naming the field, a model the HF families cannot hold
     family = family_of(config)
     with _SingleProcess(), torch.device("meta"):
         model = build_model(config)

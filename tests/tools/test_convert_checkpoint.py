@@ -318,6 +318,12 @@ def test_hf_named_adapter_loads_in_peft_onto_the_transformers_model(tmp_path):
     assert missing.returncode == 1 and "--hf needs the run's model config" in missing.stderr
 
 
+def test_hf_adapter_refuses_a_model_no_family_holds():
+    config = load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"), {"parallel.world_size": 1})
+    with pytest.raises(ValueError, match="^model.pattern: layer 3 is 'S'; Qwen3-Next has only"):
+        convert.hf_lora_adapter({}, config)
+
+
 def _train_worker(rank, world_size, raw, overrides):
     from megatron_moe_hybrid.training.trainer import run
 
