@@ -38,6 +38,7 @@ from megatron_moe_hybrid.registry import (
     LORA_ATTENTION_TARGETS,
     LORA_TARGETS,
     MOE_DISPATCHERS,
+    PACKINGS,
     ROUTER_SCORE_FUNCS,
     SPARSE_ATTENTION_STAGES,
     expand_lora_targets,
@@ -210,6 +211,10 @@ class TrainingConfig:
     response_field: str = "response"
     messages_field: str = "messages"
     chat_format: str = "chatml"
+    # "stream": samples cut every seq_length tokens of the token stream (a document or record may
+    # start in one sample and end in the next); "fit": whole documents / records per sample (next
+    # fit in stream order), the rest padded and left out of the loss (registry.PACKINGS)
+    packing: str = "stream"
     # attention within each record only: a micro-batch runs as one packed sequence whose pieces
     # start at every sample and after every end-of-sequence token (RoPE positions restart there)
     isolate_records: bool = False
@@ -791,6 +796,8 @@ def _validate(c: HybridMoEConfig) -> None:
     _require(bool(t.text_field), "training.text_field", "is empty; name the JSONL field holding the text")
     _require(t.data_format in DATA_FORMATS, "training.data_format",
              f"{t.data_format!r} is not one of {', '.join(DATA_FORMATS)}{_did_you_mean(t.data_format, DATA_FORMATS)}")
+    _require(t.packing in PACKINGS, "training.packing",
+             f"{t.packing!r} is not one of {', '.join(PACKINGS)}{_did_you_mean(t.packing, PACKINGS)}")
     for name in ("prompt_field", "response_field", "messages_field"):
         _require(bool(getattr(t, name)), f"training.{name}", "is empty; name the JSONL field holding it")
     _require(

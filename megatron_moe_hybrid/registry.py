@@ -76,6 +76,9 @@ SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 # "messages": .jsonl records of a conversation (a list of {"role", "content"}) rendered turn by turn
 # in training.chat_format, the loss on the assistant turns' content and end-of-turn marker
 DATA_FORMATS = ("text", "prompt_response", "messages")
+# training.packing: "stream": the token stream cut every seq_length tokens (documents may straddle
+# samples); "fit": whole documents / records per sample, the rest padded and ignored by the loss
+PACKINGS = ("stream", "fit")
 # training.chat_format presets: the text before the conversation (bos), each role's text before and
 # after its content (an assistant turn trains its content and its suffix, the end-of-turn marker the
 # model learns to stop at), and the separator after every turn (untrained). A .json file of the same

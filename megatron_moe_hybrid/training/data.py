@@ -47,7 +47,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from megatron_moe_hybrid.registry import CHAT_FORMATS, DATA_FORMATS
+from megatron_moe_hybrid.registry import CHAT_FORMATS, DATA_FORMATS, PACKINGS
 
 logger = logging.getLogger(__name__)
 
@@ -772,6 +772,13 @@ class TokenDataset:
     a record is its rendered pieces' tokens (each piece tokenized alone) and eos_id (unless its
     last piece already ends with it), and `trained` marks the assistant turns' pieces (the
     appended eos, a separator, is not trained).
+
+    packing "stream" (the default) cuts the stream every S tokens, so a document or record may
+    start in one sample and end in the next, which then sees its end without its beginning.
+    packing "fit" keeps them whole: consecutive ones fill a sample while they fit in S + 1 tokens
+    (next fit, in stream order), the rest of the sample is padding (eos_id, labels IGNORE_INDEX);
+    one longer than a sample is cut as the stream would cut it (cut_records counts them).
+    masked_labels says whether some labels are IGNORE_INDEX (the loss then averages over the rest).
     """
 
     def __init__(
@@ -781,16 +788,23 @@ class TokenDataset:
         seq_length: int,
         cache_dir: str | os.PathLike,
         seed: int,
+        packing: str = "stream",
         **options,
     ):
         if seq_length < 1:
             raise ValueError(f"training.seq_length must be >= 1, got {seq_length}")
+        if packing not in PACKINGS:
+            raise ValueError(f"training.packing: {packing!r} is not one of {', '.join(PACKINGS)}")
         self.seq_length = seq_length
         self.seed = seed
+        self.packing = packing
+        self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
-        # [num_tokens] int32, [num_tokens] uint8 (prompt_response) or None, the skip counts by STAT_KEYS
-        self.tokens, self.trained, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
-        self.num_samples = (len(self.tokens) - 1) // seq_length
+        # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
+        self.tokens, self.trained, ends, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
+        self.masked_labels = self.trained is not None or packing == "fit"
+        self.spans, self.cut_records = (fit_spans(ends, seq_length) if packing == "fit" else (None, 0))
+        self.num_samples = len(self.spans) if packing == "fit" else (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(
                 f"training.seq_length: {seq_length} is too long for {data_path!r}, which has "
@@ -813,33 +827,70 @@ class TokenDataset:
         if sample_index < 0:
             raise ValueError(f"sample_index must be >= 0 (the number of samples consumed), got {sample_index}")
         epoch, position = divmod(sample_index, self.num_samples)
-        start = int(self._permutation(epoch)[position]) * self.seq_length
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64))  # [S + 1]
+        sample = int(self._permutation(epoch)[position])
+        if self.spans is None:
+            start, end = sample * self.seq_length, sample * self.seq_length + self.seq_length + 1
+        else:
+            start, end = (int(x) for x in self.spans[sample])
+        window = torch.from_numpy(np.asarray(self.tokens[start:end], dtype=np.int64))  # [n + 1], n <= S
         labels = window[1:]
         if self.trained is not None:
-            trained = torch.from_numpy(np.asarray(self.trained[start + 1 : start + self.seq_length + 1], dtype=np.bool_))
-            labels = labels.masked_fill(~trained, IGNORE_INDEX)  # [S]
+            trained = torch.from_numpy(np.asarray(self.trained[start + 1 : end], dtype=np.bool_))
+            labels = labels.masked_fill(~trained, IGNORE_INDEX)  # [n]
+        pad = self.seq_length - labels.numel()  # fit packing: the sample's unused tail
+        if pad:
+            return (torch.cat([window[:-1], window.new_full((pad,), self.pad_id)]),
+                    torch.cat([labels, labels.new_full((pad,), IGNORE_INDEX)]))  # fmt: skip
         return window[:-1], labels
+
+
+def fit_spans(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, int]:
+    """training.packing "fit": ([samples, 2] int64 (start, end) ranges of the token stream, each at
+    most S + 1 tokens of whole documents in stream order (next fit), and how many documents were
+    longer than a sample and cut into S + 1-token pieces overlapping by one, as the stream cuts).
+    ends: where each document ends (exclusive), ascending."""
+    spans: list[tuple[int, int]] = []
+    cut = 0
+    start = prev = 0  # the open sample's start; the previous document's end
+    for end in ends.tolist():
+        if end - prev > seq_length + 1:  # longer than a sample: close the open one, cut this one
+            cut += 1
+            if prev - start > 1:
+                spans.append((start, prev))
+            start = prev
+            while end - start > seq_length + 1:
+                spans.append((start, start + seq_length + 1))
+                start += seq_length
+        elif end - start > seq_length + 1:  # does not fit after the open sample's documents
+            spans.append((start, prev))
+            start = prev
+        prev = end
+    if prev - start > 1:
+        spans.append((start, prev))
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2), cut
 
 
 def _cached_token_ids(
     data_path: str, tokenizer: Tokenizer, cache_dir: Path, opts: _TextOptions
-) -> tuple[np.ndarray, np.ndarray | None, dict[str, int]]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, dict[str, int]]:
     key = _sha256(f"{_text_key(data_path, opts)}-{tokenizer.sha256}")
     ids_path = cache_dir / f"tokens-{key[:16]}.npy"
     stats_path = cache_dir / f"tokens-{key[:16]}.stats.json"  # the skip counts of the text behind ids_path
     masked = opts.data_format != "text"
     trained_path = cache_dir / f"tokens-{key[:16]}.trained.npy"  # records: which tokens are trained
+    ends_path = cache_dir / f"tokens-{key[:16]}.ends.npy"  # where each document / record ends in the stream
     with _locked(ids_path):
-        if not (ids_path.exists() and stats_path.exists() and (trained_path.exists() or not masked)):
+        if not (ids_path.exists() and stats_path.exists() and ends_path.exists() and (trained_path.exists() or not masked)):
             docs, stats = load_documents(data_path, **asdict(opts))
             ids: list[int] = []
             trained: list[int] = []
+            ends: list[int] = []
             if opts.data_format == "prompt_response":
                 for prompt, response in zip(tokenizer.encode_batch([p for p, _ in docs]),
                                             tokenizer.encode_batch([r for _, r in docs])):  # fmt: skip
                     ids.extend(prompt + response + [tokenizer.eos_id])
                     trained.extend([0] * len(prompt) + [1] * (len(response) + 1))
+                    ends.append(len(ids))
             elif masked:  # messages: each piece tokenized alone, the conversation closed by an untrained eos
                 encoded = iter(tokenizer.encode_batch([text for doc in docs for text, _ in doc]))
                 for doc in docs:
@@ -850,6 +901,7 @@ def _cached_token_ids(
                     if ids[-1] != tokenizer.eos_id:  # not where the format's last suffix is the eos itself
                         ids.append(tokenizer.eos_id)
                         trained.append(0)
+                    ends.append(len(ids))
             if masked:
                 mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
                 _atomic_write(trained_path, lambda f: np.save(f, mask))
@@ -857,20 +909,28 @@ def _cached_token_ids(
                 for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
                     ids.extend(doc_ids)
                     ids.append(tokenizer.eos_id)
+                    ends.append(len(ids))
             array = np.asarray(ids, dtype=np.int32)  # [num_tokens]
+            ends_array = np.asarray(ends, dtype=np.int64)  # [documents]
+            _atomic_write(ends_path, lambda f: np.save(f, ends_array))
             _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
             _atomic_write(ids_path, lambda f: np.save(f, array))
         stats = json.loads(stats_path.read_text())
-    return np.load(ids_path, mmap_mode="r"), np.load(trained_path, mmap_mode="r") if masked else None, stats
+    trained_array = np.load(trained_path, mmap_mode="r") if masked else None
+    return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats
 
 
 def pack_records(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch [N, S] as one packed row [1, N S] and its cu_seqlens [R + 1] int32: a
     sequence starts at every sample and after every eos_id, so attention (and the linear
-    attention's state) stays inside each record (training.isolate_records)."""
+    attention's state) stays inside each record (training.isolate_records). A run of eos tokens
+    (fit packing's padding) stays with the sequence it follows: no one-token sequences."""
     n, s = tokens.shape
     flat = tokens.reshape(1, n * s)
-    ends = (flat[0] == eos_id).nonzero().flatten() + 1  # a record's first token follows its predecessor's eos
+    is_eos = flat[0] == eos_id
+    starts_here = torch.zeros_like(is_eos)
+    starts_here[1:] = is_eos[:-1] & ~is_eos[1:]
+    ends = starts_here.nonzero().flatten()  # a record's first token follows its predecessor's eos
     starts = torch.cat([torch.arange(0, n * s, s), ends, torch.tensor([n * s])])
     return flat, torch.unique(starts).to(torch.int32)  # sorted, each once
 

@@ -219,6 +219,10 @@ def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
             f"{dataset.seq_length} tokens")
     if dataset.trained is not None:
         line += f"; {float(np.asarray(dataset.trained).mean()):.1%} of the tokens trained"
+    if dataset.spans is not None:
+        used = int((dataset.spans[:, 1] - dataset.spans[:, 0] - 1).sum())
+        line += (f"; packed whole (training.packing: fit), {1 - used / (dataset.num_samples * dataset.seq_length):.1%} "
+                 f"of positions padding, {dataset.cut_records:,} longer than a sample cut")
     skipped = {k: v for k, v in dataset.data_stats.items() if v}
     if skipped:
         line += f"; skipped lines (training.bad_data: skip): {skipped}"
@@ -437,13 +441,14 @@ class Trainer:
             if t.tokenizer_model
             else get_tokenizer(t.data_path, self.config.vocab_size, t.cache_dir, **data_opts)
         )
-        self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts)
+        self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing,
+                                    **data_opts)
         _print0(_data_summary("data", t.data_path, self.dataset, t.data_format))
         self.eval_dataset = None
         if t.eval_data_path is not None:
             try:
                 self.eval_dataset = TokenDataset(
-                    t.eval_data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, **data_opts
+                    t.eval_data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing, **data_opts
                 )
             except ValueError as e:  # too little text for one sample
                 raise _start_error("training.eval_data_path", ValueError(str(e).replace(
@@ -485,11 +490,11 @@ class Trainer:
 
     def _trained_token_scale(self, labels: list[torch.Tensor]) -> Optional[float]:
         """dp / (trained tokens of the global batch) where some labels are IGNORE_INDEX
-        (prompt_response data; one all-reduce of a count), else None."""
+        (prompt_response / messages data, fit packing's padding; one all-reduce of a count), else None."""
         from megatron_moe_hybrid.parallel.data_parallel import all_reduce_sum
         from megatron_moe_hybrid.training.data import IGNORE_INDEX
 
-        if self.dataset.trained is None:
+        if not self.dataset.masked_labels:
             return None
         local = sum(int((x != IGNORE_INDEX).sum()) for x in labels)
         count = float(all_reduce_sum(torch.tensor(float(local), device=self.device), self.groups.dp))

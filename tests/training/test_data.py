@@ -150,10 +150,10 @@ def test_two_processes_build_the_same_cache(tmp_path, small_text_file):
     assert tokens0.shape == (4, SEQ)
     assert np.array_equal(tokens0, tokens1) and np.array_equal(labels0, labels1)
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
-    # one tokenizer, one token array and the skip counts beside it (no temporary files left)
-    assert len(names) == 3 and names[0].startswith("spm-"), names
-    key = names[1].removesuffix(".npy")
-    assert key.startswith("tokens-") and names[1:] == [f"{key}.npy", f"{key}.stats.json"], names
+    # one tokenizer, one token array, the documents' ends and the skip counts beside it (no temporary files left)
+    assert len(names) == 4 and names[0].startswith("spm-"), names
+    key = names[2].removesuffix(".npy")
+    assert key.startswith("tokens-") and names[1:] == [f"{key}.ends.npy", f"{key}.npy", f"{key}.stats.json"], names
     # and the parent, loading what the children cached, agrees
     assert get_tokenizer(str(small_text_file), VOCAB, tmp_path).sha256 == sha0
 

@@ -155,10 +155,11 @@ def test_loss_and_gradient_are_the_trained_tokens_mean_over_ranks_and_micro_batc
 
 def test_pack_records_starts_a_sequence_at_every_sample_and_after_every_eos():
     eos = 2
-    tokens = torch.tensor([[5, 6, 2, 7, 8, 2], [9, 2, 2, 4, 4, 4]])
+    tokens = torch.tensor([[5, 6, 2, 7, 8, 2], [9, 2, 2, 4, 4, 4], [3, 2, 2, 2, 2, 2]])
     flat, cu = data.pack_records(tokens, eos)
-    assert torch.equal(flat, tokens.reshape(1, 12))
-    assert cu.tolist() == [0, 3, 6, 8, 9, 12] and cu.dtype == torch.int32  # the sample end at 6 once
+    assert torch.equal(flat, tokens.reshape(1, 18))
+    # the sample end at 6 once; a run of eos (fit packing's padding) stays with its sequence
+    assert cu.tolist() == [0, 3, 6, 9, 12, 18] and cu.dtype == torch.int32
 
 
 @pytest.mark.parametrize("pattern", ["LLLS", "LLLA", "LLLM"])
