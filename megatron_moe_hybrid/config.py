@@ -216,7 +216,8 @@ class TrainingConfig:
     # fit in stream order), the rest padded and left out of the loss (registry.PACKINGS)
     packing: str = "stream"
     # attention within each record only: a micro-batch runs as one packed sequence whose pieces
-    # start at every sample and after every end-of-sequence token (RoPE positions restart there)
+    # start at every sample and at every document's / record's start (where it was written, not at
+    # eos tokens; RoPE positions restart there)
     isolate_records: bool = False
     max_document_chars: Optional[int] = None  # longer documents are bad data (None: no limit)
     tokenizer_model: Optional[str] = None  # a sentencepiece .model or an HF tokenizer.json; None: train one on data_path

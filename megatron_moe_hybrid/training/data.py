@@ -801,9 +801,10 @@ class TokenDataset:
         self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
         # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
-        self.tokens, self.trained, ends, self.data_stats = _cached_token_ids(data_path, tokenizer, Path(cache_dir), opts)
+        self.tokens, self.trained, self.ends, self.data_stats = _cached_token_ids(
+            data_path, tokenizer, Path(cache_dir), opts)
         self.masked_labels = self.trained is not None or packing == "fit"
-        self.spans, self.cut_records = (fit_spans(ends, seq_length) if packing == "fit" else (None, 0))
+        self.spans, self.cut_records = (fit_spans(self.ends, seq_length) if packing == "fit" else (None, 0))
         self.num_samples = len(self.spans) if packing == "fit" else (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(
@@ -822,16 +823,28 @@ class TokenDataset:
             self._epoch_perm = (epoch, rng.permutation(self.num_samples))
         return self._epoch_perm[1]
 
-    def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [S] int64, labels [S] int64) of the sample_index-th sample consumed."""
+    def _span(self, sample_index: int) -> tuple[int, int]:
+        """The stream range [start, end) of the sample_index-th sample consumed: its S (or fewer)
+        input tokens and, one further, the last label."""
         if sample_index < 0:
             raise ValueError(f"sample_index must be >= 0 (the number of samples consumed), got {sample_index}")
         epoch, position = divmod(sample_index, self.num_samples)
         sample = int(self._permutation(epoch)[position])
         if self.spans is None:
-            start, end = sample * self.seq_length, sample * self.seq_length + self.seq_length + 1
-        else:
-            start, end = (int(x) for x in self.spans[sample])
+            return sample * self.seq_length, sample * self.seq_length + self.seq_length + 1
+        return int(self.spans[sample, 0]), int(self.spans[sample, 1])
+
+    def record_starts(self, sample_index: int) -> list[int]:
+        """Positions p in (0, S) of the sample's input tokens where a document / record begins
+        (training.isolate_records starts a sequence there): from the stored document ends, not
+        from eos tokens, which a text may spell out or a chat format may end every turn with."""
+        start, end = self._span(sample_index)
+        inside = self.ends[np.searchsorted(self.ends, start, side="right") : np.searchsorted(self.ends, end - 1)]
+        return (inside - start).tolist()
+
+    def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [S] int64, labels [S] int64) of the sample_index-th sample consumed."""
+        start, end = self._span(sample_index)
         window = torch.from_numpy(np.asarray(self.tokens[start:end], dtype=np.int64))  # [n + 1], n <= S
         labels = window[1:]
         if self.trained is not None:
@@ -920,18 +933,17 @@ def _cached_token_ids(
     return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats
 
 
-def pack_records(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_records(tokens: torch.Tensor, record_starts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch [N, S] as one packed row [1, N S] and its cu_seqlens [R + 1] int32: a
-    sequence starts at every sample and after every eos_id, so attention (and the linear
-    attention's state) stays inside each record (training.isolate_records). A run of eos tokens
-    (fit packing's padding) stays with the sequence it follows: no one-token sequences."""
+    sequence starts at every sample and at each of its record starts (batch_record_starts), so
+    attention (and the linear attention's state) stays inside each record
+    (training.isolate_records). Fit packing's padding stays with the record it follows."""
     n, s = tokens.shape
+    if len(record_starts) != n:
+        raise ValueError(f"record_starts: one list per sample, got {len(record_starts)} for {n} samples")
     flat = tokens.reshape(1, n * s)
-    is_eos = flat[0] == eos_id
-    starts_here = torch.zeros_like(is_eos)
-    starts_here[1:] = is_eos[:-1] & ~is_eos[1:]
-    ends = starts_here.nonzero().flatten()  # a record's first token follows its predecessor's eos
-    starts = torch.cat([torch.arange(0, n * s, s), ends, torch.tensor([n * s])])
+    inside = [i * s + p for i, starts in enumerate(record_starts) for p in starts if 0 < p < s]
+    starts = torch.cat([torch.arange(0, n * s, s), torch.tensor(inside, dtype=torch.int64), torch.tensor([n * s])])
     return flat, torch.unique(starts).to(torch.int32)  # sorted, each once
 
 
@@ -941,3 +953,8 @@ def batch(dataset: TokenDataset, start_sample: int, num_samples: int) -> tuple[t
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     pairs = [dataset.get(i) for i in range(start_sample, start_sample + num_samples)]
     return torch.stack([t for t, _ in pairs]), torch.stack([l for _, l in pairs])
+
+
+def batch_record_starts(dataset: TokenDataset, start_sample: int, num_samples: int) -> list[list[int]]:
+    """Where records begin inside each sample of batch(dataset, start_sample, num_samples)."""
+    return [dataset.record_starts(i) for i in range(start_sample, start_sample + num_samples)]

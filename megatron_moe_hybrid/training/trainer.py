@@ -461,18 +461,21 @@ class Trainer:
                     f"{t.seq_length + 1} tokens; {t.eval_data_path!r} holds {self.eval_dataset.num_samples}: lower "
                     "training.eval_batches or give more held-out text"))  # fmt: skip
 
-    def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """This rank's pieces of a micro-batch, [b, s / CP] (context-parallel ranks read the same
-        samples; averaging over them, equal shares, makes the loss the mean over the sequence),
-        and the model's keyword arguments: with training.isolate_records the micro-batch as one
-        packed row [1, b s / CP] and its records' packed_seq_params (global offsets under CP)."""
+    def _local(self, dataset, start: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """This rank's pieces of the micro-batch of dataset's samples from start, [b, s / CP]
+        (context-parallel ranks read the same samples; averaging over them, equal shares, makes
+        the loss the mean over the sequence), and the model's keyword arguments: with
+        training.isolate_records the micro-batch as one packed row [1, b s / CP] and its records'
+        packed_seq_params (global offsets under CP)."""
+        from megatron_moe_hybrid.training.data import batch, batch_record_starts, pack_records
+
+        size = self.config.training.micro_batch_size
+        tokens, labels = batch(dataset, start, size)  # on the CPU
         if not self.config.training.isolate_records:
             return self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1), {}
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        from megatron_moe_hybrid.training.data import pack_records
-
-        tokens, cu = pack_records(tokens, self.tokenizer.eos_id)  # [1, b s], [R + 1]
+        tokens, cu = pack_records(tokens, batch_record_starts(dataset, start, size))  # [1, b s], [R + 1]
         labels = labels.reshape(1, -1)
         longest = int((cu[1:] - cu[:-1]).max())
         cu = cu.to(self.device)
@@ -505,8 +508,6 @@ class Trainer:
         each time, split over the data-parallel ranks as training splits its batches), without
         gradients, dropout or MoE load statistics: {"eval_loss", "eval_tokens"}."""
         from megatron_moe_hybrid.parallel.data_parallel import all_reduce_sum
-        from megatron_moe_hybrid.training.data import batch
-
         from megatron_moe_hybrid.training.data import IGNORE_INDEX
 
         t = self.config.training
@@ -519,7 +520,7 @@ class Trainer:
                 for b in range(t.eval_batches):
                     for micro in range(self.num_micro):
                         start = b * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
-                        tokens, labels, packed = self._local(*batch(self.eval_dataset, start, t.micro_batch_size))
+                        tokens, labels, packed = self._local(self.eval_dataset, start)
                         loss_bs = self.model(tokens.to(self.device), self._positions(tokens), None,
                                              labels=labels.to(self.device), **packed)  # fmt: skip
                         total += loss_bs.float().sum()
@@ -567,13 +568,11 @@ class Trainer:
             with open(path, "w") as f:
                 f.writelines(keep)
 
-    def _batch(self, step: int, micro: int):
-        from megatron_moe_hybrid.training.data import batch
-
+    def _batch_start(self, step: int, micro: int) -> int:
+        """The first sample of this rank's micro-batch `micro` of `step`."""
         t = self.config.training
         per_rank = t.global_batch_size // self.data_dp_size
-        start = step * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
-        return batch(self.dataset, start, t.micro_batch_size)  # on the CPU
+        return step * t.global_batch_size + self.dp_rank * per_rank + micro * t.micro_batch_size
 
     def _moe_stats(self) -> dict:
         """Global expert load (all ranks' routed copies) per MoE layer; updates expert bias."""
@@ -623,7 +622,7 @@ class Trainer:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro, device=self.device))
         loss_sum = torch.zeros((), device=self.device)
         # [b, s / CP]: this rank's pieces of each micro-batch (read on the CPU up front)
-        batches = [self._local(*self._batch(self.step, micro)) for micro in range(self.num_micro)]
+        batches = [self._local(self.dataset, self._batch_start(self.step, micro)) for micro in range(self.num_micro)]
         # Labels some tokens do not train (prompt_response data): the loss is the sum over the
         # global batch's trained tokens over their count, so each rank scales its sum by
         # dp / count before the gradients' mean over the dp ranks. Otherwise every rank holds

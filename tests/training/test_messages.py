@@ -344,3 +344,25 @@ def test_a_dataset_in_a_models_template(chats, chat_cache, tmp_path):
     tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
     ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, data_format="messages", chat_format=fmt)
     _check_labels(ds, tok, [json.loads(line)["messages"] for line in open(chats)], "<|im_end|>")
+
+
+def test_isolate_records_keeps_a_conversation_whole_when_eos_ends_every_turn(chats, tmp_path):
+    """An instruct tokenizer whose eos is ChatML's <|im_end|>, which also ends every turn: the
+    records isolate_records packs start at conversations, not at turns (the stored record ends)."""
+    _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(), ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    tok = data.load_tokenizer(tmp_path / "tokenizer.json")
+    assert tok.eos_token == "<|im_end|>"
+    ds = TokenDataset(chats, tok, 64, str(tmp_path / "cache"), seed=0, **MESSAGES)
+    ids = np.asarray(ds.tokens)
+    conversation_starts = set(np.concatenate([[0], ds.ends[:-1]]).tolist())
+    assert len(conversation_starts) == 200
+    turn_starts = set((np.flatnonzero(ids[1:] == tok._tok.token_to_id("<|im_start|>")) + 1).tolist()) - conversation_starts
+    assert turn_starts  # turns that follow an <|im_end|> inside a conversation
+    tokens, labels = data.batch(ds, 0, 8)
+    flat, cu = data.pack_records(tokens, data.batch_record_starts(ds, 0, 8))
+    for i in range(8):
+        start = int(ds._permutation(0)[i]) * 64
+        inside = [int(c) - i * 64 for c in cu.tolist() if i * 64 < c < (i + 1) * 64]
+        assert {start + p for p in inside} <= conversation_starts
+        assert not {start + p for p in inside} & turn_starts

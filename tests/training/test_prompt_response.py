@@ -118,7 +118,7 @@ def _reference_first_step(rank, world_size, raw, overrides):
     if t.isolate_records:  # the whole batch as one packed row: the same records as per micro-batch
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        tokens, cu = data.pack_records(tokens, tokenizer.eos_id)
+        tokens, cu = data.pack_records(tokens, data.batch_record_starts(ds, 0, t.global_batch_size))
         labels, positions = labels.reshape(1, -1), torch.arange(tokens.shape[1])[None]
         kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     loss_bs = model(tokens, positions, None, labels=labels, **kwargs)
@@ -153,13 +153,41 @@ def test_loss_and_gradient_are_the_trained_tokens_mean_over_ranks_and_micro_batc
     assert abs(one["evals"][-1][1] - two[0]["evals"][-1][1]) <= 1e-5 * one["evals"][-1][1]
 
 
-def test_pack_records_starts_a_sequence_at_every_sample_and_after_every_eos():
-    eos = 2
+def test_pack_records_starts_a_sequence_at_every_sample_and_record():
     tokens = torch.tensor([[5, 6, 2, 7, 8, 2], [9, 2, 2, 4, 4, 4], [3, 2, 2, 2, 2, 2]])
-    flat, cu = data.pack_records(tokens, eos)
+    flat, cu = data.pack_records(tokens, [[3], [3], []])
     assert torch.equal(flat, tokens.reshape(1, 18))
-    # the sample end at 6 once; a run of eos (fit packing's padding) stays with its sequence
+    # the sample ends (6, 12) once; an eos inside a record (at 7) starts nothing
     assert cu.tolist() == [0, 3, 6, 9, 12, 18] and cu.dtype == torch.int32
+    with pytest.raises(ValueError, match="^record_starts: one list per sample, got 2 for 3"):
+        data.pack_records(tokens, [[3], []])
+
+
+def test_record_starts_come_from_the_stored_record_ends_not_from_eos(tmp_path):
+    """A prompt that spells out the end-of-sequence text (a literal eos token inside a record) does
+    not start a record there: the dataset's record starts are where records were written."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    eos = "<|endoftext|>"
+    hf = HF(models.BPE(unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["quick brown fox " * 50], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = data.load_tokenizer(tmp_path / "tokenizer.json")
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"quick {eos} brown {i}", "response": "fox"}) + "\n" for i in range(40)))
+    ds = TokenDataset(str(path), tok, 16, str(tmp_path / "c"), seed=0, **PAIRS)
+    ids = np.asarray(ds.tokens)
+    assert (ids == tok.eos_id).sum() == 80  # one in each prompt, one closing each record
+    record_ends = set(ds.ends.tolist())
+    for i in range(ds.num_samples):
+        start = int(ds._permutation(0)[i]) * 16
+        starts = ds.record_starts(i)
+        assert starts == [e - start for e in sorted(record_ends) if start < e < start + 16]
+        eos_inside = [p for p in range(1, 16) if ids[start + p - 1] == tok.eos_id and start + p not in record_ends]
+        assert not set(eos_inside) & set(starts)
 
 
 @pytest.mark.parametrize("pattern", ["LLLS", "LLLA", "LLLM"])
@@ -188,7 +216,7 @@ def test_a_packed_micro_batch_equals_each_record_alone(pattern):
         tokens[0, [9, 25]] = eos
         tokens[1, [30]] = eos
         labels = torch.randint(4, config.vocab_size, (2, s), generator=g)
-        flat, cu = data.pack_records(tokens, eos)
+        flat, cu = data.pack_records(tokens, [[10, 26], [31]])  # after each eos
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=int((cu[1:] - cu[:-1]).max()), max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
         with torch.no_grad():
