@@ -50,14 +50,14 @@ def _worker_dies(rank, world, port, raw, ov, kill_rank, kill_step, log_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == kill_rank:
-        original = trainer_mod.Trainer._batch
+        original = trainer_mod.Trainer._batch_start
 
         def batch(self, step, micro):
             if step + 1 == kill_step and micro == 1:  # mid-step: after a forward/backward
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, step, micro)
 
-        trainer_mod.Trainer._batch = batch
+        trainer_mod.Trainer._batch_start = batch
     try:
         _run(raw, ov)
         log.write("finished\n")
