@@ -83,17 +83,10 @@ PACKINGS = ("stream", "fit")
 # after its content (an assistant turn trains its content and its suffix, the end-of-turn marker the
 # model learns to stop at), and the separator after every turn (untrained). A .json file of the same
 # keys defines another format.
+_ROLES = ("system", "user", "assistant")
 CHAT_FORMATS = {
     # Qwen's (Qwen3-Next-Instruct's template for plain turns) and many others'
-    "chatml": {
-        "bos": "",
-        "roles": {
-            "system": ["<|im_start|>system\n", "<|im_end|>"],
-            "user": ["<|im_start|>user\n", "<|im_end|>"],
-            "assistant": ["<|im_start|>assistant\n", "<|im_end|>"],
-        },
-        "separator": "\n",
-    },
+    "chatml": {"bos": "", "roles": {r: [f"<|im_start|>{r}\n", "<|im_end|>"] for r in _ROLES}, "separator": "\n"},
     # DeepSeek-V3.1's and V3.2's non-thinking mode (their model cards): the assistant's turn opens
     # with </think> and ends with the end of sentence, which is also their eos
     "deepseek_v3.1": {
@@ -108,11 +101,7 @@ CHAT_FORMATS = {
     # Llama 3's
     "llama3": {
         "bos": "<|begin_of_text|>",
-        "roles": {
-            "system": ["<|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"],
-            "user": ["<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>"],
-            "assistant": ["<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"],
-        },
+        "roles": {r: [f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>"] for r in _ROLES},
         "separator": "",
     },
 }

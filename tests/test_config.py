@@ -218,4 +218,3 @@ def test_cuda_device_without_a_gpu_names_the_field(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="training.device: is 'cuda' but no CUDA device is visible"):
         config_from_dict(tiny_raw(), {"training.device": "cuda"})
-

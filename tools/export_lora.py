@@ -78,9 +78,7 @@ def write_adapter(dst: str, tensors: dict[str, torch.Tensor], config: dict, meta
 
 def to_peft(tensors: dict[str, torch.Tensor], config: dict, num_experts: int | None = None):
     """Our adapter -> (PEFT tensors, PEFT adapter_config, file metadata)."""
-    for key in ("r", "lora_alpha"):
-        if key not in config:
-            raise ValueError(f"config: adapter_config.json lacks {key!r}; it is written by the trainer's save_adapter")
+    _check_config(config)
     out: dict[str, torch.Tensor] = {}
     shared = False
     for key, t in tensors.items():
@@ -110,15 +108,27 @@ def to_peft(tensors: dict[str, torch.Tensor], config: dict, num_experts: int | N
                 out[f"{base}.up_proj.lora_B.weight"] = up
             else:
                 out[f"{base}.down_proj.lora_{m['p'][0]}.weight"] = t
-    modules = sorted({_PEFT_KEY.match(k)["mod"].rsplit(".", 1)[-1] for k in out})
-    peft_config = {
+    peft_config = _peft_config(config, out)
+    ours = {**config, "expert_adapter": "shared" if shared else config.get("expert_adapter", "per_expert")}
+    return out, peft_config, {META_KEY: json.dumps(ours)}
+
+
+def _check_config(config: dict) -> None:
+    for key in ("r", "lora_alpha"):
+        if key not in config:
+            raise ValueError(f"config: adapter_config.json lacks {key!r}; it is written by the trainer's save_adapter")
+
+
+def _peft_config(config: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """PEFT's adapter_config.json for PEFT-keyed tensors (their modules' last names as target_modules)."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": int(config["r"]),
         "lora_alpha": config["lora_alpha"],
         "lora_dropout": config.get("lora_dropout", 0.0),
         "use_rslora": bool(config.get("rslora", False)),
-        "target_modules": modules,
+        "target_modules": sorted({_PEFT_KEY.match(k)["mod"].rsplit(".", 1)[-1] for k in tensors}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -128,8 +138,6 @@ def to_peft(tensors: dict[str, torch.Tensor], config: dict, num_experts: int | N
         "alpha_pattern": {},
         "base_model_name_or_path": config.get("base_checkpoint"),
     }
-    ours = {**config, "expert_adapter": "shared" if shared else config.get("expert_adapter", "per_expert")}
-    return out, peft_config, {META_KEY: json.dumps(ours)}
 
 
 def from_peft(tensors: dict[str, torch.Tensor], peft_config: dict, metadata: dict | None = None):
@@ -186,9 +194,9 @@ def export_peft(src: str, out_dir: str, num_experts: int | None = None) -> str:
     return write_adapter(out_dir, peft_tensors, peft_config, metadata)
 
 
-def _run_config(src: str, config_path: str | None):
-    """The model config of the run an adapter belongs to: config_path, else config.yaml in the
-    run's output_dir (src, or the adapter dir's parent)."""
+def _run_config(src: str, config_path: str | None, single_process: dict):
+    """The model config of the run an adapter belongs to, read whole in one process: config_path,
+    else config.yaml in the run's output_dir (src, or the adapter dir's parent)."""
     from megatron_moe_hybrid.config import load_config
 
     candidates = [config_path] if config_path else [os.path.join(src, "config.yaml"),
@@ -197,10 +205,7 @@ def _run_config(src: str, config_path: str | None):
     path = next((c for c in candidates if c and os.path.isfile(c)), None)
     if path is None:
         raise ValueError(f"config: --hf needs the run's model config; none of {candidates} exists: pass --config")
-    single = {"parallel.world_size": 1, "parallel.expert_model_parallel_size": 1, "parallel.fsdp": False,
-              "parallel.tensor_model_parallel_size": 1, "parallel.context_parallel_size": 1,
-              "training.init_from": None, "training.tokenizer_model": None}  # fmt: skip
-    return load_config(path, single)
+    return load_config(path, {**single_process, "training.init_from": None, "training.tokenizer_model": None})
 
 
 def export_peft_hf(src: str, out_dir: str, config_path: str | None = None) -> str:
@@ -209,23 +214,13 @@ def export_peft_hf(src: str, out_dir: str, config_path: str | None = None) -> st
     import convert_checkpoint  # tools/convert_checkpoint.py: the families' weight export
 
     tensors, config, _ = read_adapter(src)
-    for key in ("r", "lora_alpha"):
-        if key not in config:
-            raise ValueError(f"config: adapter_config.json lacks {key!r}; it is written by the trainer's save_adapter")
-    model_config = _run_config(src, config_path)
-    modules = convert_checkpoint.hf_lora_adapter(tensors, model_config)
+    _check_config(config)
+    model_config = _run_config(src, config_path, convert_checkpoint.SINGLE_PROCESS)
     out = {}
-    for mod, (a, b) in modules.items():
+    for mod, (a, b) in convert_checkpoint.hf_lora_adapter(tensors, model_config).items():
         out[f"{PREFIX}{mod}.lora_A.weight"] = a
         out[f"{PREFIX}{mod}.lora_B.weight"] = b
-    peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(config["r"]), "lora_alpha": config["lora_alpha"],
-        "lora_dropout": config.get("lora_dropout", 0.0), "use_rslora": bool(config.get("rslora", False)),
-        "target_modules": sorted({mod.rsplit(".", 1)[-1] for mod in modules}), "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": config.get("base_checkpoint"),
-    }  # fmt: skip
-    return write_adapter(out_dir, out, peft_config)
+    return write_adapter(out_dir, out, _peft_config(config, out))
 
 
 def import_peft(peft_dir: str) -> tuple[dict[str, torch.Tensor], dict]:

@@ -32,7 +32,6 @@ import sys
 from dataclasses import fields
 from typing import Any, Callable, Optional
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -113,7 +112,7 @@ def resolve(config_path: str, cluster_path: Optional[str], cluster_ov: dict, mod
         import torch
 
         lora_bf16 = config.lora.enabled and config.lora.base_dtype == "bfloat16"
-        cluster.weight_bytes = torch.empty((), dtype=torch.bfloat16 if lora_bf16 else config.params_dtype).element_size()
+        cluster.weight_bytes = (torch.bfloat16 if lora_bf16 else config.params_dtype).itemsize
     return config, cluster
 
 

@@ -388,6 +388,15 @@ def load_text(data_path: str, **options) -> str:
     return _DOC_SEP.join(_doc_text(doc) for doc in docs)
 
 
+def _record_pieces(doc) -> tuple[tuple[tuple[str, bool], ...], bool]:
+    """A record of load_documents as ((text, trained) pieces, whether its closing eos is trained):
+    a prompt and its response train the response and the eos after it; a conversation's pieces
+    say what they train, and its closing eos, a separator, is not."""
+    if isinstance(doc[0], str):  # (prompt, response)
+        return ((doc[0], False), (doc[1], True)), True
+    return doc, False
+
+
 def _doc_text(doc) -> str:
     if isinstance(doc, str):
         return doc
@@ -769,9 +778,9 @@ class TokenDataset:
     its prompt's tokens, its response's and eos_id, packed into the stream like documents (a
     sample's attention reaches the records before it in the sample), and `trained` marks the
     response's tokens and the eos: the labels of the others are IGNORE_INDEX. Under "messages"
-    a record is its rendered pieces' tokens (each piece tokenized alone) and eos_id (unless its
-    last piece already ends with it), and `trained` marks the assistant turns' pieces (the
-    appended eos, a separator, is not trained).
+    a record is its rendered pieces' tokens and eos_id, and `trained` marks the assistant turns'
+    pieces (the eos, a separator, is not trained). Each piece is tokenized alone, and a record
+    whose last piece ends with eos_id already gets no second one.
 
     packing "stream" (the default) cuts the stream every S tokens, so a document or record may
     start in one sample and end in the next, which then sees its end without its beginning.
@@ -797,7 +806,6 @@ class TokenDataset:
             raise ValueError(f"training.packing: {packing!r} is not one of {', '.join(PACKINGS)}")
         self.seq_length = seq_length
         self.seed = seed
-        self.packing = packing
         self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
         # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
@@ -898,24 +906,18 @@ def _cached_token_ids(
             ids: list[int] = []
             trained: list[int] = []
             ends: list[int] = []
-            if opts.data_format == "prompt_response":
-                for prompt, response in zip(tokenizer.encode_batch([p for p, _ in docs]),
-                                            tokenizer.encode_batch([r for _, r in docs])):  # fmt: skip
-                    ids.extend(prompt + response + [tokenizer.eos_id])
-                    trained.extend([0] * len(prompt) + [1] * (len(response) + 1))
-                    ends.append(len(ids))
-            elif masked:  # messages: each piece tokenized alone, the conversation closed by an untrained eos
-                encoded = iter(tokenizer.encode_batch([text for doc in docs for text, _ in doc]))
-                for doc in docs:
-                    for _, piece_trained in doc:
+            if masked:  # records: each piece tokenized alone, the record closed by an eos
+                records = [_record_pieces(doc) for doc in docs]
+                encoded = iter(tokenizer.encode_batch([text for pieces, _ in records for text, _ in pieces]))
+                for pieces, eos_trained in records:
+                    for _, piece_trained in pieces:
                         piece = next(encoded)
                         ids.extend(piece)
                         trained.extend([int(piece_trained)] * len(piece))
-                    if ids[-1] != tokenizer.eos_id:  # not where the format's last suffix is the eos itself
+                    if ids[-1] != tokenizer.eos_id:  # not where the record's last piece ends with it already
                         ids.append(tokenizer.eos_id)
-                        trained.append(0)
+                        trained.append(int(eos_trained))
                     ends.append(len(ids))
-            if masked:
                 mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
                 _atomic_write(trained_path, lambda f: np.save(f, mask))
             else:

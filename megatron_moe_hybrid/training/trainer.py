@@ -623,10 +623,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         # [b, s / CP]: this rank's pieces of each micro-batch (read on the CPU up front)
         batches = [self._local(self.dataset, self._batch_start(self.step, micro)) for micro in range(self.num_micro)]
-        # Labels some tokens do not train (prompt_response data): the loss is the sum over the
-        # global batch's trained tokens over their count, so each rank scales its sum by
-        # dp / count before the gradients' mean over the dp ranks. Otherwise every rank holds
-        # as many tokens, and the mean of the micro-batches' means is that sum over count.
+        # Labels some tokens do not train (records' prompts, fit packing's padding): the loss is
+        # the sum over the global batch's trained tokens over their count, so each rank scales its
+        # sum by dp / count before the gradients' mean over the dp ranks. Otherwise every rank
+        # holds as many tokens, and the mean of the micro-batches' means is that sum over count.
         scale = self._trained_token_scale([labels for _, labels, _ in batches])
         for tokens, labels, packed in batches:
             position_ids = self._positions(tokens)

@@ -48,3 +48,27 @@ def make_raw_config(corpus, cache_dir, output_dir, **overrides):
 @pytest.fixture(scope="session")
 def raw_config():
     return make_raw_config
+
+
+@pytest.fixture(scope="session")
+def records(tmp_path_factory):
+    """A .jsonl of question / answer records of uneven lengths (answers the prompts do not hold):
+    the instruction data of test_prompt_response.py and test_packing.py."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9))) for _ in range(600)]
+    path = tmp_path_factory.mktemp("sft") / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(300):
+            prompt = "Question %d: " % i + " ".join(rng.choice(words, rng.integers(3, 30)))
+            answer = " ".join(rng.choice(words, rng.integers(1, 12))) + "."
+            f.write(json.dumps({"prompt": prompt, "response": answer}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def sft_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sft-cache"))

@@ -48,33 +48,16 @@ def test_spans_keep_every_record_that_fits_whole(seed):
             assert x in set(starts.tolist()) or any(p < x < q for p, q in long), (x, y)
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list("abcdefghij"), rng.integers(2, 7))) for _ in range(300)]
-    path = tmp_path_factory.mktemp("fit") / "train.jsonl"
-    with open(path, "w") as f:
-        for i in range(300):
-            f.write(json.dumps({"prompt": f"Q{i}: " + " ".join(rng.choice(words, rng.integers(2, 25))),
-                                "response": " ".join(rng.choice(words, rng.integers(1, 10)))}) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def fit_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("fit-cache"))
-
-
-def test_fit_samples_start_at_a_record_and_train_its_response(records, fit_cache):
+def test_fit_samples_start_at_a_record_and_train_its_response(records, sft_cache):
     options = dict(data_format="prompt_response")
-    tok = get_tokenizer(records, 512, fit_cache, **options)
-    stream = TokenDataset(records, tok, 256, fit_cache, seed=0, **options)
-    ds = TokenDataset(records, tok, 256, fit_cache, seed=0, packing="fit", **options)
+    tok = get_tokenizer(records, 512, sft_cache, **options)
+    stream = TokenDataset(records, tok, 256, sft_cache, seed=0, **options)
+    ds = TokenDataset(records, tok, 256, sft_cache, seed=0, packing="fit", **options)
     assert ds.masked_labels and ds.num_samples > stream.num_samples  # padding takes room
     ids, trained = np.asarray(ds.tokens), np.asarray(ds.trained, dtype=bool)
     ends = np.flatnonzero(ids == tok.eos_id) + 1  # prompt_response: each record ends with the one eos
     starts = set(np.concatenate([[0], ends[:-1]]).tolist())
-    seen = 0
+    seen = padded = 0
     for i in range(ds.num_samples):
         tokens, labels = ds.get(i)
         a, b = (int(x) for x in ds.spans[int(ds._permutation(0)[i])])
@@ -85,8 +68,16 @@ def test_fit_samples_start_at_a_record_and_train_its_response(records, fit_cache
         want = np.where(trained[a + 1 : b], ids[a + 1 : b], IGNORE_INDEX)
         assert torch.equal(labels[:n], torch.from_numpy(want))
         seen += int(trained[a + 1 : b].sum())
+        padded += tokens.numel() - n
     assert seen == int(trained[1:].sum())  # every trained token is a label exactly once (no record cut here)
     assert ds.cut_records == 0
+    # the run's start line reports the padding the samples hold
+    from megatron_moe_hybrid.training.trainer import _data_summary
+
+    padding = padded / (ds.num_samples * 256)
+    assert 0.05 < padding < 0.95
+    assert _data_summary("data", records, ds, "prompt_response").endswith(
+        f"packed whole (training.packing: fit), {padding:.1%} of positions padding, 0 longer than a sample cut")
 
 
 def _train(rank, world_size, raw, overrides):

@@ -17,25 +17,6 @@ from megatron_moe_hybrid.training.data import IGNORE_INDEX, TokenDataset, get_to
 PAIRS = dict(data_format="prompt_response")
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    """A .jsonl of question / answer records of uneven lengths (answers the prompts do not hold)."""
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9))) for _ in range(600)]
-    path = tmp_path_factory.mktemp("sft") / "train.jsonl"
-    with open(path, "w") as f:
-        for i in range(300):
-            prompt = "Question %d: " % i + " ".join(rng.choice(words, rng.integers(3, 30)))
-            answer = " ".join(rng.choice(words, rng.integers(1, 12))) + "."
-            f.write(json.dumps({"prompt": prompt, "response": answer}) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def sft_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sft-cache"))
-
-
 def test_labels_are_the_responses_and_their_end(records, sft_cache):
     tok = get_tokenizer(records, 512, sft_cache, **PAIRS)
     ds = TokenDataset(records, tok, 48, sft_cache, seed=0, **PAIRS)
