@@ -213,7 +213,9 @@ class TrainingConfig:
     chat_format: str = "chatml"
     # "stream": samples cut every seq_length tokens of the token stream (a document or record may
     # start in one sample and end in the next); "fit": whole documents / records per sample (next
-    # fit in stream order), the rest padded and left out of the loss (registry.PACKINGS)
+    # fit in stream order), the rest padded and left out of the loss; "best_fit": whole too, each
+    # sample filled out of stream order, longest first (best fit decreasing: less padding)
+    # (registry.PACKINGS)
     packing: str = "stream"
     # attention within each record only: a micro-batch runs as one packed sequence whose pieces
     # start at every sample and at every document's / record's start (where it was written, not at

@@ -77,8 +77,9 @@ SPARSE_ATTENTION_STAGES = ("sparse", "dense_warmup")
 # in training.chat_format, the loss on the assistant turns' content and end-of-turn marker
 DATA_FORMATS = ("text", "prompt_response", "messages")
 # training.packing: "stream": the token stream cut every seq_length tokens (documents may straddle
-# samples); "fit": whole documents / records per sample, the rest padded and ignored by the loss
-PACKINGS = ("stream", "fit")
+# samples); "fit": whole documents / records per sample (next fit in stream order), the rest padded
+# and ignored by the loss; "best_fit": whole too, samples filled longest first (less padding)
+PACKINGS = ("stream", "fit", "best_fit")
 # training.chat_format presets: the text before the conversation (bos), each role's text before and
 # after its content (an assistant turn trains its content and its suffix, the end-of-turn marker the
 # model learns to stop at), and the separator after every turn (untrained). A .json file of the same

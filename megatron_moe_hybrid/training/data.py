@@ -28,6 +28,7 @@ Shape legend:
 """
 
 import ast
+import collections
 import contextlib
 import fcntl
 import functools
@@ -787,6 +788,9 @@ class TokenDataset:
     packing "fit" keeps them whole: consecutive ones fill a sample while they fit in S + 1 tokens
     (next fit, in stream order), the rest of the sample is padding (eos_id, labels IGNORE_INDEX);
     one longer than a sample is cut as the stream would cut it (cut_records counts them).
+    packing "best_fit" keeps them whole too, but fills samples out of stream order (best fit
+    decreasing: longest first, each into the fullest sample it fits), so fewer positions are
+    padding; a sample is then its pieces' tokens one after another (spans / sample_pieces).
     masked_labels says whether some labels are IGNORE_INDEX (the loss then averages over the rest).
     """
 
@@ -806,14 +810,24 @@ class TokenDataset:
             raise ValueError(f"training.packing: {packing!r} is not one of {', '.join(PACKINGS)}")
         self.seq_length = seq_length
         self.seed = seed
+        self.packing = packing
         self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
         # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
         self.tokens, self.trained, self.ends, self.data_stats = _cached_token_ids(
             data_path, tokenizer, Path(cache_dir), opts)
-        self.masked_labels = self.trained is not None or packing == "fit"
-        self.spans, self.cut_records = (fit_spans(self.ends, seq_length) if packing == "fit" else (None, 0))
-        self.num_samples = len(self.spans) if packing == "fit" else (len(self.tokens) - 1) // seq_length
+        self.masked_labels = self.trained is not None or packing != "stream"
+        # fit packings: the stream ranges [P, 2] a sample is made of, sample i's being
+        # spans[sample_pieces[i] : sample_pieces[i + 1]] (one per sample under "fit")
+        self.spans = self.sample_pieces = None
+        self.cut_records = 0
+        if packing == "fit":
+            self.spans, self.cut_records = fit_spans(self.ends, seq_length)
+            self.sample_pieces = np.arange(len(self.spans) + 1)
+        elif packing == "best_fit":
+            self.spans, self.sample_pieces, self.cut_records = best_fit_pieces(self.ends, seq_length)
+        self.num_samples = (len(self.sample_pieces) - 1 if self.spans is not None
+                            else (len(self.tokens) - 1) // seq_length)
         if self.num_samples < 1:
             raise ValueError(
                 f"training.seq_length: {seq_length} is too long for {data_path!r}, which has "
@@ -831,33 +845,41 @@ class TokenDataset:
             self._epoch_perm = (epoch, rng.permutation(self.num_samples))
         return self._epoch_perm[1]
 
-    def _span(self, sample_index: int) -> tuple[int, int]:
-        """The stream range [start, end) of the sample_index-th sample consumed: its S (or fewer)
-        input tokens and, one further, the last label."""
+    def _pieces(self, sample_index: int) -> list[tuple[int, int]]:
+        """The stream ranges [start, end) of the sample_index-th sample consumed, one after
+        another its window: its S (or fewer) input tokens and, one further, the last label."""
         if sample_index < 0:
             raise ValueError(f"sample_index must be >= 0 (the number of samples consumed), got {sample_index}")
         epoch, position = divmod(sample_index, self.num_samples)
         sample = int(self._permutation(epoch)[position])
         if self.spans is None:
-            return sample * self.seq_length, sample * self.seq_length + self.seq_length + 1
-        return int(self.spans[sample, 0]), int(self.spans[sample, 1])
+            return [(sample * self.seq_length, sample * self.seq_length + self.seq_length + 1)]
+        pieces = self.spans[self.sample_pieces[sample] : self.sample_pieces[sample + 1]]
+        return [(int(a), int(b)) for a, b in pieces]
 
     def record_starts(self, sample_index: int) -> list[int]:
         """Positions p in (0, S) of the sample's input tokens where a document / record begins
         (training.isolate_records starts a sequence there): from the stored document ends, not
-        from eos tokens, which a text may spell out or a chat format may end every turn with."""
-        start, end = self._span(sample_index)
-        inside = self.ends[np.searchsorted(self.ends, start, side="right") : np.searchsorted(self.ends, end - 1)]
-        return (inside - start).tolist()
+        from eos tokens, which a text may spell out or a chat format may end every turn with;
+        and where each of a best-fit sample's pieces begins."""
+        starts: list[int] = []
+        offset = 0
+        for start, end in self._pieces(sample_index):
+            if offset:
+                starts.append(offset)
+            inside = self.ends[np.searchsorted(self.ends, start, side="right") : np.searchsorted(self.ends, end - 1)]
+            starts.extend((inside - start + offset).tolist())
+            offset += end - start
+        return [p for p in starts if p < self.seq_length]
 
     def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S] int64, labels [S] int64) of the sample_index-th sample consumed."""
-        start, end = self._span(sample_index)
-        window = torch.from_numpy(np.asarray(self.tokens[start:end], dtype=np.int64))  # [n + 1], n <= S
-        labels = window[1:]
+        pieces = self._pieces(sample_index)
+        window = torch.from_numpy(np.concatenate([np.asarray(self.tokens[a:b], dtype=np.int64) for a, b in pieces]))
+        labels = window[1:]  # window: [n + 1], n <= S
         if self.trained is not None:
-            trained = torch.from_numpy(np.asarray(self.trained[start + 1 : end], dtype=np.bool_))
-            labels = labels.masked_fill(~trained, IGNORE_INDEX)  # [n]
+            trained = np.concatenate([np.asarray(self.trained[a:b], dtype=np.bool_) for a, b in pieces])[1:]
+            labels = labels.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)  # [n]
         pad = self.seq_length - labels.numel()  # fit packing: the sample's unused tail
         if pad:
             return (torch.cat([window[:-1], window.new_full((pad,), self.pad_id)]),
@@ -889,6 +911,80 @@ def fit_spans(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, int]:
     if prev - start > 1:
         spans.append((start, prev))
     return np.asarray(spans, dtype=np.int64).reshape(-1, 2), cut
+
+
+def best_fit_pieces(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """training.packing "best_fit": ([P, 2] int64 (start, end) pieces of the token stream,
+    [samples + 1] int64 offsets: sample i is pieces[offsets[i] : offsets[i + 1]] one after
+    another, at most S + 1 tokens; and how many documents were longer than a sample).
+
+    Each document is one piece, placed longest first into the sample with the least room that
+    still holds it, a new sample where none does (best fit decreasing; of samples with equal room
+    the one that had it first, so the result is deterministic). A document longer than a sample is cut as the stream cuts it (S + 1-token
+    pieces overlapping by one, each a sample of its own) and its remainder placed like a
+    document. ends: where each document ends (exclusive), ascending."""
+    cap = seq_length + 1
+    items: list[tuple[int, int]] = []  # documents and remainders to place
+    full: list[tuple[int, int]] = []  # the cut pieces, a sample each
+    cut = 0
+    prev = 0
+    for end in ends.tolist():
+        start = prev
+        if end - start > cap:
+            cut += 1
+            while end - start > cap:
+                full.append((start, start + cap))
+                start += seq_length
+        if end - start > 1:  # a one-token record, or a cut's one-token rest, holds no label
+            items.append((start, end))
+        prev = end
+    order = sorted(range(len(items)), key=lambda i: (-(items[i][1] - items[i][0]), i))
+    # samples with r tokens of room: a Fenwick tree over r counts them, free[r] lists them
+    tree = [0] * (cap + 1)
+    free: dict[int, collections.deque] = {}  # first come, first filled
+    bins: list[list[int]] = []
+    total = 0  # samples with room left
+    top = 1 << cap.bit_length()
+
+    def add(r: int, delta: int) -> None:
+        while r <= cap:
+            tree[r] += delta
+            r += r & -r
+
+    def below(r: int) -> int:  # samples with room < r
+        n, r = 0, r - 1
+        while r > 0:
+            n += tree[r]
+            r -= r & -r
+        return n
+
+    for i in order:
+        length = items[i][1] - items[i][0]
+        k = below(length) + 1  # the k-th least room is the least that is >= length
+        if k > total:  # none holds it: a new sample
+            bins.append([i])
+            b, left = len(bins) - 1, cap - length
+        else:
+            r, step = 0, top  # the least room r with k samples of room <= r (Fenwick descent)
+            while step:
+                if r + step <= cap and tree[r + step] < k:
+                    r += step
+                    k -= tree[r]
+                step >>= 1
+            r += 1
+            b = free[r].popleft()
+            add(r, -1)
+            total -= 1
+            bins[b].append(i)
+            left = r - length
+        if left > 0:
+            add(left, 1)
+            free.setdefault(left, collections.deque()).append(b)
+            total += 1
+    pieces = full + [items[i] for b in bins for i in b]
+    sizes = [1] * len(full) + [len(b) for b in bins]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return np.asarray(pieces, dtype=np.int64).reshape(-1, 2), offsets, cut
 
 
 def _cached_token_ids(

@@ -220,8 +220,9 @@ def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
     if dataset.trained is not None:
         line += f"; {float(np.asarray(dataset.trained).mean()):.1%} of the tokens trained"
     if dataset.spans is not None:
-        used = int((dataset.spans[:, 1] - dataset.spans[:, 0] - 1).sum())
-        line += (f"; packed whole (training.packing: fit), {1 - used / (dataset.num_samples * dataset.seq_length):.1%} "
+        used = int((dataset.spans[:, 1] - dataset.spans[:, 0]).sum()) - dataset.num_samples  # a window's last is a label
+        line += (f"; packed whole (training.packing: {dataset.packing}), "
+                 f"{1 - used / (dataset.num_samples * dataset.seq_length):.1%} "
                  f"of positions padding, {dataset.cut_records:,} longer than a sample cut")
     skipped = {k: v for k, v in dataset.data_stats.items() if v}
     if skipped:

@@ -1,7 +1,8 @@
-"""training.packing: fit: whole documents / records per sample, the rest padded and left out of
-the loss. The spans by hand and on random lengths, the samples of instruction data (each starts
-at a record's start, its labels the record's trained tokens), and step 1's loss and gradient of a
-text run against a plain forward of the same padded batch."""
+"""training.packing: fit / best_fit: whole documents / records per sample, the rest padded and left
+out of the loss. The spans by hand and on random lengths, best fit against a brute-force best fit,
+the samples of instruction data (each starts at a record's start, its labels the record's trained
+tokens), and step 1's loss and gradient of a text run against a plain forward of the same padded
+batch."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import torch
 
 from megatron_moe_hybrid.testing import spawn
 from megatron_moe_hybrid.training import data
-from megatron_moe_hybrid.training.data import IGNORE_INDEX, TokenDataset, fit_spans, get_tokenizer
+from megatron_moe_hybrid.training.data import IGNORE_INDEX, TokenDataset, best_fit_pieces, fit_spans, get_tokenizer
 
 
 def test_spans_by_hand():
@@ -48,6 +49,69 @@ def test_spans_keep_every_record_that_fits_whole(seed):
             assert x in set(starts.tolist()) or any(p < x < q for p, q in long), (x, y)
 
 
+def test_best_fit_by_hand():
+    # records [0, 3) [3, 5) [5, 12) [12, 14), samples of S + 1 = 5 tokens: the third is cut as the
+    # stream cuts ([5, 10), a sample of its own), its remainder [9, 12) placed like a record; longest
+    # first: [0, 3) opens a sample, [9, 12) does not fit beside it and opens a second, [3, 5) goes to
+    # the first (both have room 2: the one that had it first), [12, 14) to the second
+    pieces, offsets, cut = best_fit_pieces(np.array([3, 5, 12, 14]), 4)
+    assert pieces.tolist() == [[5, 10], [0, 3], [3, 5], [9, 12], [12, 14]] and offsets.tolist() == [0, 1, 3, 5]
+    assert cut == 1
+    # where next fit leaves room behind, best fit fills it: lengths 3, 3, 2, 2 at S + 1 = 5
+    ends = np.cumsum([3, 3, 2, 2])
+    assert fit_spans(ends, 4)[0].tolist() == [[0, 3], [3, 8], [8, 10]]
+    pieces, offsets, _ = best_fit_pieces(ends, 4)
+    assert pieces.tolist() == [[0, 3], [6, 8], [3, 6], [8, 10]] and offsets.tolist() == [0, 2, 4]
+    # a one-token record holds no label: placed nowhere, as next fit drops one left alone
+    pieces, offsets, _ = best_fit_pieces(np.array([1, 4]), 4)
+    assert pieces.tolist() == [[1, 4]] and offsets.tolist() == [0, 1]
+
+
+def _brute_best_fit(items, cap):
+    """Best fit decreasing by scanning every sample for the least room that holds the piece (of
+    equal rooms, the sample that got its room first): a list of samples, each a list of pieces."""
+    samples, room, since = [], [], []
+    for t, (a, b) in enumerate(sorted(items, key=lambda p: (p[0] - p[1], p[0]))):
+        fits = [i for i in range(len(samples)) if room[i] >= b - a]
+        if fits:
+            i = min(fits, key=lambda i: (room[i], since[i]))
+            samples[i].append((a, b))
+            room[i] -= b - a
+            since[i] = t
+        else:
+            samples.append([(a, b)])
+            room.append(cap - (b - a))
+            since.append(t)
+    return samples
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_fit_equals_a_brute_force_best_fit_and_keeps_every_record_whole(seed):
+    rng = np.random.default_rng(seed)
+    s = int(rng.integers(4, 60))
+    lengths = rng.integers(1, (s + 2) if seed % 2 else 2 * s, size=int(rng.integers(1, 300)))
+    ends = np.cumsum(lengths)
+    starts = np.concatenate([[0], ends[:-1]])
+    pieces, offsets, cut = best_fit_pieces(ends, s)
+    assert cut == int((lengths > s + 1).sum())
+    samples = [[tuple(p) for p in pieces[offsets[i] : offsets[i + 1]].tolist()] for i in range(len(offsets) - 1)]
+    assert all(sum(b - a for a, b in sample) <= s + 1 for sample in samples)
+    # a record longer than a sample: its stream cuts (S + 1 tokens overlapping by one, a sample
+    # each, first) and its remainder; every record or remainder of two tokens or more is placed
+    # whole, once, as a brute-force best fit places it
+    full, items = [], []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        while b - a > s + 1:
+            full.append([(a, a + s + 1)])
+            a += s
+        if b - a > 1:
+            items.append((a, b))
+    assert samples[: len(full)] == full
+    assert samples[len(full) :] == _brute_best_fit(items, s + 1)
+    if seed % 2:  # nothing cut: never more samples than next fit in stream order here
+        assert len(samples) <= len(fit_spans(ends, s)[0])
+
+
 def test_fit_samples_start_at_a_record_and_train_its_response(records, sft_cache):
     options = dict(data_format="prompt_response")
     tok = get_tokenizer(records, 512, sft_cache, **options)
@@ -78,6 +142,44 @@ def test_fit_samples_start_at_a_record_and_train_its_response(records, sft_cache
     assert 0.05 < padding < 0.95
     assert _data_summary("data", records, ds, "prompt_response").endswith(
         f"packed whole (training.packing: fit), {padding:.1%} of positions padding, 0 longer than a sample cut")
+
+
+def test_best_fit_samples_are_whole_records_with_less_padding(records, sft_cache):
+    """best_fit on instruction data: a sample is its pieces one after another, each a whole
+    record; its labels are their trained tokens (every trained token a label once), isolate_records
+    starts a sequence at each piece, and fewer positions are padding than under next fit."""
+    from megatron_moe_hybrid.training.trainer import _data_summary
+
+    options = dict(data_format="prompt_response")
+    tok = get_tokenizer(records, 512, sft_cache, **options)
+    fit = TokenDataset(records, tok, 256, sft_cache, seed=0, packing="fit", **options)
+    ds = TokenDataset(records, tok, 256, sft_cache, seed=0, packing="best_fit", **options)
+    assert ds.masked_labels and ds.cut_records == 0 and ds.num_samples < fit.num_samples
+    ids, trained = np.asarray(ds.tokens), np.asarray(ds.trained, dtype=bool)
+    ends = np.flatnonzero(ids == tok.eos_id) + 1  # prompt_response: each record ends with the one eos
+    records_at = {int(a): int(b) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)}
+    labelled = np.zeros(len(ids), dtype=np.int64)
+    padded = 0
+    for i in range(ds.num_samples):
+        tokens, labels = ds.get(i)
+        pieces = ds._pieces(i)
+        assert all(records_at.get(a) == b for a, b in pieces)  # whole records
+        window = np.concatenate([ids[a:b] for a, b in pieces])
+        mask = np.concatenate([trained[a:b] for a, b in pieces])
+        n = len(window) - 1
+        assert tokens.shape == labels.shape == (256,) and torch.equal(tokens[:n], torch.from_numpy(window[:-1].astype(np.int64)))
+        assert torch.equal(labels[:n], torch.from_numpy(np.where(mask[1:], window[1:], IGNORE_INDEX)))
+        assert (tokens[n:] == tok.eos_id).all() and (labels[n:] == IGNORE_INDEX).all()
+        position = np.concatenate([np.arange(a, b) for a, b in pieces])[1:]
+        np.add.at(labelled, position[mask[1:]], 1)
+        assert ds.record_starts(i) == np.cumsum([b - a for a, b in pieces])[:-1].tolist()
+        padded += tokens.numel() - n
+    assert (labelled[trained] == 1).all() and (labelled[~trained] == 0).all()
+    fit_padding = 1 - int((fit.spans[:, 1] - fit.spans[:, 0] - 1).sum()) / (fit.num_samples * 256)
+    padding = padded / (ds.num_samples * 256)
+    assert padding < fit_padding
+    assert _data_summary("data", records, ds, "prompt_response").endswith(
+        f"packed whole (training.packing: best_fit), {padding:.1%} of positions padding, 0 longer than a sample cut")
 
 
 def _train(rank, world_size, raw, overrides):
