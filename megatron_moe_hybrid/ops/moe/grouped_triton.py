@@ -32,6 +32,12 @@ weight gradient in one kernel sharing each dy tile, one program per (expert, k t
 expert's rows in one register tile: at exactly 128 rows per expert 0.99-1.01x our dx kernel plus
 torch's weight gradient, and 0.61-0.74x where an expert holds more than 128 rows (a 256-row tile
 doubles the tensor-core work), so it stayed a probe.
+On an H100 (2026-12-05, issue 5's second shape, ~128 rows per expert; results/h100/
+grouped_wgrad_store.json, grouped_gemm_tail.json): the weight gradient's stores alone reach the
+fill_ ceiling (3.2 TB/s) but with the products 1.9-2.1 TB/s, and neither the store (.cs,
+evict_first, TMA from shared memory) nor two or three programs per SM changed that; a half-height
+product for an expert's last row tile of <= BM / 2 rows and evict_first weight loads left the
+forward and input gradient where they were (probe_wgrad_store.py, probe_grouped_tail.py).
 The torch reference is `grouped_matmul`'s loop over experts (grouped.py).
 """
 
