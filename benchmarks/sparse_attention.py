@@ -42,6 +42,8 @@ SHAPES = {  # key -> (shape, B, T, S, H, G, D, DV, K, shared kv)
     "mla": ("MLA-B1-T4096-S8192-H128-G1-D576-DV512-K2048", 1, 4096, 8192, 128, 1, 576, 512, 2048, True),
     # absorbed MLA under tensor parallelism 4: 32 of the 128 heads per rank (--forms decides auto's threshold there)
     "mla-h32": ("MLA-B1-T4096-S8192-H32-G1-D576-DV512-K2048", 1, 4096, 8192, 32, 1, 576, 512, 2048, True),
+    # and under tensor parallelism 8 (DeepSeek-V3.2's 128 heads over 8 ranks): 16 per rank
+    "mla-h16": ("MLA-B1-T4096-S8192-H16-G1-D576-DV512-K2048", 1, 4096, 8192, 16, 1, 576, 512, 2048, True),
     "mla128k": ("MLA-B1-T4096-S131072-H128-G1-D576-DV512-K2048", 1, 4096, 131072, 128, 1, 576, 512, 2048, True),
     "gqa8k": ("GQA-B1-T8192-H64-G4-D128-K2048", 1, 8192, 8192, 64, 4, 128, 128, 2048, False),
     "gqa32k": ("GQA-B1-T32768-H64-G4-D128-K2048", 1, 32768, 32768, 64, 4, 128, 128, 2048, False),

@@ -199,7 +199,9 @@ def test_fused_backward_equals_the_two_kernels_cpu(case, monkeypatch):
     """_bwd_fused_kernel forms the same products in the same order as _bwd_dq_kernel and
     _bwd_dkv_kernel at equal blocks: every gradient bitwise equal where the group's heads fit
     the dk/dv kernel's one 16-head block. With 17 heads that kernel sums two head blocks' partial
-    products where the fused one takes a 32-head block: dk and dv equal up to rounding."""
+    products where the fused one takes a 32-head block: dk and dv equal up to rounding, and dq
+    too (its rows are the same sums, but the interpreter's numpy product of a 32-row block may
+    order them unlike a 16-row block's: bitwise on one CPU, not on another)."""
     B, T, S, H, G, D, DV, K, shared = CPU_CASES[case]
     x, indices, DV = make_inputs(B, T, S, H, G, D, DV, K, shared_kv=shared, seed=7)
     use_form(monkeypatch, "kernels")
@@ -208,7 +210,7 @@ def test_fused_backward_equals_the_two_kernels_cpu(case, monkeypatch):
     fused = run(x, indices, DV, "triton")
     one_block = H // G <= triton_sparse._candidates("dkv", H // G, 0, True)[0]["BH"]
     for n in two:
-        if one_block or n in ("o", "lse", "dq"):
+        if one_block or n in ("o", "lse"):
             assert torch.equal(fused[n], two[n]), n
         else:
             assert_rel_rms({n: fused[n]}, {n: two[n]}, 1e-6, 1e-6)
@@ -309,14 +311,17 @@ def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
 
 
 def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
-    """auto: the batched products on CUDA for 64 or more heads per kv group in the forward
-    (absorbed MLA's 128) and 32 or more in the backward (MLA's 32 per rank under TP 4), the
-    kernels otherwise (GQA's 16, and every CPU tensor); a set form wins."""
+    """auto: the batched products on CUDA for 32 or more heads per kv group in the backward
+    (absorbed MLA's 128, its 32 per rank under TP 4), and in a forward that makes the indexer
+    loss's target for 64 or more; the kernels otherwise (every other forward, GQA's 16, every CPU
+    tensor); a set form wins."""
     cuda, cpu = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
-    for R, fwd, bwd in ((128, "products", "products"), (64, "products", "products"),
-                        (32, "kernels", "products"), (16, "kernels", "kernels")):
+    for R, fwd_target, bwd in ((128, "products", "products"), (64, "products", "products"),
+                               (32, "kernels", "products"), (16, "kernels", "kernels")):
         sh = types.SimpleNamespace(R=R)
-        assert triton_sparse._form(sh, cuda, "auto") == fwd
+        assert triton_sparse._form(sh, cuda, "auto") == "kernels"
+        assert triton_sparse._form(sh, cuda, "auto", with_target=True) == fwd_target
+        assert triton_sparse._form(sh, cpu, "auto", with_target=True) == "kernels"
         assert triton_sparse._form(sh, cuda, "auto", "backward") == bwd
         assert triton_sparse._form(sh, cpu, "auto", "backward") == "kernels"
         assert triton_sparse._form(sh, cpu, "products") == "products"

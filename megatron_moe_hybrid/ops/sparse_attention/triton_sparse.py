@@ -31,8 +31,10 @@ So dk and dv are bitwise repeatable. The cost: s and dp are computed twice in th
 C is written and read once (2 K G F elements per query).
 
 The products form (FORWARD_FORM / BACKWARD_FORM; "auto" takes it on the GPU from
-PRODUCTS_MIN_HEADS heads per kv group: absorbed MLA's 128 on one latent, where it measured
-2.2x the kernels, and for the backward also MLA's 32 per rank under TP 4, 1.44x) runs
+PRODUCTS_MIN_HEADS heads per kv group for the backward: absorbed MLA's 128 on one latent, where
+it measured 2.6x the kernels, and MLA's 32 per rank under TP 4, 1.44x; for the forward only where
+it is to make the indexer loss's target, at 64 or more: otherwise the forward kernel, at 64 slots
+a step, beats it at every head count, 1.57x at 128 heads and 3.6x at 32) runs
 each chunk of queries as batched cuBLAS products over the chunk's key rows gathered once
 (_gathered): forward s = q k^T (fp32), _softmax_kernel (p, lse and, on request, the sum over
 heads of p: the indexer KL loss's sparse target), o = p v; backward s and dp = do v^T again,
@@ -441,13 +443,24 @@ def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict,
     if width <= 512:  # GQA, D = DV = 128: 112-163 registers
         big = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
         return (big, {**big, "num_stages": 1}, {**big, "BK": 32, "num_stages": 1})
-    # MLA, D = 576 (512 + 64), DV = 512. The forward's 64 heads use wgmma (208 registers); 64
-    # heads spill in the backward kernels (dq's [64, 576] fp32 accumulator). Measured on the
-    # H200 (benchmarks/sparse_attention.py --sweep): forward 64 x 16 19.3 ms vs 32 x 32 27.6
-    # ms; backward dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16. A
-    # second sweep timed dq at 16 heads x 64 slots another 19 ms faster (fwd+bwd 108 vs 127 ms);
-    # with it the bf16 GPU tests pass and sparse_attention.json has 108.3 ms.
+    # MLA, D = 576 (512 + 64), DV = 512. 64 heads spill in the backward kernels (dq's [64, 576]
+    # fp32 accumulator). Measured on the H200 (benchmarks/sparse_attention.py --sweep): backward
+    # dq and dk/dv 16 heads x 32 slots about 20 ms faster each than 32 x 16. A second sweep timed
+    # dq at 16 heads x 64 slots another 19 ms faster (fwd+bwd 108 vs 127 ms); with it the bf16
+    # GPU tests pass and sparse_attention.json has 108.3 ms. The forward
+    # (benchmarks/device/probe_sparse_fwd_configs.py, H200, 4096 queries, 2048 slots,
+    # results/h200/sparse_fwd_configs.json): 64 slots a step, the most shared memory allows
+    # (221 KB at 2 stages), 64 heads 8 warps 8.52 ms at 128 heads against 18.94 at 16 slots and
+    # 13.41 for the products form; at 32 heads 32 x 64 on 4 warps 2.87 ms (8 warps 4.02, 16 slots
+    # 9.69, products 10.32). The KL target's kernel keeps the 16-slot config it was timed at.
+    if kernel == "fwd" and R > 32:
+        first = {"BH": 64, "BK": 64, "num_warps": 8, "num_stages": 2}
+        return (first, {**first, "BK": 32}, {**first, "BK": 16}, {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1})
     if kernel == "fwd":
+        first = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
+        return (first, {**first, "BK": 32, "num_warps": 8}, {"BH": bh, "BK": 16, "num_warps": 8, "num_stages": 2},
+                {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1})
+    if kernel == "target":
         first = {"BH": min(bh, 64), "BK": 16, "num_warps": 8, "num_stages": 2}
     elif kernel == "dq":
         first = {"BH": 16, "BK": 64, "num_warps": 8, "num_stages": 2}
@@ -537,7 +550,7 @@ def _fwd(q, k, v, indices, scale: float, with_target: bool = False, backward: bo
     sh = _Shape(q, k, v, indices)
     if backward:
         _form(sh, q, BACKWARD_FORM, "backward")
-    if _form(sh, q, FORWARD_FORM) == "products":
+    if _form(sh, q, FORWARD_FORM, with_target=with_target) == "products":
         return _fwd_products(sh, q, k, v, indices, scale, with_target)
     o = _alloc((sh.B, sh.T, sh.H, sh.DV), q.dtype, q.device)
     lse = _alloc((sh.B, sh.T, sh.H), torch.float32, q.device)
@@ -563,19 +576,22 @@ FUSED_MAX_HEADS = 64
 
 
 # heads per kv group from which "auto" takes the products form, per pass (sparse_attention.json,
-# one H200, MLA 4096 queries over 8k keys: at 128 heads forward 13.7 vs 19.8 ms, backward 30.7
-# vs 78.8; at 32 heads (mla-h32) forward 11.1 vs 10.0 ms, backward 22.6 vs 32.6; GQA's 16
-# heads: the products 5x slower)
+# one H200, MLA 4096 queries over 8k keys: backward at 128 heads 30.7 vs 78.8 ms, at 32 heads
+# (mla-h32) 22.6 vs 32.6; GQA's 16 heads: the products 5x slower). The forward takes them only
+# where the indexer loss's target is asked for (with_target), which they make from their own
+# probabilities: at 128 heads 13.43 ms, against the kernel's 8.52 plus 18.7 for the target
+# after it; without the target the kernel wins at every head count (8.52 vs 13.41 ms at 128
+# heads, 2.87 vs 10.32 at 32; sparse_fwd_configs.json).
 PRODUCTS_MIN_HEADS = {"forward": 64, "backward": 32}
 
 
 FORMS = {"forward": ("auto", "kernels", "products"), "backward": ("auto", "kernels", "products", "fused")}
 
 
-def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward") -> str:
+def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward", with_target: bool = False) -> str:
     """The form a pass runs in: the switch's value (FORWARD_FORM / BACKWARD_FORM), "auto" taken
-    by shape. ValueError for a value the pass does not take, or "fused" over FUSED_MAX_HEADS heads
-    per kv group."""
+    by shape (and for the forward, whether it is to make the indexer loss's target). ValueError
+    for a value the pass does not take, or "fused" over FUSED_MAX_HEADS heads per kv group."""
     if which not in FORMS[pass_]:
         raise ValueError(f"triton_sparse.{pass_.upper()}_FORM must be one of {FORMS[pass_]}, got {which!r}")
     if which == "fused" and sh.R > FUSED_MAX_HEADS:
@@ -586,7 +602,8 @@ def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward") -> str:
         )
     if which != "auto":
         return which
-    return "products" if q.is_cuda and sh.R >= PRODUCTS_MIN_HEADS[pass_] else "kernels"
+    many = q.is_cuda and sh.R >= PRODUCTS_MIN_HEADS[pass_]
+    return "products" if many and (pass_ == "backward" or with_target) else "kernels"
 
 
 def _chunk_rows(sh: "_Shape", per_query: int, extra_elems: int) -> int:
@@ -1149,6 +1166,6 @@ def sparse_probs_target_triton(q: Tensor, k: Tensor, indices: Tensor, lse: Tenso
         lambda c: (T, B),
         (q, k, indices, lse, out, *_row_strides(q), *_row_strides(k), indices.stride(0), indices.stride(1),
          lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale * LOG2E, T, sh.K, sh.G),
-        consts, _candidates("fwd", sh.R, sh.width, _INTERPRET),
+        consts, _candidates("target", sh.R, sh.width, _INTERPRET),
     )
     return out
