@@ -168,8 +168,9 @@ def record_linear(op: str, shape: tuple, head_dim: int | None = None, dtype: str
 
 
 def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
-    """The kernel launches of one forward+backward of sparse_attention (with the indexer loss's
-    sparse-stage target, sparse_attention_with_target) at a sparse-attention SHAPES entry with
+    """The kernel launches of a forward+backward of sparse_attention with the indexer loss's
+    sparse-stage target (sparse_attention_with_target) and of one without it (at absorbed MLA's
+    heads auto's forward differs: the products make the target) at a sparse-attention SHAPES entry with
     SPARSE_QUERIES queries (random inputs, causal random top-k indices: the host's cuBLAS products
     and gathers run on the CPU, so the values are real)."""
     import torch
@@ -189,6 +190,8 @@ def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str
     leaves = (q, k) if shared else (q, k, v)
     with _aot.recording() as launches:
         o = sa.sparse_attention_with_target(q, k, v, indices, backend="triton")[0]  # and the indexer's target
+        torch.autograd.grad(o, leaves, torch.ones_like(o))
+        o = sa.sparse_attention(q, k, v, indices, backend="triton")[0]
         torch.autograd.grad(o, leaves, torch.ones_like(o))
     return launches
 
@@ -366,8 +369,8 @@ def _as_on_the_h200() -> dict:
         tc._device_has_tma.cache_clear()
     form, on_gpu = ts._form, types.SimpleNamespace(is_cuda=True)  # _form reads only q.is_cuda
 
-    def gpu_form(sh, q, which, pass_="forward"):
-        return form(sh, on_gpu, which, pass_)
+    def gpu_form(sh, q, which, pass_="forward", **kwargs):
+        return form(sh, on_gpu, which, pass_, **kwargs)
 
     # its argument checks refuse bf16 CPU tensors (the interpreter's bf16 loads are wrong); the
     # recorder's inputs are well formed (record_sparse)

@@ -31,7 +31,7 @@ def compile_kernels(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, TOOL, *args, "--json", str(out)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=600)
+                       env=env, cwd=ROOT, timeout=900)
     lines = [l for l in r.stdout.splitlines() if l.strip()]
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     if r.returncode not in (0, 1):
