@@ -53,6 +53,23 @@ def counts_for(tokens, experts, topk, gen):
     return torch.bincount(idx.flatten(), minlength=experts).to(torch.int32)
 
 
+def routed(name, gen):
+    """A SHAPES entry's routing: (T, h, E, k, F, counts [E] int32 of random top-k routing, N = T k
+    rows, bounds int32 [E + 1], offs = bounds[1:] for torch._grouped_mm)."""
+    T, h, E, k, F = SHAPES[name]
+    counts = counts_for(T, E, k, gen)
+    bounds = gt.row_bounds(counts)
+    return T, h, E, k, F, counts, T * k, bounds, bounds[1:].contiguous()
+
+
+def expert_tensors(N, h, E, F):
+    """Random bf16 operands of the SwiGLU experts' products: x [N, h], w1 [E, h, 2F], act [N, F],
+    w2 [E, F, h] and output gradients dy1 [N, 2F], dy2 [N, h]."""
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    return (torch.randn(N, h, **bf), torch.randn(E, h, 2 * F, **bf) / h**0.5, torch.randn(N, F, **bf),
+            torch.randn(E, F, h, **bf) / F**0.5, torch.randn(N, 2 * F, **bf), torch.randn(N, h, **bf))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="S1,S2")
@@ -63,18 +80,8 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in a.shapes.split(","):
-        T, h, E, k, F = SHAPES[name]
-        counts = counts_for(T, E, k, gen)
-        N = T * k
-        bounds = gt.row_bounds(counts)
-        offs = bounds[1:].contiguous()
-        bf = dict(device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(N, h, **bf)
-        w1 = torch.randn(E, h, 2 * F, **bf) / h**0.5
-        act = torch.randn(N, F, **bf)
-        w2 = torch.randn(E, F, h, **bf) / F**0.5
-        dy1 = torch.randn(N, 2 * F, **bf)
-        dy2 = torch.randn(N, h, **bf)
+        T, h, E, k, F, counts, N, bounds, offs = routed(name, gen)
+        x, w1, act, w2, dy1, dy2 = expert_tensors(N, h, E, F)
         forms = {  # name: (torch fn, ours fn(config), flops, bytes)
             "fc1 fwd": (lambda: torch._grouped_mm(x, w1, offs=offs), lambda c: gt.grouped_mm(x, w1, bounds, c),
                         2 * N * h * 2 * F, 2 * (N * h + E * h * 2 * F + N * 2 * F)),

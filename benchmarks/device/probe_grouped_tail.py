@@ -24,7 +24,7 @@ import triton.language as tl
 from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_grouped_gemm import SHAPES, PEAK_TBPS, PEAK_TFLOPS, bench, counts_for, rel, shape_of  # noqa: E402
+from probe_grouped_gemm import PEAK_TBPS, PEAK_TFLOPS, bench, expert_tensors, rel, routed, shape_of  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import write_results  # noqa: E402
@@ -108,23 +108,13 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in a.shapes.split(","):
-        T, h, E, k, F = SHAPES[name]
-        counts = counts_for(T, E, k, gen)
-        N = T * k
-        bounds = gt.row_bounds(counts)
-        offs = bounds[1:].contiguous()
+        T, h, E, k, F, counts, N, bounds, offs = routed(name, gen)
         bm = gt.FWD_CONFIG[0]
         tiles = int(((counts + bm - 1) // bm).sum())
         tail_tiles = int(((counts % bm > 0) & (counts % bm <= bm // 2)).sum())
         print(f"{name}: rows per expert {counts.float().mean():.1f} (min {int(counts.min())}, max {int(counts.max())}); "
               f"{tiles} row tiles of {bm}, {tail_tiles} of them last tiles of <= {bm // 2} rows", flush=True)
-        bf = dict(device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(N, h, **bf)
-        w1 = torch.randn(E, h, 2 * F, **bf) / h**0.5
-        act = torch.randn(N, F, **bf)
-        w2 = torch.randn(E, F, h, **bf) / F**0.5
-        dy1 = torch.randn(N, 2 * F, **bf)
-        dy2 = torch.randn(N, h, **bf)
+        x, w1, act, w2, dy1, dy2 = expert_tensors(N, h, E, F)
         forms = {
             "fc1 fwd": (x, w1), "fc2 fwd": (act, w2),
             "fc1 dx": (dy1, w1.transpose(1, 2)), "fc2 dx": (dy2, w2.transpose(1, 2)),

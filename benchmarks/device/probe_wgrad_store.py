@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megatron_moe_hybrid.ops.moe import grouped_triton as gt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_grouped_gemm import SHAPES, PEAK_TBPS, bench, counts_for, shape_of  # noqa: E402
+from probe_grouped_gemm import PEAK_TBPS, bench, routed, shape_of  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import write_results  # noqa: E402
@@ -118,11 +118,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in a.shapes.split(","):
-        T, h, E, k, F = SHAPES[name]
-        counts = counts_for(T, E, k, gen)
-        N = T * k
-        bounds = gt.row_bounds(counts)
-        offs = bounds[1:].contiguous()
+        T, h, E, k, F, counts, N, bounds, offs = routed(name, gen)
         bf = dict(device="cuda", dtype=torch.bfloat16)
         for form, (xa, dya) in {"fc1": ((N, h), (N, 2 * F)), "fc2": ((N, F), (N, h))}.items():
             x = torch.randn(*xa, **bf)
