@@ -27,6 +27,8 @@ CONFIGS = [  # (BH, BK, warps, stages); the first is the default as of 2026-12-0
 ]
 CONFIGS_H32 = [(32, 16, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2),
                (64, 64, 8, 2)]
+CONFIGS_GQA = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 8, 2), (16, 32, 4, 3), (16, 64, 8, 2),
+               (16, 256, 8, 2)]  # d 128: the GQA shapes, 16 heads per kv group
 CONFIGS_H16 = [(16, 16, 8, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 128, 4, 2), (16, 128, 8, 2), (32, 64, 4, 2)]
 
 
@@ -39,10 +41,10 @@ def main():
                         "sparse_probs_target")
     a = p.parse_args()
     shape, B, T, S, H, G, D, DV, K, shared = SHAPES[a.shape]
-    assert shared
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
     kv = torch.randn(B, S, G, D, generator=gen, device="cuda").bfloat16()
+    v = kv[..., :DV] if shared else torch.randn(B, S, G, DV, generator=gen, device="cuda").bfloat16()
     indices = causal_indices(B, T, S, K, "cuda")
     slots = (indices >= 0).sum().item() / (B * T)
     flops = 2 * B * T * H * slots * (D + DV)
@@ -50,7 +52,7 @@ def main():
 
     def run():
         with torch.no_grad():
-            return sa.sparse_attention(q, kv, kv[..., :DV], indices, backend="triton")[0]
+            return sa.sparse_attention(q, kv, v, indices, backend="triton")[0]
 
     def add(name, ms, err=None, meta=None):
         rows.append(dict(name=f"sparse attention fwd, {name}", shape=shape, ms=round(ms, 3),
@@ -64,7 +66,8 @@ def main():
     add("products (auto's form)", triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median"))
     ts.FORWARD_FORM = "kernels"
     R = H // G
-    for bh, bk, warps, stages in (CONFIGS_H16 if R <= 16 else CONFIGS_H32 if R <= 32 else CONFIGS):
+    configs = CONFIGS_GQA if D <= 256 else CONFIGS_H16 if R <= 16 else CONFIGS_H32 if R <= 32 else CONFIGS
+    for bh, bk, warps, stages in configs:
         ts.CONFIG_OVERRIDE.clear()
         ts.CONFIG_OVERRIDE["fwd"] = {"BH": bh, "BK": bk, "num_warps": warps, "num_stages": stages}
         try:
@@ -84,11 +87,11 @@ def main():
     if a.target:
         def with_target():
             with torch.no_grad():
-                return ts.sparse_attention_triton(q, kv, kv[..., :DV], indices, with_target=True)
+                return ts.sparse_attention_triton(q, kv, v, indices, with_target=True)
 
         def kernels_then_target():
             with torch.no_grad():
-                o, lse, target = ts.sparse_attention_triton(q, kv, kv[..., :DV], indices, with_target=True)
+                o, lse, target = ts.sparse_attention_triton(q, kv, v, indices, with_target=True)
                 assert target is None
                 return o, lse, sa.sparse_probs_target(q, kv, indices, lse)
 
