@@ -814,7 +814,7 @@ class TokenDataset:
         self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
         # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
-        self.tokens, self.trained, self.ends, self.data_stats = _cached_token_ids(
+        self.tokens, self.trained, self.ends, self.data_stats, ids_path = _cached_token_ids(
             data_path, tokenizer, Path(cache_dir), opts)
         self.masked_labels = self.trained is not None or packing != "stream"
         # fit packings: the stream ranges [P, 2] a sample is made of, sample i's being
@@ -825,7 +825,7 @@ class TokenDataset:
             self.spans, self.cut_records = fit_spans(self.ends, seq_length)
             self.sample_pieces = np.arange(len(self.spans) + 1)
         elif packing == "best_fit":
-            self.spans, self.sample_pieces, self.cut_records = best_fit_pieces(self.ends, seq_length)
+            self.spans, self.sample_pieces, self.cut_records = _cached_best_fit(ids_path, self.ends, seq_length)
         self.num_samples = (len(self.sample_pieces) - 1 if self.spans is not None
                             else (len(self.tokens) - 1) // seq_length)
         if self.num_samples < 1:
@@ -1028,7 +1028,20 @@ def _cached_token_ids(
             _atomic_write(ids_path, lambda f: np.save(f, array))
         stats = json.loads(stats_path.read_text())
     trained_array = np.load(trained_path, mmap_mode="r") if masked else None
-    return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats
+    return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats, ids_path
+
+
+def _cached_best_fit(ids_path: Path, ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """best_fit_pieces(ends, seq_length), computed once per token cache and sample length and kept
+    beside the tokens (a Python loop: about 12 s per million records), under the tokens' lock so
+    that the ranks of a launch compute it once."""
+    path = ids_path.with_name(f"{ids_path.stem}.best_fit-v1-{seq_length}.npz")  # v: of best_fit_pieces
+    with _locked(ids_path):
+        if not path.exists():
+            pieces, offsets, cut = best_fit_pieces(ends, seq_length)
+            _atomic_write(path, lambda f: np.savez(f, pieces=pieces, offsets=offsets, cut=np.int64(cut)))
+    with np.load(path) as saved:
+        return saved["pieces"], saved["offsets"], int(saved["cut"])
 
 
 def pack_records(tokens: torch.Tensor, record_starts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,6 +182,22 @@ def test_best_fit_samples_are_whole_records_with_less_padding(records, sft_cache
         f"packed whole (training.packing: best_fit), {padding:.1%} of positions padding, 0 longer than a sample cut")
 
 
+def test_best_fit_is_computed_once_per_cache_and_length(records, sft_cache, monkeypatch):
+    """The best-fit samples are kept beside the cached tokens: a second dataset over the same data
+    and sample length reads them back (best_fit_pieces not called), another length computes its own."""
+    options = dict(data_format="prompt_response")
+    tok = get_tokenizer(records, 512, sft_cache, **options)
+    first = TokenDataset(records, tok, 200, sft_cache, seed=0, packing="best_fit", **options)
+    calls = []
+    real = data.best_fit_pieces
+    monkeypatch.setattr(data, "best_fit_pieces", lambda ends, s: calls.append(s) or real(ends, s))
+    again = TokenDataset(records, tok, 200, sft_cache, seed=0, packing="best_fit", **options)
+    assert calls == [] and np.array_equal(again.spans, first.spans)
+    assert np.array_equal(again.sample_pieces, first.sample_pieces) and again.cut_records == first.cut_records
+    TokenDataset(records, tok, 160, sft_cache, seed=0, packing="best_fit", **options)
+    assert calls == [160]
+
+
 def _train(rank, world_size, raw, overrides):
     from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.training.trainer import run
