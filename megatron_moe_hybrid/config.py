@@ -211,6 +211,9 @@ class TrainingConfig:
     response_field: str = "response"
     messages_field: str = "messages"
     chat_format: str = "chatml"
+    # extra variables of a model's Jinja chat template, as transformers' apply_chat_template(**kwargs)
+    # takes them, e.g. {enable_thinking: false} for Qwen3's (a preset or .json format takes none)
+    chat_template_kwargs: dict = field(default_factory=dict)
     # "stream": samples cut every seq_length tokens of the token stream (a document or record may
     # start in one sample and end in the next); "fit": whole documents / records per sample (next
     # fit in stream order), the rest padded and left out of the loss; "best_fit": whole too, each
@@ -820,9 +823,10 @@ def _validate(c: HybridMoEConfig) -> None:
         from megatron_moe_hybrid.training.data import load_chat_format
 
         try:
-            load_chat_format(t.chat_format)
-        except ValueError as err:  # its message starts with "training.chat_format: "
-            raise ConfigError("training.chat_format", str(err).split(": ", 1)[1]) from None
+            load_chat_format(t.chat_format, t.chat_template_kwargs)
+        except ValueError as err:  # its message starts with the field: "training.chat_format: ..."
+            name, message = str(err).split(": ", 1)
+            raise ConfigError(name, message) from None
     if t.max_document_chars is not None:
         _positive(t.max_document_chars, "training.max_document_chars")
     _check_data_path(t.data_path, "training.data_path")
@@ -986,6 +990,9 @@ def _coerce(value: Any, annotation: Any, field_name: str) -> Any:
         return float(value)
     if annotation is str:
         _require(isinstance(value, str), field_name, f"expected a string, got {value!r}")
+        return value
+    if annotation is dict or origin is dict:
+        _require(isinstance(value, dict), field_name, f"expected a mapping, e.g. '{{enable_thinking: false}}', got {value!r}")
         return value
     if annotation is list or origin is list:
         if isinstance(value, str):

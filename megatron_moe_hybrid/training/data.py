@@ -41,7 +41,7 @@ import re
 import sys
 import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -156,12 +156,13 @@ class _TextOptions:
     response_field: str = "response"
     messages_field: str = "messages"
     chat_format: str = "chatml"  # a CHAT_FORMATS name or a .json file of its keys
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra variables of a Jinja chat template
 
     def __post_init__(self):
         if self.data_format not in DATA_FORMATS:
             raise ValueError(f"training.data_format: {self.data_format!r} is not one of {', '.join(DATA_FORMATS)}")
         if self.data_format == "messages":
-            load_chat_format(self.chat_format)  # names the problem before any file is read
+            load_chat_format(self.chat_format, self.chat_template_kwargs)  # names the problem before any file is read
         for name in ("prompt_field", "response_field", "messages_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"training.{name}: {getattr(self, name)!r} must be a non-empty JSON key")
@@ -176,13 +177,26 @@ class _TextOptions:
             )
 
 
-def load_chat_format(chat_format: str) -> dict:
+def load_chat_format(chat_format: str, template_kwargs: dict | None = None) -> dict:
     """training.chat_format, checked: a CHAT_FORMATS name; a .json file holding {"bos": str,
     "roles": {role: [prefix, suffix]}, "separator": str} with an "assistant" role; or a model's own
     Jinja chat template: its tokenizer_config.json (the "chat_template" key) or a .jinja file (with
     the bos / eos tokens of a tokenizer_config.json beside it). Returns the preset's dict, or
-    {"jinja": template text, "bos_token": str, "eos_token": str}."""
+    {"jinja": template text, "bos_token": str, "eos_token": str} (and "kwargs": template_kwargs if any).
+    template_kwargs (training.chat_template_kwargs): extra variables of a Jinja template, as
+    transformers' apply_chat_template(**kwargs) passes them (e.g. {"enable_thinking": false});
+    refused for a preset or a .json format, which have none."""
+    template_kwargs = dict(template_kwargs or {})
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(template_kwargs)
+    if reserved or not all(isinstance(k, str) and k.isidentifier() for k in template_kwargs):
+        bad = sorted(reserved) or [k for k in template_kwargs if not (isinstance(k, str) and k.isidentifier())]
+        raise ValueError(f"training.chat_template_kwargs: {bad} cannot be set: the keys are a template's own variable "
+                         "names, and messages, add_generation_prompt, bos_token and eos_token are the renderer's")
     if chat_format in CHAT_FORMATS:
+        if template_kwargs:
+            raise ValueError(f"training.chat_template_kwargs: {sorted(template_kwargs)} apply to a model's Jinja chat "
+                             f"template; training.chat_format is the preset {chat_format!r}, which takes none: point "
+                             "training.chat_format at the model's tokenizer_config.json or chat_template.jinja")
         return CHAT_FORMATS[chat_format]
     fix = (f"use one of {', '.join(CHAT_FORMATS)}, a .json file of the same keys (registry.CHAT_FORMATS), or a "
            "model's tokenizer_config.json / chat_template.jinja")
@@ -195,7 +209,11 @@ def load_chat_format(chat_format: str) -> dict:
     except (OSError, ValueError) as err:
         raise ValueError(f"training.chat_format: cannot read {chat_format!r} ({err}); {fix}") from None
     if spec is None or (isinstance(spec, dict) and "chat_template" in spec):
-        return _jinja_chat_format(chat_format, text if spec is None else spec["chat_template"], fix)
+        loaded = _jinja_chat_format(chat_format, text if spec is None else spec["chat_template"], fix)
+        return {**loaded, "kwargs": template_kwargs} if template_kwargs else loaded  # (cache keys without any stay)
+    if template_kwargs:
+        raise ValueError(f"training.chat_template_kwargs: {sorted(template_kwargs)} apply to a model's Jinja chat "
+                         f"template; {chat_format} is a format of prefixes and suffixes, which takes none")
     roles = spec.get("roles") if isinstance(spec, dict) else None
     problem = None
     if not isinstance(roles, dict) or "assistant" not in roles:
@@ -278,7 +296,8 @@ def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bo
 
     def render(turns, generation_prompt):
         try:
-            return template.render(messages=turns, add_generation_prompt=generation_prompt, **tokens)
+            return template.render(messages=turns, add_generation_prompt=generation_prompt, **tokens,
+                                   **chat_format.get("kwargs", {}))
         except Exception as err:  # a template's raise_exception, or an error inside it
             raise ChatTemplateError(f"the chat template fails on turns 0-{len(turns) - 1} ({err})") from None
 
@@ -482,7 +501,8 @@ def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str,
 def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
     docs = []
     field = {"text": opts.text_field, "prompt_response": opts.prompt_field, "messages": opts.messages_field}[opts.data_format]
-    chat_format = load_chat_format(opts.chat_format) if opts.data_format == "messages" else None
+    chat_format = (load_chat_format(opts.chat_format, opts.chat_template_kwargs) if opts.data_format == "messages"
+                   else None)
     for number, line in _utf8_lines(path, raw, opts, stats):
         if not line.strip():
             continue  # blank lines, e.g. a trailing newline, are no records
@@ -602,10 +622,11 @@ def _key_options(opts: _TextOptions) -> dict:
         del options["data_format"]
     if opts.data_format != "prompt_response":
         del options["prompt_field"], options["response_field"]
-    if opts.data_format == "messages":  # a chat format file is keyed by what it holds
-        options["chat_format"] = load_chat_format(opts.chat_format)
+    if opts.data_format == "messages":  # a chat format file is keyed by what it holds (and its variables)
+        options["chat_format"] = load_chat_format(opts.chat_format, opts.chat_template_kwargs)
     else:
         del options["messages_field"], options["chat_format"]
+    del options["chat_template_kwargs"]  # in the loaded format's "kwargs" where they apply
     return options
 
 

@@ -436,7 +436,8 @@ class Trainer:
         t = self.config.training
         data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars,
                          data_format=t.data_format, prompt_field=t.prompt_field, response_field=t.response_field,
-                         messages_field=t.messages_field, chat_format=t.chat_format)
+                         messages_field=t.messages_field, chat_format=t.chat_format,
+                         chat_template_kwargs=t.chat_template_kwargs)
         self.tokenizer = (
             load_tokenizer(t.tokenizer_model)
             if t.tokenizer_model

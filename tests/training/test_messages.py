@@ -317,6 +317,49 @@ def test_jinja_rendering_equals_transformers_apply_chat_template(tmp_path, chats
     assert '"é <b>"' in rendered  # tojson without HTML or ASCII escaping
 
 
+THINKING_JINJA = ("{% set empty = '<think></think>' if enable_thinking is defined and not enable_thinking else '' %}"
+                  "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{{ empty }}{% endif %}"
+                  "{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{{ empty }}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, chats):
+    """training.chat_template_kwargs are the template's extra variables, as transformers'
+    apply_chat_template(**kwargs) passes them (Qwen3's enable_thinking: an empty thinking block
+    opens each assistant turn, untrained); the records' cache key holds them."""
+    fmt = _tokenizer_config(tmp_path / "tokenizer_config.json", THINKING_JINJA)
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    plain = data.render_messages(turns, data.load_chat_format(fmt))
+    off = data.render_messages(turns, data.load_chat_format(fmt, {"enable_thinking": False}))
+    assert plain == (("<user>q</user><assistant>", False), ("a</assistant>", True))
+    assert off == (("<user>q</user><assistant><think></think>", False), ("a</assistant>", True))
+    transformers = pytest.importorskip("transformers")
+    _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(), ["<|endoftext|>"])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=THINKING_JINJA)
+    assert hf.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False) == off[0][0]
+    keys = {data._text_key(str(chats), data._TextOptions(data_format="messages", chat_format=fmt, chat_template_kwargs=kw))
+            for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True})}
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize("chat_format, kwargs, message", [
+    ("chatml", {"enable_thinking": False}, r"training.chat_template_kwargs: \['enable_thinking'\] apply to a model's "
+                                           r"Jinja chat template; training.chat_format is the preset 'chatml'"),
+    ("jinja", {"messages": []}, r"training.chat_template_kwargs: \['messages'\] cannot be set"),
+    ("jinja", {"enable-thinking": False}, r"training.chat_template_kwargs: \['enable-thinking'\] cannot be set"),
+])
+def test_config_refuses_chat_template_kwargs_that_cannot_apply(tmp_path, chats, chat_format, kwargs, message):
+    from megatron_moe_hybrid.config import ConfigError, load_config
+
+    if chat_format == "jinja":
+        chat_format = _tokenizer_config(tmp_path / "tokenizer_config.json", THINKING_JINJA)
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny.yaml")
+    with pytest.raises(ConfigError, match="^" + message):
+        load_config(tiny, {"training.data_format": "messages", "training.data_path": str(chats),
+                           "training.chat_format": chat_format, "training.chat_template_kwargs": kwargs})
+    with pytest.raises(ConfigError, match="^training.chat_template_kwargs: expected a mapping"):
+        load_config(tiny, {"training.chat_template_kwargs": "enable_thinking"})
+
+
 def test_a_template_that_rewrites_earlier_turns_is_named(tmp_path):
     """A template whose last assistant turn renders differently (a thinking block on the last turn
     only) cannot be cut for multi-turn records: the record is named, a single turn still works."""
