@@ -896,10 +896,11 @@ class TokenDataset:
     def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S] int64, labels [S] int64) of the sample_index-th sample consumed."""
         pieces = self._pieces(sample_index)
-        window = torch.from_numpy(np.concatenate([np.asarray(self.tokens[a:b], dtype=np.int64) for a, b in pieces]))
+        # one copy of the (memory-mapped) pieces, cast as they are joined
+        window = torch.from_numpy(np.concatenate([self.tokens[a:b] for a, b in pieces], dtype=np.int64))
         labels = window[1:]  # window: [n + 1], n <= S
         if self.trained is not None:
-            trained = np.concatenate([np.asarray(self.trained[a:b], dtype=np.bool_) for a, b in pieces])[1:]
+            trained = np.concatenate([self.trained[a:b] for a, b in pieces])[1:].astype(np.bool_)
             labels = labels.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)  # [n]
         pad = self.seq_length - labels.numel()  # fit packing: the sample's unused tail
         if pad:
