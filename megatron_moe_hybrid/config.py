@@ -46,10 +46,13 @@ from megatron_moe_hybrid.registry import (
 
 
 class ConfigError(ValueError):
-    """A bad configuration value; the message names the field and the fix."""
+    """A bad configuration value; the message names the field and the fix. every_rank: every
+    rank of the launch raises this same error (a check over gathered values), so the CLIs print
+    it once (rank 0) rather than once per rank."""
 
-    def __init__(self, field_name: str, message: str):
+    def __init__(self, field_name: str, message: str, every_rank: bool = False):
         self.field = field_name
+        self.every_rank = every_rank
         super().__init__(f"{field_name}: {message}")
 
 

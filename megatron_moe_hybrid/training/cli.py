@@ -7,6 +7,7 @@ process group or allocation.
 import argparse
 import os
 import sys
+import time
 import warnings
 
 
@@ -15,6 +16,22 @@ def quiet_imports() -> None:
     ourselves (`python -m megatron_moe_hybrid.env`). Called first by these CLIs and tools/plan.py."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
+
+
+def print_launch_error(error) -> None:
+    """A ConfigError raised once the ranks run: one line from rank 0 where every rank raised the
+    same error (error.every_rank: a check over gathered values), else one line per rank that
+    raised it, naming the rank (a GPU or host of its own)."""
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and getattr(error, "every_rank", False):
+        if rank != "0":
+            # Rank 0 prints the same line. Exiting at once could let torchrun stop rank 0 (it
+            # stops every worker when one fails) before rank 0 has printed it.
+            time.sleep(2.0)
+            return
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return
+    print(f"error: {f'rank {rank}: ' if world > 1 else ''}{error}", file=sys.stderr, flush=True)
 
 
 def main(mode: str, argv=None) -> int:
@@ -49,7 +66,7 @@ def main(mode: str, argv=None) -> int:
     try:
         run(config, mode)
     except ConfigError as e:  # found at launch: ranks disagree, the world size is wrong, a host is short of memory
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_launch_error(e)
         return 2
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -122,10 +122,11 @@ def _check_launch(config: HybridMoEConfig) -> None:
             "parallel.world_size",
             f"is {p.world_size} but {world} processes were launched; launch {p.world_size} "
             "(torchrun --nproc-per-node) or leave parallel.world_size unset",
+            every_rank=True,
         )
     mismatch = check_same_config(config.to_dict())
     if mismatch is not None:
-        raise ConfigError(*mismatch.split(": ", 1))
+        raise ConfigError(*mismatch.split(": ", 1), every_rank=True)
 
 
 def _host_bytes_available() -> Optional[int]:
@@ -181,6 +182,7 @@ def _check_host_memory_for_initialize(meta: torch.nn.Module, device: torch.devic
             f"{total / 1e9:.1f} GB and {avail / 1e9:.1f} GB is available; start from a safetensors "
             "checkpoint (training.init_from: each rank reads only its shards, on its device), or raise "
             "parallel.expert_model_parallel_size / tensor_model_parallel_size so that each rank holds less",
+            every_rank=True,
         )
 
 
@@ -399,7 +401,7 @@ class Trainer:
                 if "has shape" in message or "missing" in message and "tensors" in message:
                     message += (f" (a checkpoint of another model in {self.output_dir!r} cannot continue this run; "
                                 "use a new training.output_dir, training.resume none, or that run's config)")
-                raise _start_error("training.resume", ckpt.CheckpointError(message))
+                raise _start_error("training.resume", ckpt.CheckpointError(message), every_rank=True)
             _print0(f"resumed from {path} at step {self.step}")
             self.last_checkpoint = path
             if self.rank == 0:  # drop metrics of steps after the checkpoint
@@ -865,12 +867,12 @@ def check_lora_base(config: HybridMoEConfig) -> None:
             "checkpoint"))
 
 
-def _start_error(field: str, error: Exception):
+def _start_error(field: str, error: Exception, every_rank: bool = False):
     """A run that cannot start from what it was told to load: a ConfigError naming the field (the
-    CLIs print it as one line, exit status 2)."""
+    CLIs print it as one line, exit status 2; every_rank: the ranks agreed on it, rank 0 prints it)."""
     from megatron_moe_hybrid.config import ConfigError
 
-    return ConfigError(field, str(error))
+    return ConfigError(field, str(error), every_rank=every_rank)
 
 
 def run(config: HybridMoEConfig, mode: str) -> RunResult:

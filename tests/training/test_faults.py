@@ -372,6 +372,48 @@ def test_ranks_with_different_configs_stop_at_launch(corpus, cache_dir, tmp_path
     assert not os.path.exists(str(tmp_path / "run")) and not os.path.exists(str(tmp_path / "run2"))
 
 
+@pytest.mark.distributed
+def test_torchrun_prints_an_error_every_rank_raised_once(corpus, cache_dir, tmp_path, raw_config):
+    """Under torchrun, a launch error that every rank raises (here the world size) is one line
+    from rank 0, not one line per rank; the launch exits with a failure."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
+        "parallel.world_size": 4, "training.global_batch_size": 8})  # fmt: skip
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    args = [x for k, v in ov.items() for x in (f"--{k}", str(v))]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "-m", "megatron_moe_hybrid.train", "--config", str(config)] + args,
+                       capture_output=True, text=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: parallel.world_size: is 4 but 2 processes were launched"), errors
+
+
+def test_a_launch_error_of_one_rank_names_the_rank(monkeypatch, capsys):
+    from megatron_moe_hybrid.config import ConfigError
+    from megatron_moe_hybrid.training.cli import print_launch_error
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "3")
+    print_launch_error(ConfigError("training.device", "rank with LOCAL_RANK=3 has no GPU of its own"))
+    assert capsys.readouterr().err == "error: rank 3: training.device: rank with LOCAL_RANK=3 has no GPU of its own\n"
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    print_launch_error(ConfigError("parallel.world_size", "is 4 but 2", every_rank=True))
+    assert capsys.readouterr().err == ""  # rank 0 prints it
+    monkeypatch.setenv("RANK", "0")
+    print_launch_error(ConfigError("parallel.world_size", "is 4 but 2", every_rank=True))
+    assert capsys.readouterr().err == "error: parallel.world_size: is 4 but 2\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    print_launch_error(ConfigError("training.device", "no GPU"))
+    assert capsys.readouterr().err == "error: training.device: no GPU\n"
+
+
 def _worker_short_host(rank, world, raw, ov):
     """Rank 1's host reports 1 MB available: the model's share does not fit."""
     from megatron_moe_hybrid.training import trainer
