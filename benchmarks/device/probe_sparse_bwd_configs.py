@@ -27,7 +27,9 @@ CONFIGS = {  # kernel -> (BH, BK, warps, stages); the first of each is the defau
 }
 
 
-CONFIGS_MLA = {  # 128 heads on one latent (auto runs the products backward there); not yet run on a GPU
+# 128 heads on one latent (auto runs the products backward there). H100, 2026-12-05
+# (results/h100/sparse_bwd_configs_mla128.json): every one 1.9-2.2x slower than the products backward.
+CONFIGS_MLA = {
     "dq": [(16, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 1)],
     "dkv": [(16, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (32, 16, 8, 2)],
 }
