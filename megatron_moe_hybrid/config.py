@@ -32,6 +32,7 @@ import yaml
 from megatron.core.transformer import TransformerConfig
 
 from megatron_moe_hybrid.registry import (
+    CHAT_TURNS,
     DATA_FORMATS,
     LAYER_KINDS,
     LINEAR_ATTENTION_VARIANTS,
@@ -217,6 +218,10 @@ class TrainingConfig:
     # extra variables of a model's Jinja chat template, as transformers' apply_chat_template(**kwargs)
     # takes them, e.g. {enable_thinking: false} for Qwen3's (a preset or .json format takes none)
     chat_template_kwargs: dict = field(default_factory=dict)
+    # one record per conversation ("whole"), per assistant turn ("split", each turn trained in the
+    # context the template gives it at generation), or whole where the template allows ("auto")
+    # (registry.CHAT_TURNS)
+    chat_turns: str = "auto"
     # "stream": samples cut every seq_length tokens of the token stream (a document or record may
     # start in one sample and end in the next); "fit": whole documents / records per sample (next
     # fit in stream order), the rest padded and left out of the loss; "best_fit": whole too, each
@@ -807,6 +812,11 @@ def _validate(c: HybridMoEConfig) -> None:
              f"{t.data_format!r} is not one of {', '.join(DATA_FORMATS)}{_did_you_mean(t.data_format, DATA_FORMATS)}")
     _require(t.packing in PACKINGS, "training.packing",
              f"{t.packing!r} is not one of {', '.join(PACKINGS)}{_did_you_mean(t.packing, PACKINGS)}")
+    _require(t.chat_turns in CHAT_TURNS, "training.chat_turns",
+             f"{t.chat_turns!r} is not one of {', '.join(CHAT_TURNS)}{_did_you_mean(t.chat_turns, CHAT_TURNS)}")
+    _require(t.chat_turns == "auto" or t.data_format == "messages", "training.chat_turns",
+             f"{t.chat_turns!r} applies to conversations; training.data_format is {t.data_format!r}: set "
+             "data_format messages or leave chat_turns auto")
     for name in ("prompt_field", "response_field", "messages_field"):
         _require(bool(getattr(t, name)), f"training.{name}", "is empty; name the JSONL field holding it")
     _require(

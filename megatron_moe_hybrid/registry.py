@@ -80,6 +80,12 @@ DATA_FORMATS = ("text", "prompt_response", "messages")
 # samples); "fit": whole documents / records per sample (next fit in stream order), the rest padded
 # and ignored by the loss; "best_fit": whole too, samples filled longest first (less padding)
 PACKINGS = ("stream", "fit", "best_fit")
+# training.chat_turns (data_format "messages"): "whole": one record per conversation, cut from the
+# renderings of its turns (a template that renders earlier turns differently once later ones follow,
+# as Qwen3's drops their thinking, cannot be cut: the record is bad data); "split": one record per
+# assistant turn, the conversation before it as the template renders it for generation (untrained)
+# and the turn (trained); "auto": whole where the template allows, else split (counted)
+CHAT_TURNS = ("auto", "whole", "split")
 # training.chat_format presets: the text before the conversation (bos), each role's text before and
 # after its content (an assistant turn trains its content and its suffix, the end-of-turn marker the
 # model learns to stop at), and the separator after every turn (untrained). A .json file of the same

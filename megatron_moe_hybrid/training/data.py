@@ -48,7 +48,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from megatron_moe_hybrid.registry import CHAT_FORMATS, DATA_FORMATS, PACKINGS
+from megatron_moe_hybrid.registry import CHAT_FORMATS, CHAT_TURNS, DATA_FORMATS, PACKINGS
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +157,15 @@ class _TextOptions:
     messages_field: str = "messages"
     chat_format: str = "chatml"  # a CHAT_FORMATS name or a .json file of its keys
     chat_template_kwargs: dict = field(default_factory=dict)  # extra variables of a Jinja chat template
+    chat_turns: str = "auto"  # one record per conversation or per assistant turn (CHAT_TURNS)
 
     def __post_init__(self):
         if self.data_format not in DATA_FORMATS:
             raise ValueError(f"training.data_format: {self.data_format!r} is not one of {', '.join(DATA_FORMATS)}")
         if self.data_format == "messages":
             load_chat_format(self.chat_format, self.chat_template_kwargs)  # names the problem before any file is read
+        if self.chat_turns not in CHAT_TURNS:
+            raise ValueError(f"training.chat_turns: {self.chat_turns!r} is not one of {', '.join(CHAT_TURNS)}")
         for name in ("prompt_field", "response_field", "messages_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"training.{name}: {getattr(self, name)!r} must be a non-empty JSON key")
@@ -284,13 +287,15 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot be cut into turns for this conversation."""
 
 
-def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bool]]:
-    """(text, trained) pieces of a conversation in a model's own template, cut where rendering the
-    conversation up to each turn ends; an assistant turn's head is what the template's generation
-    prompt adds, its trained text what the turn adds after it (whitespace at the end untrained).
-    Each cut must be a prefix of the next rendering, and the pieces must join into the whole
-    conversation's rendering; a template that renders an earlier turn differently once later turns
-    follow (Qwen3's thinking blocks) raises ChatTemplateError."""
+class ChatTemplateRewrites(ChatTemplateError):
+    """A template that renders earlier turns differently once later turns follow (Qwen3's drops
+    their thinking): its turns cannot be cut from one rendering, each assistant turn can be
+    rendered alone in the context the template gives it (training.chat_turns: split / auto)."""
+
+
+def _jinja_renderer(chat_format: dict):
+    """render(turns, generation_prompt) -> the template's text, as transformers'
+    apply_chat_template(tokenize=False) gives it (with training.chat_template_kwargs)."""
     template = _compiled_template(chat_format["jinja"])
     tokens = {"bos_token": chat_format["bos_token"], "eos_token": chat_format["eos_token"]}
 
@@ -301,9 +306,33 @@ def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bo
         except Exception as err:  # a template's raise_exception, or an error inside it
             raise ChatTemplateError(f"the chat template fails on turns 0-{len(turns) - 1} ({err})") from None
 
+    return render
+
+
+def _assistant_pieces(head: str, full: str, number: int) -> list[tuple[str, bool]]:
+    """An assistant turn cut from the rendering before it with the generation prompt (head) and
+    the rendering that ends with it (full): what follows head is trained, whitespace at its end not."""
+    if not full.startswith(head):
+        raise ChatTemplateRewrites(
+            f"the chat template renders the turns before turn {number} differently once turn {number} follows "
+            "(the generation prompt's rendering is not a prefix of the turn's), so the turn cannot be cut from it")
+    body = full[len(head):]
+    answer = body.rstrip()
+    return [(answer, True), (body[len(answer):], False)]
+
+
+def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of a conversation in a model's own template, cut where rendering the
+    conversation up to each turn ends; an assistant turn's head is what the template's generation
+    prompt adds, its trained text what the turn adds after it (whitespace at the end untrained).
+    Each cut must be a prefix of the next rendering, and the pieces must join into the whole
+    conversation's rendering; a template that renders an earlier turn differently once later turns
+    follow (Qwen3's thinking blocks) raises ChatTemplateRewrites."""
+    render = _jinja_renderer(chat_format)
+
     def extend(done, text, what):
         if not text.startswith(done):
-            raise ChatTemplateError(
+            raise ChatTemplateRewrites(
                 f"the chat template renders the turns before {what} differently once {what} follows (their "
                 "rendering is not a prefix of the longer one), so turns cannot be cut from it")
         return text[len(done):]
@@ -314,30 +343,17 @@ def _render_jinja(messages: list[dict], chat_format: dict) -> list[tuple[str, bo
         if message["role"] == "assistant":
             head = render(messages[:number], True)
             pieces.append((extend(done, head, f"turn {number}'s generation prompt"), False))
-            body = extend(head, full, f"turn {number}")
-            answer = body.rstrip()
-            pieces += [(answer, True), (body[len(answer):], False)]
+            pieces += _assistant_pieces(head, full, number)
         else:
             pieces.append((extend(done, full, f"turn {number}"), False))
         done = full
     if render(messages, False) != done:
-        raise ChatTemplateError("the chat template's rendering of the whole conversation is not its turns' in order")
+        raise ChatTemplateRewrites("the chat template's rendering of the whole conversation is not its turns' in order")
     return pieces
 
 
-def render_messages(messages: list[dict], chat_format: dict) -> tuple[tuple[str, bool], ...]:
-    """A conversation as (text, trained) pieces: the bos, each turn's prefix, content and suffix,
-    and the separator after it; trained are the assistant turns' content and suffix. In a model's
-    Jinja template (chat_format "jinja") the pieces are cut from its renderings (_render_jinja).
-    Adjacent pieces of one kind are merged (fewer, longer strings to tokenize)."""
-    if "jinja" in chat_format:
-        pieces = _render_jinja(messages, chat_format)
-    else:
-        pieces = [(chat_format["bos"], False)]
-        for message in messages:
-            prefix, suffix = chat_format["roles"][message["role"]]
-            trained = message["role"] == "assistant"
-            pieces += [(prefix, False), (message["content"] + suffix, trained), (chat_format["separator"], False)]
+def _merged(pieces) -> tuple[tuple[str, bool], ...]:
+    """Adjacent pieces of one kind merged (fewer, longer strings to tokenize), empty ones dropped."""
     merged: list[tuple[str, bool]] = []
     for text, trained in pieces:
         if not text:
@@ -347,6 +363,47 @@ def render_messages(messages: list[dict], chat_format: dict) -> tuple[tuple[str,
         else:
             merged.append((text, trained))
     return tuple(merged)
+
+
+def _preset_pieces(messages: list[dict], chat_format: dict, trained_from: int = 0) -> list[tuple[str, bool]]:
+    """A preset / .json format's pieces: the bos, each turn's prefix, content and suffix, and the
+    separator after it; the assistant turns from index trained_from on are trained."""
+    pieces = [(chat_format["bos"], False)]
+    for number, message in enumerate(messages):
+        prefix, suffix = chat_format["roles"][message["role"]]
+        trained = message["role"] == "assistant" and number >= trained_from
+        pieces += [(prefix, False), (message["content"] + suffix, trained), (chat_format["separator"], False)]
+    return pieces
+
+
+def render_messages(messages: list[dict], chat_format: dict) -> tuple[tuple[str, bool], ...]:
+    """A conversation as (text, trained) pieces: the bos, each turn's prefix, content and suffix,
+    and the separator after it; trained are the assistant turns' content and suffix. In a model's
+    Jinja template (chat_format "jinja") the pieces are cut from its renderings (_render_jinja).
+    Adjacent pieces of one kind are merged (fewer, longer strings to tokenize)."""
+    if "jinja" in chat_format:
+        return _merged(_render_jinja(messages, chat_format))
+    return _merged(_preset_pieces(messages, chat_format))
+
+
+def render_turns(messages: list[dict], chat_format: dict) -> list[tuple[tuple[str, bool], ...]]:
+    """training.chat_turns "split": one record per assistant turn, each the conversation up to and
+    including that turn with only that turn trained. In a Jinja template the context is what the
+    template renders before the turn with its generation prompt (what the model sees when it
+    generates the turn: Qwen3's template without the thinking of earlier turns), the turn what the
+    rendering ending with it adds; in a preset, the preset's pieces."""
+    render = _jinja_renderer(chat_format) if "jinja" in chat_format else None
+    records = []
+    for number, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if render is None:
+            records.append(_merged(_preset_pieces(messages[: number + 1], chat_format, trained_from=number)))
+            continue
+        head = render(messages[:number], True)
+        full = render(messages[: number + 1], False)
+        records.append(_merged([(head, False)] + _assistant_pieces(head, full, number)))
+    return records
 
 
 def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
@@ -362,6 +419,8 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     """
     opts = _TextOptions(**options)
     stats = dict.fromkeys(STAT_KEYS, 0)
+    if opts.data_format == "messages":
+        stats["split_conversations"] = 0  # not a skip: conversations made one record per assistant turn
     records = opts.data_format != "text"
     if data_path == STDLIB or data_path.startswith(STDLIB + ":"):
         if records:
@@ -518,9 +577,9 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
             _bad(opts, stats, "skipped_bad_json", f"{where}: a JSON {type(record).__name__}, not an object; {fix}")
             continue
         if chat_format is not None:
-            pieces = _conversation(record, where, opts, stats, chat_format)
-            if pieces is not None:
-                docs.append(pieces)
+            records = _conversation(record, where, opts, stats, chat_format)
+            if records is not None:
+                docs.extend(records)
             continue
         keys = ("text_field",) if opts.data_format == "text" else ("prompt_field", "response_field")
         parts = [record.get(getattr(opts, key)) for key in keys]
@@ -550,7 +609,9 @@ def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str
 
 
 def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str, int], chat_format: dict):
-    """A messages record's render_messages pieces, or None where it is bad data (reported by _bad)."""
+    """A messages record's documents: [its render_messages pieces], or under training.chat_turns
+    "split" (and "auto" where the template rewrites earlier turns, counted in
+    stats["split_conversations"]) render_turns' records; None where it is bad data (reported by _bad)."""
     messages = record.get(opts.messages_field)
     roles = chat_format.get("roles")  # a Jinja template takes any role it knows (and raises on others)
     example = '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
@@ -583,10 +644,21 @@ def _conversation(record: dict, where: str, opts: _TextOptions, stats: dict[str,
         _bad(opts, stats, "skipped_too_long", f"{where}: the document has {size} characters, {_over_limit(opts)}")
         return None
     try:
-        return render_messages(messages, chat_format)
+        if opts.chat_turns == "split":
+            return render_turns(messages, chat_format)
+        try:
+            return [render_messages(messages, chat_format)]
+        except ChatTemplateRewrites:
+            if opts.chat_turns == "whole":
+                raise
+        records = render_turns(messages, chat_format)
+        stats["split_conversations"] += 1
+        return records
     except ChatTemplateError as err:
-        _bad(opts, stats, "skipped_bad_json", f"{where}: {err}; write the format as a .json of per-role prefixes and "
-             "suffixes (training.chat_format), or render the records to prompt / response pairs")
+        fix = ("set training.chat_turns: split (or auto) to train each assistant turn in its own record, "
+               if isinstance(err, ChatTemplateRewrites) and opts.chat_turns == "whole" else "")
+        _bad(opts, stats, "skipped_bad_json", f"{where}: {err}; {fix}write the format as a .json of per-role prefixes "
+             "and suffixes (training.chat_format), or render the records to prompt / response pairs")
         return None
 
 
@@ -626,6 +698,8 @@ def _key_options(opts: _TextOptions) -> dict:
         options["chat_format"] = load_chat_format(opts.chat_format, opts.chat_template_kwargs)
     else:
         del options["messages_field"], options["chat_format"]
+    if opts.data_format != "messages":
+        del options["chat_turns"]
     del options["chat_template_kwargs"]  # in the loaded format's "kwargs" where they apply
     return options
 

@@ -226,7 +226,11 @@ def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
         line += (f"; packed whole (training.packing: {dataset.packing}), "
                  f"{1 - used / (dataset.num_samples * dataset.seq_length):.1%} "
                  f"of positions padding, {dataset.cut_records:,} longer than a sample cut")
-    skipped = {k: v for k, v in dataset.data_stats.items() if v}
+    split = dataset.data_stats.get("split_conversations", 0)
+    if split:
+        line += (f"; {split:,} conversations made one record per assistant turn (training.chat_turns: the template "
+                 "renders their earlier turns differently once later ones follow)")
+    skipped = {k: v for k, v in dataset.data_stats.items() if v and k.startswith("skipped_")}
     if skipped:
         line += f"; skipped lines (training.bad_data: skip): {skipped}"
     return line
@@ -439,7 +443,7 @@ class Trainer:
         data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars,
                          data_format=t.data_format, prompt_field=t.prompt_field, response_field=t.response_field,
                          messages_field=t.messages_field, chat_format=t.chat_format,
-                         chat_template_kwargs=t.chat_template_kwargs)
+                         chat_template_kwargs=t.chat_template_kwargs, chat_turns=t.chat_turns)
         self.tokenizer = (
             load_tokenizer(t.tokenizer_model)
             if t.tokenizer_model
@@ -674,7 +678,7 @@ class Trainer:
             metrics["offload_bytes"] = stats["bytes"] - seen_bytes
             metrics["offload_stall_ms"] = stats["stall_ms"] - seen_stall
             self._offload_seen = (stats["bytes"], stats["stall_ms"])
-        metrics.update(self.dataset.data_stats)  # records dropped under training.bad_data: skip
+        metrics.update(self.dataset.data_stats)  # records dropped under training.bad_data: skip (and conversations split)
         self.step += 1
         return metrics
 

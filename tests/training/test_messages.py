@@ -360,26 +360,98 @@ def test_config_refuses_chat_template_kwargs_that_cannot_apply(tmp_path, chats, 
         load_config(tiny, {"training.chat_template_kwargs": "enable_thinking"})
 
 
-def test_a_template_that_rewrites_earlier_turns_is_named(tmp_path):
+def test_a_template_that_rewrites_earlier_turns_is_named_or_split(tmp_path):
     """A template whose last assistant turn renders differently (a thinking block on the last turn
-    only) cannot be cut for multi-turn records: the record is named, a single turn still works."""
+    only) cannot be cut for multi-turn records: under training.chat_turns whole the record is
+    named (with the fix); under auto, the default, it becomes one record per assistant turn
+    (counted); a single turn is cut as before."""
     template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.last %}<think></think>"
                 "{% endif %}{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>"
                 "<think></think>{% endif %}")
     fmt = _tokenizer_config(tmp_path / "tokenizer_config.json", template)
     one = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    two = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+           {"role": "user", "content": "r"}, {"role": "assistant", "content": "b"}]
     path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps({"messages": one}) + "\n" + json.dumps({"messages": one + one}) + "\n")
+    path.write_text(json.dumps({"messages": one}) + "\n" + json.dumps({"messages": two}) + "\n")
+    whole = dict(data_format="messages", chat_format=fmt, chat_turns="whole")
     with pytest.raises(ValueError, match=r"c.jsonl:2: the chat template renders the turns before turn 2 differently once "
-                                         r"turn 2 follows .*training.chat_format"):
-        data.load_documents(str(path), data_format="messages", chat_format=fmt)
-    docs, stats = data.load_documents(str(path), data_format="messages", chat_format=fmt, bad_data="skip")
-    assert docs == [(("<user>q</user><assistant><think></think>", False), ("a</assistant>", True))]
-    assert stats["skipped_bad_json"] == 1
+                                         r"turn 2 follows .*set training.chat_turns: split .*training.chat_format"):
+        data.load_documents(str(path), **whole)
+    single = (("<user>q</user><assistant><think></think>", False), ("a</assistant>", True))
+    docs, stats = data.load_documents(str(path), **whole, bad_data="skip")
+    assert docs == [single] and stats["skipped_bad_json"] == 1 and stats["split_conversations"] == 0
+    docs, stats = data.load_documents(str(path), data_format="messages", chat_format=fmt)
+    assert docs == [single, single, (("<user>q</user><assistant>a</assistant><user>r</user><assistant><think></think>", False),
+                                     ("b</assistant>", True))]
+    assert stats["split_conversations"] == 1 and stats["skipped_bad_json"] == 0
     with pytest.raises(ValueError, match="^training.chat_format: .* does not compile"):
         data.load_chat_format(_tokenizer_config(tmp_path / "bad.json", "{% for %}"))
     with pytest.raises(ValueError, match="^training.chat_format: .* holds no chat template string"):
         data.load_chat_format(_tokenizer_config(tmp_path / "none.json", None))
+
+
+# Qwen3's way with thinking, reduced: an assistant turn before the last user turn is rendered without
+# its <think>...</think> block, the turns after it with theirs.
+DROP_THINKING_JINJA = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and "
+    "loop.index0 < ns.last %}{{ m.content.split('</think>')[-1].lstrip() }}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_split_turns_train_each_answer_in_the_context_it_is_generated_in(tmp_path, chats):
+    """training.chat_turns split (and auto, for a template that drops earlier turns' thinking): one
+    record per assistant turn, the text of each equal to transformers' apply_chat_template of the
+    conversation up to that turn, only that turn trained (its thinking included); the earlier
+    turns' answers appear as context without their thinking. A preset splits the same way."""
+    fmt = data.load_chat_format(_tokenizer_config(tmp_path / "tokenizer_config.json", DROP_THINKING_JINJA))
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "<think>add them</think>\n4"}, {"role": "user", "content": "and 3+3?"},
+             {"role": "assistant", "content": "<think>again</think>\n6"}]
+    with pytest.raises(data.ChatTemplateRewrites):
+        data.render_messages(turns, fmt)
+    records = data.render_turns(turns, fmt)
+    assert [[text for text, trained in r if trained] for r in records] == [
+        ["<think>add them</think>\n4<|im_end|>"], ["<think>again</think>\n6<|im_end|>"]]
+    assert "add them" not in records[1][0][0] and "4<|im_end|>" in records[1][0][0]
+    transformers = pytest.importorskip("transformers")
+    _hf_tokenizer(tmp_path / "tokenizer.json", open(chats).read(), ["<|endoftext|>"])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                              chat_template=DROP_THINKING_JINJA)
+    for record, end in zip(records, (3, 5)):
+        assert "".join(text for text, _ in record) == hf.apply_chat_template(turns[:end], tokenize=False)
+        assert record[0][0] == hf.apply_chat_template(turns[: end - 1], tokenize=False, add_generation_prompt=True)
+    # a preset: the conversation up to each answer, that answer trained, the earlier ones not
+    chatml = data.load_chat_format("chatml")
+    split = data.render_turns(turns, chatml)
+    for record, end, answer in zip(split, (3, 5), ("<think>add them</think>\n4<|im_end|>", "<think>again</think>\n6<|im_end|>")):
+        assert "".join(t for t, _ in record) == "".join(t for t, _ in data.render_messages(turns[:end], chatml))
+        assert [t for t, tr in record if tr] == [answer]
+
+
+def test_split_turns_in_a_dataset_and_its_cache_key(chats, chat_cache, tmp_path):
+    """Under chat_turns split every conversation of n assistant turns is n records whose trained
+    tokens are that turn's; the mode is part of the records' cache key; the config names a bad value."""
+    from megatron_moe_hybrid.config import ConfigError, load_config
+
+    tok = get_tokenizer(chats, 512, chat_cache, **MESSAGES)
+    conversations = [json.loads(line)["messages"] for line in open(chats)]
+    ds = TokenDataset(chats, tok, 48, chat_cache, seed=0, data_format="messages", chat_turns="split")
+    tokens, trained = np.asarray(ds.tokens), np.asarray(ds.trained, dtype=bool)
+    records = _trained_runs(tokens, trained, tok.eos_id)
+    want = [[t["content"] + "<|im_end|>"] for turns in conversations for t in turns if t["role"] == "assistant"]
+    assert len(records) == len(want) > len(conversations)
+    assert [[tok.decode(run) for run in runs] for runs, _ in records] == want
+    assert ds.data_stats["split_conversations"] == 0  # split asked: not counted as a fallback
+    keys = {data._text_key(chats, data._TextOptions(data_format="messages", chat_turns=mode))
+            for mode in ("auto", "whole", "split")}
+    assert len(keys) == 3
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny.yaml")
+    with pytest.raises(ConfigError, match="^training.chat_turns: 'splt' is not one of auto, whole, split"):
+        load_config(tiny, {"training.data_format": "messages", "training.data_path": chats, "training.chat_turns": "splt"})
+    with pytest.raises(ConfigError, match="^training.chat_turns: 'split' applies to conversations"):
+        load_config(tiny, {"training.chat_turns": "split"})
 
 
 def test_a_dataset_in_a_models_template(chats, chat_cache, tmp_path):
