@@ -826,7 +826,7 @@ def get_tokenizer(data_path: str, vocab_size: int, cache_dir: str | os.PathLike,
     opts = _TextOptions(**options)
     if vocab_size < _MIN_VOCAB:
         raise ValueError(
-            f"model vocab size: {vocab_size} is too small; byte_fallback needs 256 byte pieces "
+            f"model.vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte pieces "
             f"+ 4 specials, so use at least {_MIN_VOCAB} (512 or more in practice)"
         )
     options = {"spm": _SPM_OPTIONS, "max_train_sentences": _MAX_TRAIN_SENTENCES}
@@ -857,7 +857,7 @@ def _train_sentencepiece(text: str, vocab_size: int) -> bytes:
         )
     except RuntimeError as err:
         raise ValueError(
-            f"model vocab size: sentencepiece could not build {vocab_size} pieces from training.data_path "
+            f"model.vocab_size: sentencepiece could not build {vocab_size} pieces from training.data_path "
             f"({len(text.encode())} bytes): {err}; use a smaller vocab size or more text"
         ) from err
     return model.getvalue()

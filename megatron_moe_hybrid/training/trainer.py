@@ -282,7 +282,7 @@ class Trainer:
             flag = torch.tensor([float(failed is not None)], device=self.device)
             dist.all_reduce(flag)
             if failed is not None:
-                raise failed
+                raise _field_error(failed)
             if flag.item():
                 raise TrainingStopped(f"rank {self.rank}: {'rank 0' if turn == 0 else 'another rank'} could not load "
                                       "the training data (tokenizer, training.data_path, training.eval_data_path); its "
@@ -869,6 +869,22 @@ def check_lora_base(config: HybridMoEConfig) -> None:
             f"LoRA fine-tuning needs base weights and none would be loaded (training.resume {t.resume!r} finds "
             f"no checkpoint in {t.output_dir!r}); set training.init_from to a pretraining run's output_dir or "
             "checkpoint"))
+
+
+def _field_error(error: Exception) -> Exception:
+    """A data or tokenizer error whose message starts with the config field it is about
+    ("training.data_path: ...", the data module's way) as a ConfigError, which the CLIs print
+    as one line with exit status 2; any other error as it is."""
+    import re
+
+    from megatron_moe_hybrid.config import ConfigError
+
+    found = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", str(error)) if isinstance(error, ValueError) else None
+    if found is None:
+        return error
+    converted = ConfigError(found.group(1), str(error)[found.end():])
+    converted.__cause__ = error
+    return converted
 
 
 def _start_error(field: str, error: Exception, every_rank: bool = False):

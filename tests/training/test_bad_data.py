@@ -283,3 +283,25 @@ def test_file_format_is_part_of_the_cache_key(tmp_path, tokenizer):
     text = TokenDataset(str(tmp_path / "a.txt"), tokenizer, SEQ, tmp_path / "cache", seed=0)
     assert np.array_equal(np.asarray(records.tokens), _reference_stream(tokenizer, docs))
     assert np.array_equal(np.asarray(text.tokens), _reference_stream(tokenizer, [raw.decode()]))
+
+
+def test_the_cli_prints_a_bad_line_as_one_error_naming_the_field(tmp_path, capsys):
+    """A bad record found while the run loads its data is one line naming training.data_path, the
+    file and line and the fix, with exit status 2 (not a traceback); so is a vocabulary the text
+    cannot fill, naming model.vocab_size."""
+    import os
+
+    from megatron_moe_hybrid.training.cli import main
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny.yaml")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello world"}\nnot json\n')
+    args = ["--config", tiny, "--training.train_steps", "1", "--training.cache_dir", str(tmp_path / "cache")]
+    assert main("pretrain", args + ["--training.data_path", str(bad), "--training.output_dir", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: training.data_path: {bad}:2: not valid JSON") and err.count("\n") == 1, err
+    small = tmp_path / "small.txt"
+    small.write_text("only a few words here\n" * 20)
+    assert main("pretrain", args + ["--training.data_path", str(small), "--training.output_dir", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.vocab_size: sentencepiece could not build 1024 pieces") and err.count("\n") == 1, err

@@ -125,11 +125,11 @@ def test_second_call_loads_from_cache(tokenizer, cache_dir, monkeypatch):
 
 
 def test_tokenizer_bad_vocab_sizes_name_the_field(tmp_path, small_text_file):
-    with pytest.raises(ValueError, match="model vocab size"):
+    with pytest.raises(ValueError, match="^model.vocab_size: "):
         get_tokenizer("stdlib", 100, tmp_path)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("only a few words here\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="model vocab size"):
+    with pytest.raises(ValueError, match="^model.vocab_size: "):
         get_tokenizer(str(tiny), 4096, tmp_path)
 
 
