@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 import importlib.util
 import json
@@ -199,6 +200,29 @@ def record_sparse(op: str, shape: tuple, head_dim: int | None = None, dtype: str
 LOSS_TOKENS = 16
 
 
+@contextlib.contextmanager
+def _fp32_cpu_products():
+    """torch.mm of bf16 / fp16 CPU tensors computed in fp32 and rounded into its output: the
+    same shapes and dtypes for the kernels that read it, at a CPU's fp32 speed. (The loss's
+    logits products at vocab 151936 took 172 s each in bf16 on a 2-core CI machine, most of the
+    kernels-compile test's time; their values do not matter to a recording.)"""
+    import torch
+
+    mm = torch.mm
+
+    def fp32_mm(a, b, *, out=None):
+        if a.device.type != "cpu" or a.dtype not in (torch.bfloat16, torch.float16):
+            return mm(a, b, out=out)
+        result = mm(a.float(), b.float()).to(a.dtype)
+        return result if out is None else out.copy_(result)
+
+    torch.mm = fp32_mm
+    try:
+        yield
+    finally:
+        torch.mm = mm
+
+
 def record_loss(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
     """The kernel launches of chunked_linear_cross_entropy's Triton path, forward+backward, with
     a trainable weight and with a frozen one, plus z-loss and label smoothing (their kernels'
@@ -215,7 +239,7 @@ def record_loss(op: str, shape: tuple, head_dim: int | None = None, dtype: str =
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     labels = torch.randint(0, V, (LOSS_TOKENS,), generator=gen)
-    with _aot.recording(as_on_device={"FAST_EXP": True}) as launches:  # the host sets it from is_cuda
+    with _aot.recording(as_on_device={"FAST_EXP": True}) as launches, _fp32_cpu_products():  # FAST_EXP: from is_cuda
         for trainable, z_loss, smoothing in ((True, 0.0, 0.0), (False, 1e-4, 0.1)):
             hidden = torch.zeros(LOSS_TOKENS, D, dtype=dt).requires_grad_()
             weight = torch.zeros(V, D, dtype=dt).requires_grad_(trainable)
@@ -456,6 +480,34 @@ def _plain(constexprs: dict) -> dict:
     return {k: v for k, v in constexprs.items() if isinstance(v, (bool, int))}
 
 
+_FAMILIES: dict = {}  # op -> (module, recorder), set by main before any worker forks
+
+
+def _compiled_fields(c, with_sass: bool) -> dict:
+    """A compiled launch as plain values (what a worker process sends back)."""
+    return {"name": c.name, "line": c.line(), "grid": list(c.grid), "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "maxnreg": c.maxnreg, "registers": c.registers,
+            "local_bytes": c.local_bytes, "shared_bytes": c.shared_bytes, "sass": c.sass_digest,
+            "constexprs": _plain(c.constexprs), "sass_text": c.sass if with_sass else None}
+
+
+def _record_one(job: tuple) -> dict:
+    """One op at one shape, recorded and compiled: {"launches": [...], "rejected": [...]}, or
+    {"failed": the line naming the launch that does not compile or fit}."""
+    op, key, shape, head_dim, dtype, with_sass = job
+    try:
+        launches = _FAMILIES[op][1](op, shape, head_dim, dtype)
+    except Exception as exc:  # a kernel that does not compile or fit, as its launch on the GPU would raise
+        launch = getattr(exc, "launch", None)
+        lines = [l for l in str(exc).splitlines() if l.strip()]
+        why = " / ".join([l for l in lines if "fatal" in l or "error" in l.lower()][:2] or lines[:2])
+        where = launch.compiled.line() if launch is not None and launch.compiled else ""
+        return {"failed": f"{launch.name if launch else '?'}: FAILED: {type(exc).__name__}: {why}"
+                          + (f" ({where})" if where else "")}
+    return {"rejected": [_compiled_fields(launch.compiled, False) for launch in launches.rejected],
+            "launches": [_compiled_fields(launch.compiled, with_sass) for launch in launches]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="gdn,gla", help=f"comma-separated, of {', '.join(OPS)}")
@@ -469,6 +521,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     p.add_argument("--against", default=None, metavar="REV", help="compare the SASS with git revision REV's "
                    "kernels (exit 2 where any differs)")
+    p.add_argument("--jobs", type=int, default=0, help="processes compiling (op, shape) pairs side by side; "
+                   "0: one per CPU core")
     p.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # the package's checkout (--against)
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -501,42 +555,46 @@ def main(argv=None) -> int:
     for setting in a.set:
         apply_setting(list(dict.fromkeys(families[op][0] for op in ops)), setting)
 
+    global _FAMILIES
+    _FAMILIES = families
+    jobs = [(op, key, shapes[op][key], a.head_dim, a.dtype, bool(a.sass)) for op in ops for key in wanted[op]]
+    workers = min(len(jobs), a.jobs or os.cpu_count() or 1)
     rows, rejected, done, failed = [], [], {}, 0
-    for op in ops:
-        for key in wanted[op]:
-            try:
-                launches = families[op][1](op, shapes[op][key], a.head_dim, a.dtype)
-            except Exception as exc:  # a kernel that does not compile or fit, as its launch on the GPU would raise
-                failed += 1
-                launch = getattr(exc, "launch", None)
-                lines = [l for l in str(exc).splitlines() if l.strip()]
-                why = " / ".join([l for l in lines if "fatal" in l or "error" in l.lower()][:2] or lines[:2])
-                where = launch.compiled.line() if launch is not None and launch.compiled else ""
-                print(f"{op} {key} {launch.name if launch else '?'}: FAILED: {type(exc).__name__}: {why}"
-                      + (f" ({where})" if where else ""), flush=True)
-                continue
-            for launch in launches.rejected:  # refused for its shared memory; the host code went on
-                c = launch.compiled
-                print(f"{op} {key} {c.line()}: does not fit ({c.shared_bytes} B of shared memory, over the "
-                      f"{_aot.MAX_SHARED_BYTES} a block may take): the host code took its next config", flush=True)
-                rejected.append({"op": op, "shape": key, "kernel": c.name, "num_warps": c.num_warps,
-                                 "num_stages": c.num_stages, "shared_bytes": c.shared_bytes,
-                                 "constexprs": _plain(c.constexprs)})
-            for launch in launches:
-                c = launch.compiled
-                fit = programs_per_sm(c.registers, c.num_warps, c.shared_bytes)
-                seen = done.setdefault((c.name, c.sass_digest), f"{op} {key}")
-                print(f"{op} {key} {c.line()} per-SM {fit}" + ("" if seen == f"{op} {key}" else f" (as {seen})"),
-                      flush=True)
-                rows.append({"op": op, "shape": key, "kernel": c.name, "grid": list(c.grid),
-                             "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg,
-                             "registers": c.registers, "local_bytes": c.local_bytes,
-                             "shared_bytes": c.shared_bytes, "programs_per_sm": fit, "sass": c.sass_digest,
-                             "constexprs": _plain(c.constexprs)})
-                if a.sass:
-                    os.makedirs(a.sass, exist_ok=True)
-                    with open(os.path.join(a.sass, f"{c.name}_{c.sass_digest}.sass"), "w") as f:
-                        f.write(c.sass)
+    if workers > 1:  # forked after the switches are set: every worker records as this process would
+        import multiprocessing
+
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        results = pool.imap(_record_one, jobs)  # in order: the printed lines are those of one process
+    else:
+        pool, results = None, map(_record_one, jobs)
+    for (op, key, *_), result in zip(jobs, results):
+        if "failed" in result:
+            failed += 1
+            print(f"{op} {key} {result['failed']}", flush=True)
+            continue
+        for r in result["rejected"]:  # refused for its shared memory; the host code went on
+            print(f"{op} {key} {r['line']}: does not fit ({r['shared_bytes']} B of shared memory, over the "
+                  f"{_aot.MAX_SHARED_BYTES} a block may take): the host code took its next config", flush=True)
+            rejected.append({"op": op, "shape": key, "kernel": r["name"], "num_warps": r["num_warps"],
+                             "num_stages": r["num_stages"], "shared_bytes": r["shared_bytes"],
+                             "constexprs": r["constexprs"]})
+        for c in result["launches"]:
+            fit = programs_per_sm(c["registers"], c["num_warps"], c["shared_bytes"])
+            seen = done.setdefault((c["name"], c["sass"]), f"{op} {key}")
+            print(f"{op} {key} {c['line']} per-SM {fit}" + ("" if seen == f"{op} {key}" else f" (as {seen})"),
+                  flush=True)
+            rows.append({"op": op, "shape": key, "kernel": c["name"], "grid": c["grid"],
+                         "num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"],
+                         "registers": c["registers"], "local_bytes": c["local_bytes"],
+                         "shared_bytes": c["shared_bytes"], "programs_per_sm": fit, "sass": c["sass"],
+                         "constexprs": c["constexprs"]})
+            if a.sass:
+                os.makedirs(a.sass, exist_ok=True)
+                with open(os.path.join(a.sass, f"{c['name']}_{c['sass']}.sass"), "w") as f:
+                    f.write(c["sass_text"])
+    if pool is not None:
+        pool.close()
+        pool.join()
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"settings": a.set, "rows": rows, "rejected": rejected}, f, indent=2)
