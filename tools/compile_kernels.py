@@ -593,7 +593,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(a.sass, f"{c['name']}_{c['sass']}.sass"), "w") as f:
                     f.write(c["sass_text"])
     if pool is not None:
-        pool.close()
+        pool.close()  # every result was read above
         pool.join()
     if a.json:
         with open(a.json, "w") as f:

@@ -23,7 +23,7 @@ def print_launch_error(error) -> None:
     same error (error.every_rank: a check over gathered values), else one line per rank that
     raised it, naming the rank (a GPU or host of its own)."""
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and getattr(error, "every_rank", False):
+    if world > 1 and error.every_rank:
         if rank != "0":
             # Rank 0 prints the same line. Exiting at once could let torchrun stop rank 0 (it
             # stops every worker when one fails) before rank 0 has printed it.

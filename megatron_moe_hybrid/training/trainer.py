@@ -877,12 +877,10 @@ def _field_error(error: Exception) -> Exception:
     as one line with exit status 2; any other error as it is."""
     import re
 
-    from megatron_moe_hybrid.config import ConfigError
-
     found = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", str(error)) if isinstance(error, ValueError) else None
     if found is None:
         return error
-    converted = ConfigError(found.group(1), str(error)[found.end():])
+    converted = _start_error(found.group(1), ValueError(str(error)[found.end():]))
     converted.__cause__ = error
     return converted
 

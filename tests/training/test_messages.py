@@ -444,6 +444,16 @@ def test_split_turns_in_a_dataset_and_its_cache_key(chats, chat_cache, tmp_path)
     assert len(records) == len(want) > len(conversations)
     assert [[tok.decode(run) for run in runs] for runs, _ in records] == want
     assert ds.data_stats["split_conversations"] == 0  # split asked: not counted as a fallback
+    # auto with a template that rewrites earlier turns: the multi-turn conversations split, named in the data line
+    from megatron_moe_hybrid.training.trainer import _data_summary
+
+    last_only = _tokenizer_config(tmp_path / "tokenizer_config.json", (
+        "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}"
+        "{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant><think></think>{% endif %}"))
+    auto = TokenDataset(chats, tok, 48, chat_cache, seed=0, data_format="messages", chat_format=last_only)
+    multi = sum(sum(t["role"] == "assistant" for t in turns) > 1 for turns in conversations)
+    assert auto.data_stats["split_conversations"] == multi > 0
+    assert f"{multi:,} conversations made one record per assistant turn" in _data_summary("data", chats, auto, "messages")
     keys = {data._text_key(chats, data._TextOptions(data_format="messages", chat_turns=mode))
             for mode in ("auto", "whole", "split")}
     assert len(keys) == 3
