@@ -287,11 +287,10 @@ class Trainer:
                 raise TrainingStopped(f"rank {self.rank}: {'rank 0' if turn == 0 else 'another rank'} could not load "
                                       "the training data (tokenizer, training.data_path, training.eval_data_path); its "
                                       "error says why")  # fmt: skip
-        if self.tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(
-                f"model.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
-                f"{self.tokenizer.vocab_size} pieces ({self.tokenizer.model_path}); raise it"
-            )
+        if self.tokenizer.vocab_size > config.vocab_size:  # every rank loaded the same tokenizer
+            raise _start_error("model.vocab_size", ValueError(
+                f"{config.vocab_size} is smaller than the tokenizer's {self.tokenizer.vocab_size} pieces "
+                f"({self.tokenizer.model_path}); set it to at least {self.tokenizer.vocab_size}"), every_rank=True)
 
         _print0(f"training on {self.device.type} ({dist.get_world_size()} process(es), training.device: {t.device})")
         torch.manual_seed(t.seed)  # the same on every rank: replicated weights start equal

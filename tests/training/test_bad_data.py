@@ -305,3 +305,21 @@ def test_the_cli_prints_a_bad_line_as_one_error_naming_the_field(tmp_path, capsy
     assert main("pretrain", args + ["--training.data_path", str(small), "--training.output_dir", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: model.vocab_size: sentencepiece could not build 1024 pieces") and err.count("\n") == 1, err
+
+
+def test_the_cli_names_a_vocab_smaller_than_the_tokenizer(tmp_path, capsys, corpus, tokenizer):
+    """A tokenizer given by training.tokenizer_model with more pieces than model.vocab_size: one
+    line naming model.vocab_size and the size it needs, exit status 2, not a traceback."""
+    import os
+
+    from megatron_moe_hybrid.training.cli import main
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny.yaml")
+    args = ["--config", tiny, "--training.train_steps", "1", "--training.cache_dir", str(tmp_path / "cache"),
+            "--training.data_path", str(corpus), "--training.bad_data", "skip",
+            "--training.tokenizer_model", str(tokenizer.model_path), "--model.vocab_size", str(VOCAB - 44),
+            "--training.output_dir", str(tmp_path / "out")]
+    assert main("pretrain", args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model.vocab_size: {VOCAB - 44} is smaller than the tokenizer's {VOCAB} pieces"), err
+    assert f"set it to at least {VOCAB}" in err and err.count("\n") == 1, err
