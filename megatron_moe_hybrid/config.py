@@ -20,6 +20,7 @@ group, and raises ConfigError (a ValueError) whose message starts with the field
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -200,7 +201,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", or a .txt/.jsonl file or dir
+    data_path: str = "stdlib"  # "stdlib" (the standard library's docstrings), "stdlib:email", a .txt/.jsonl file or dir,
+    # an indexed dataset's prefix P (P.bin + P.idx: tools/preprocess_data.py), or a blend "0.3 P1 0.7 P2"
     bad_data: str = "error"  # "error": stop naming file and line; "skip": drop the record, count it in metrics
     text_field: str = "text"  # the JSONL field holding a document
     # "text": documents, every token trained; "prompt_response": .jsonl records of prompt_field
@@ -374,7 +376,19 @@ def _model_keys_written() -> set[str]:
 
 
 def _check_data_path(path: str, field_name: str) -> None:
-    """A text source the data loader takes: 'stdlib', 'stdlib:<package>', or a file / directory."""
+    """A source the data loader takes: 'stdlib', 'stdlib:<package>', a file / directory, a Megatron
+    indexed dataset's prefix (P with P.bin and P.idx), or a blend of these, "w1 path1 w2 path2 ..."."""
+    from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend
+
+    blend = parse_blend(path)
+    if blend is not None:
+        for weight, part in blend:
+            _require(weight > 0 and math.isfinite(weight), field_name,
+                     f"blend weight {weight} of {part!r} must be a positive number")
+            _check_data_path(part, field_name)
+        return
+    if indexed_prefix(path) is not None:
+        return
     if path.startswith("stdlib:"):
         import sysconfig
 
@@ -388,8 +402,33 @@ def _check_data_path(path: str, field_name: str) -> None:
         _require(
             path == "stdlib" or os.path.exists(path),
             field_name,
-            f"{path!r} does not exist; use 'stdlib' (the built-in corpus) or a .txt/.jsonl file or directory",
+            f"{path!r} does not exist; use 'stdlib' (the built-in corpus), a .txt/.jsonl file or directory, or an "
+            "indexed dataset's prefix (P, with P.bin and P.idx)",
         )
+
+
+def _check_token_data(t) -> None:
+    """Indexed datasets hold token ids and a blend mixes sources: the tokenizer they were made
+    with must be given (none is trained on them), and indexed data is documents, not records."""
+    from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend
+
+    for name in ("data_path", "eval_data_path"):
+        path = getattr(t, name)
+        if path is None:
+            continue
+        blend = parse_blend(path)
+        parts = [p for _, p in blend] if blend is not None else [path]
+        indexed = [p for p in parts if indexed_prefix(p) is not None]
+        what = "an indexed dataset (token ids)" if indexed and blend is None else (
+            "a blend" if blend is not None else None)
+        if what is not None:
+            _require(t.tokenizer_model is not None, "training.tokenizer_model",
+                     f"training.{name} is {what}: set the tokenizer its data was made with "
+                     "(a sentencepiece .model or a tokenizer.json); none is trained on it")
+        if indexed:
+            _require(t.data_format == "text", "training.data_format",
+                     f"{t.data_format} reads .jsonl records; training.{name} {indexed[0]!r} is an indexed dataset "
+                     "of token ids (documents): use data_format text")
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -846,6 +885,7 @@ def _validate(c: HybridMoEConfig) -> None:
     if t.eval_data_path is not None:
         _require(bool(t.eval_data_path), "training.eval_data_path", "is empty; use a .txt/.jsonl file or directory, or null")
         _check_data_path(t.eval_data_path, "training.eval_data_path")
+    _check_token_data(t)
     if t.tensorboard_dir is not None:
         import importlib.util
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from megatron_moe_hybrid.registry import CHAT_FORMATS, CHAT_TURNS, DATA_FORMATS, PACKINGS
+from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend, read_indexed
 
 logger = logging.getLogger(__name__)
 
@@ -908,9 +909,23 @@ class TokenDataset:
         self.packing = packing
         self.pad_id = tokenizer.eos_id
         opts = _TextOptions(**options)
-        # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
-        self.tokens, self.trained, self.ends, self.data_stats, ids_path = _cached_token_ids(
-            data_path, tokenizer, Path(cache_dir), opts)
+        self.indexed = indexed_prefix(data_path)  # a Megatron indexed dataset's prefix, or None
+        self._id_limit = None
+        if self.indexed is None:
+            # [num_tokens] int32, [num_tokens] uint8 (records) or None, [documents] int64 ends, the skip counts
+            self.tokens, self.trained, self.ends, self.data_stats, ids_path = _cached_token_ids(
+                data_path, tokenizer, Path(cache_dir), opts)
+        else:  # token ids made offline: the .bin memory-mapped as the stream, nothing tokenized
+            if opts.data_format != "text":
+                raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records; {data_path!r} is an "
+                                 "indexed dataset of token ids (documents only): use data_format text")
+            _, self.tokens, self.ends = read_indexed(self.indexed)
+            self.trained, self.data_stats = None, dict.fromkeys(STAT_KEYS, 0)
+            self._id_limit = tokenizer.vocab_size
+            self._check_ids(self.tokens[:1 << 20], "its first tokens")
+            stat = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                    for f in (self.indexed + ".bin", self.indexed + ".idx")]
+            ids_path = Path(cache_dir) / f"indexed-{_sha256(json.dumps(stat))[:16]}.npy"  # names the best_fit cache
         self.masked_labels = self.trained is not None or packing != "stream"
         # fit packings: the stream ranges [P, 2] a sample is made of, sample i's being
         # spans[sample_pieces[i] : sample_pieces[i + 1]] (one per sample under "fit")
@@ -967,11 +982,22 @@ class TokenDataset:
             offset += end - start
         return [p for p in starts if p < self.seq_length]
 
+    def _check_ids(self, ids: np.ndarray, where: str) -> None:
+        """An indexed dataset's ids against the tokenizer's size: one made with another tokenizer
+        stops here, naming it, rather than in the embedding (a CUDA device assert)."""
+        if ids.size and int(ids.max()) >= self._id_limit:
+            raise ValueError(f"training.tokenizer_model: {self.indexed}: {where} hold token id {int(ids.max())}, "
+                             f"outside the tokenizer's {self._id_limit} pieces; give the tokenizer the data was made "
+                             "with")
+
     def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S] int64, labels [S] int64) of the sample_index-th sample consumed."""
         pieces = self._pieces(sample_index)
         # one copy of the (memory-mapped) pieces, cast as they are joined
-        window = torch.from_numpy(np.concatenate([self.tokens[a:b] for a, b in pieces], dtype=np.int64))
+        joined = np.concatenate([self.tokens[a:b] for a, b in pieces], dtype=np.int64)
+        if self._id_limit is not None:
+            self._check_ids(joined, f"sample {sample_index}")
+        window = torch.from_numpy(joined)
         labels = window[1:]  # window: [n + 1], n <= S
         if self.trained is not None:
             trained = np.concatenate([self.trained[a:b] for a, b in pieces])[1:].astype(np.bool_)
@@ -981,6 +1007,74 @@ class TokenDataset:
             return (torch.cat([window[:-1], window.new_full((pad,), self.pad_id)]),
                     torch.cat([labels, labels.new_full((pad,), IGNORE_INDEX)]))  # fmt: skip
         return window[:-1], labels
+
+
+BLEND_BLOCK = 10_000  # samples per block of a blend: each dataset's share is a whole number of them
+
+
+class BlendedDataset:
+    """Several datasets' samples in the proportions of their weights (Megatron's data blend,
+    "0.3 P1 0.7 P2"), with TokenDataset's interface.
+
+    Stateless as TokenDataset: every block of BLEND_BLOCK consecutive samples holds n_d samples of
+    dataset d (its weight's share, rounded by largest remainder), spread through the block (the
+    j-th at position (j + 1/2) / n_d of it, merged in order); block b's samples of d are d's
+    samples b n_d .. (b + 1) n_d - 1, so a dataset smaller than its share repeats, each pass in a
+    new order, as TokenDataset's epochs do."""
+
+    def __init__(self, weights: list[float], parts: list[TokenDataset], paths: list[str]):
+        w = np.asarray(weights, dtype=np.float64)
+        if np.any(w <= 0) or not np.all(np.isfinite(w)):
+            raise ValueError(f"training.data_path: blend weights must be positive numbers, got {weights}")
+        share = w / w.sum() * BLEND_BLOCK
+        counts = np.floor(share).astype(np.int64)
+        extra = np.argsort(-(share - counts), kind="stable")[: BLEND_BLOCK - int(counts.sum())]
+        counts[extra] += 1
+        if np.any(counts == 0):
+            small = paths[int(np.argmin(counts))]
+            raise ValueError(f"training.data_path: {small!r} has a weight under 1/{BLEND_BLOCK} of the blend's; "
+                             "raise it or leave the dataset out")
+        keys = np.concatenate([(np.arange(n) + 0.5) / n for n in counts])
+        order = np.argsort(keys, kind="stable")
+        self._which = np.repeat(np.arange(len(parts)), counts)[order]  # [BLEND_BLOCK] dataset of each position
+        self._local = np.concatenate([np.arange(n) for n in counts])[order]  # its sample within the block's share
+        self.counts, self.parts, self.paths = counts, parts, paths
+        self.weights = (w / w.sum()).tolist()
+        self.seq_length = parts[0].seq_length
+        self.packing = parts[0].packing
+        self.masked_labels = any(p.masked_labels for p in parts)
+        self.num_samples = sum(p.num_samples for p in parts)
+        self.data_stats = {k: sum(p.data_stats.get(k, 0) for p in parts) for p in parts for k in p.data_stats}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _where(self, sample_index: int) -> tuple[TokenDataset, int]:
+        if sample_index < 0:
+            raise ValueError(f"sample_index must be >= 0 (the number of samples consumed), got {sample_index}")
+        block, position = divmod(sample_index, BLEND_BLOCK)
+        d = int(self._which[position])
+        return self.parts[d], block * int(self.counts[d]) + int(self._local[position])
+
+    def get(self, sample_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part, index = self._where(sample_index)
+        return part.get(index)
+
+    def record_starts(self, sample_index: int) -> list[int]:
+        part, index = self._where(sample_index)
+        return part.record_starts(index)
+
+
+def open_dataset(data_path: str, tokenizer, seq_length: int, cache_dir, seed: int, packing: str = "stream",
+                 **options) -> "TokenDataset | BlendedDataset":
+    """data_path's samples: a TokenDataset, or for a blend ("w1 path1 w2 path2 ...") a
+    BlendedDataset of one TokenDataset per path."""
+    blend = parse_blend(data_path)
+    if blend is None:
+        return TokenDataset(data_path, tokenizer, seq_length, cache_dir, seed, packing=packing, **options)
+    parts = [TokenDataset(path, tokenizer, seq_length, cache_dir, seed, packing=packing, **options)
+             for _, path in blend]
+    return BlendedDataset([w for w, _ in blend], parts, [path for _, path in blend])
 
 
 def fit_spans(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, int]:

@@ -217,7 +217,13 @@ def _print0(*args) -> None:
 def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
     """One line on what a run reads: tokens, samples and, for records, the share of trained tokens
     (the quick check that a prompt / chat mask is what was meant)."""
-    line = (f"{what}: {path} ({data_format}): {len(dataset.tokens):,} tokens, {dataset.num_samples:,} samples of "
+    if getattr(dataset, "parts", None):  # a blend: each dataset's line, its weight first
+        return (f"{what}: a blend of {len(dataset.parts)} datasets ({data_format}), {dataset.num_samples:,} samples of "
+                f"{dataset.seq_length} tokens in one pass of each: " + "; ".join(
+                    f"{w:.3g} x " + _data_summary("", p, part, data_format)[2:]
+                    for w, p, part in zip(dataset.weights, dataset.paths, dataset.parts)))  # fmt: skip
+    kind = f"indexed dataset, {dataset.tokens.dtype.name}" if getattr(dataset, "indexed", None) else data_format
+    line = (f"{what}: {path} ({kind}): {len(dataset.tokens):,} tokens, {dataset.num_samples:,} samples of "
             f"{dataset.seq_length} tokens")
     if dataset.trained is not None:
         line += f"; {float(np.asarray(dataset.trained).mean()):.1%} of the tokens trained"
@@ -436,7 +442,7 @@ class Trainer:
 
     def _load_data(self) -> None:
         """The tokenizer, the training samples and, with training.eval_data_path, the held-out ones."""
-        from megatron_moe_hybrid.training.data import TokenDataset, get_tokenizer, load_tokenizer
+        from megatron_moe_hybrid.training.data import get_tokenizer, load_tokenizer, open_dataset
 
         t = self.config.training
         data_opts = dict(bad_data=t.bad_data, text_field=t.text_field, max_document_chars=t.max_document_chars,
@@ -448,13 +454,13 @@ class Trainer:
             if t.tokenizer_model
             else get_tokenizer(t.data_path, self.config.vocab_size, t.cache_dir, **data_opts)
         )
-        self.dataset = TokenDataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing,
+        self.dataset = open_dataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing,
                                     **data_opts)
         _print0(_data_summary("data", t.data_path, self.dataset, t.data_format))
         self.eval_dataset = None
         if t.eval_data_path is not None:
             try:
-                self.eval_dataset = TokenDataset(
+                self.eval_dataset = open_dataset(
                     t.eval_data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing, **data_opts
                 )
             except ValueError as e:  # too little text for one sample

@@ -1,0 +1,180 @@
+"""Megatron-Core's indexed datasets: token ids already made, read in place.
+
+A pretraining corpus is tokenized once, offline and in parallel (`tools/preprocess_data.py`, or
+Megatron-LM's `tools/preprocess_data.py`), into a pair of files with a common prefix P:
+
+    P.bin  every document's token ids one after another, in the dtype the index names
+    P.idx  b"MMIDIDX\\x00\\x00", version <Q (1), dtype code <B, sequence count <Q, document count
+           <Q (documents + 1), then sequence lengths int32 [sequences], their byte offsets in
+           P.bin int64 [sequences], and the sequence index where each document starts int64
+           [documents + 1] (0 first, the sequence count last)
+
+(Megatron-Core's `megatron.core.datasets.indexed_dataset` format, version 1, text only: no
+multimodal modes). A run memory-maps P.bin as its token stream and reads only the document ends
+from P.idx, so nothing of the corpus is loaded or tokenized at start-up, whatever its size.
+`training.data_path` names P (or P.bin / P.idx), or a blend of several with weights,
+"0.3 P1 0.7 P2", as Megatron's `--data-path` takes them (`parse_blend`).
+"""
+
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+HEADER = b"MMIDIDX\x00\x00"
+VERSION = 1
+# dtype codes of the format (megatron.core.datasets.indexed_dataset.DType); token ids are integers
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+_FIXED = len(HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence count, document count
+
+
+class IndexedTokens(NamedTuple):
+    """An indexed dataset as a token stream: tokens [num_tokens] (a read-only memory map of P.bin),
+    ends [documents] int64 (where each non-empty document ends in the stream, increasing)."""
+
+    prefix: str
+    tokens: np.ndarray
+    ends: np.ndarray
+
+
+def indexed_prefix(path: str) -> str | None:
+    """The prefix P of the indexed dataset that path names (P, P.bin or P.idx) where both P.bin
+    and P.idx exist; None for anything else."""
+    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
+    if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
+        return prefix
+    return None
+
+
+def parse_blend(data_path: str) -> list[tuple[float, str]] | None:
+    """Megatron's blend syntax, "w1 path1 w2 path2 ...": [(weight, path)] with weights > 0
+    (normalised by the caller); None where data_path is not one (a single path)."""
+    words = data_path.split()
+    if len(words) < 2 or len(words) % 2:
+        return None
+    try:
+        weights = [float(w) for w in words[0::2]]
+    except ValueError:
+        return None
+    return list(zip(weights, words[1::2]))
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """uint16 below 65500 ids (Megatron's rule), else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def read_indexed(prefix: str, field: str = "training.data_path") -> IndexedTokens:
+    """P.bin memory-mapped and the document ends of P.idx. A file that is not one of these, is
+    truncated, or whose index does not describe its data raises ValueError naming field and file."""
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+
+    def bad(path: Path, what: str) -> ValueError:
+        return ValueError(f"{field}: {path}: {what}; write it again with tools/preprocess_data.py "
+                          "(or Megatron-LM's tools/preprocess_data.py)")
+
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        fixed = f.read(_FIXED)
+    if len(fixed) < _FIXED or fixed[: len(HEADER)] != HEADER:
+        raise bad(idx, f"not a Megatron indexed dataset index (it does not start with {HEADER!r})")
+    version, code, sequences, documents = struct.unpack("<QBQQ", fixed[len(HEADER):])
+    if version != VERSION:
+        raise bad(idx, f"index version {version}; this reader takes version {VERSION}")
+    if code not in DTYPES or not np.issubdtype(DTYPES[code], np.integer):
+        raise bad(idx, f"dtype code {code} is not an integer token dtype ({', '.join(map(str, _CODES.values()))})")
+    need = _FIXED + sequences * (4 + 8) + documents * 8
+    if size < need:
+        raise bad(idx, f"truncated: {size} bytes, its counts ({sequences} sequences, {documents - 1} documents) "
+                       f"need {need}")
+    index = np.memmap(idx, dtype=np.uint8, mode="r")
+    lengths = np.frombuffer(index, dtype=np.int32, count=sequences, offset=_FIXED)
+    pointers = np.frombuffer(index, dtype=np.int64, count=sequences, offset=_FIXED + 4 * sequences)
+    starts = np.frombuffer(index, dtype=np.int64, count=documents, offset=_FIXED + 12 * sequences)
+    dtype = np.dtype(DTYPES[code])
+    if documents < 1 or starts[0] != 0 or starts[-1] != sequences or np.any(np.diff(starts) < 0):
+        raise bad(idx, "its document starts do not run from 0 to the sequence count in order")
+    if np.any(lengths < 0):
+        raise bad(idx, "a sequence has a negative length")
+    seq_ends = np.cumsum(lengths, dtype=np.int64)  # [sequences] in tokens
+    # the sequences must lie one after another in P.bin, as every writer of the format puts them
+    if sequences and np.any(pointers != (seq_ends - lengths) * dtype.itemsize):
+        raise bad(idx, "its sequences are not stored one after another in the .bin")
+    num_tokens = int(seq_ends[-1]) if sequences else 0
+    if bin_.stat().st_size != num_tokens * dtype.itemsize:
+        raise bad(bin_, f"{bin_.stat().st_size} bytes where its index describes {num_tokens} tokens of "
+                        f"{dtype.name} ({num_tokens * dtype.itemsize} bytes): truncated, or another dataset's")
+    tokens = (np.memmap(bin_, dtype=dtype, mode="r") if num_tokens else np.zeros(0, dtype))
+    last = starts[1:] - 1  # each document's last sequence
+    ends = seq_ends[last[last >= 0]] if sequences else np.zeros(0, np.int64)
+    return IndexedTokens(prefix, tokens, np.unique(ends[ends > 0]))  # empty documents end nowhere new
+
+
+class IndexedWriter:
+    """Writes P.bin and P.idx, one sequence per document; both appear at close() (atomically,
+    the index last), never half written."""
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODES or not np.issubdtype(self.dtype, np.integer):
+            raise ValueError(f"dtype {self.dtype} is not an integer dtype of the format")
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        fd, self._bin_tmp = tempfile.mkstemp(dir=Path(prefix).parent, prefix=f".{Path(prefix).name}.", suffix=".bin.tmp")
+        self._bin = os.fdopen(fd, "wb")
+        self._lengths: list[int] = []
+        self._limit = np.iinfo(self.dtype).max
+
+    def add_document(self, ids) -> None:
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() > self._limit):
+            raise ValueError(f"token ids {ids.min()}..{ids.max()} do not fit {self.dtype.name}")
+        self._bin.write(ids.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._lengths.append(int(ids.size))
+
+    def close(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int32)
+        n = len(lengths)
+        pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * self.dtype.itemsize
+        fd, idx_tmp = tempfile.mkstemp(dir=Path(self.prefix).parent, prefix=f".{Path(self.prefix).name}.",
+                                       suffix=".idx.tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(HEADER + struct.pack("<QBQQ", VERSION, _CODES[self.dtype], n, n + 1))
+            f.write(lengths.tobytes() + pointers.tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp in (self._bin_tmp, idx_tmp):  # as open() would make them (mkstemp's are the owner's only)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(self._bin_tmp, self.prefix + ".bin")
+        os.replace(idx_tmp, self.prefix + ".idx")
+
+    def abort(self) -> None:
+        """Leaves no file behind (a failed tokenization)."""
+        self._bin.close()
+        os.unlink(self._bin_tmp)
+
+
+# Workers of tools/preprocess_data.py (here so that spawned processes can import them): each
+# loads the tokenizer once and turns batches of documents into their ids and the end of text.
+_WORKER_TOKENIZER = None
+
+
+def worker_init(tokenizer_path: str) -> None:
+    global _WORKER_TOKENIZER
+    from megatron_moe_hybrid.training.data import load_tokenizer
+
+    _WORKER_TOKENIZER = load_tokenizer(tokenizer_path)
+
+
+def worker_encode(docs: list[str]) -> list[np.ndarray]:
+    eos = _WORKER_TOKENIZER.eos_id
+    return [np.asarray(ids + [eos], dtype=np.int64) for ids in _WORKER_TOKENIZER.encode_batch(docs)]

@@ -1,0 +1,275 @@
+"""Megatron indexed datasets (P.bin + P.idx) as training data: our reader and writer against
+Megatron-Core's, tools/preprocess_data.py against the token stream a run builds from the same
+text, blends of several datasets, and the errors for bad files and mismatched tokenizers."""
+
+import importlib.util
+import json
+import os
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_moe_hybrid.config import ConfigError, load_config
+from megatron_moe_hybrid.training import data
+from megatron_moe_hybrid.training.data import BLEND_BLOCK, BlendedDataset, TokenDataset, get_tokenizer, open_dataset
+from megatron_moe_hybrid.training.indexed import IndexedWriter, indexed_prefix, parse_blend, read_indexed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "examples", "configs", "tiny.yaml")
+VOCAB = 320
+SEQ = 16
+_WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "lambda", "omega", "sigma", "theta", "zeta", "rho", "tau"]
+
+
+def _doc(rng: random.Random) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A directory of a .jsonl and a .txt file (blank-line separated documents)."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": _doc(rng)}) + "\n" for _ in range(150)))
+    (root / "b.txt").write_text("\n\n".join(_doc(rng) for _ in range(150)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    return get_tokenizer(str(corpus), VOCAB, tmp_path_factory.mktemp("tok"))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.fixture(scope="module")
+def prefix(corpus, tokenizer, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("indexed") / "corpus_text_document")
+    assert _tool().main(["--input", str(corpus), "--tokenizer", str(tokenizer.model_path), "--output", out,
+                         "--workers", "2"]) == 0
+    return out
+
+
+def _megatron_indexed():
+    pytest.importorskip("megatron.core")
+    from megatron.core.datasets import indexed_dataset
+
+    return indexed_dataset
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_our_writer_reads_back_in_megatron_and_ours(tmp_path, dtype):
+    """Documents written by IndexedWriter: Megatron-Core's IndexedDataset returns each one, and
+    read_indexed gives their concatenation and each one's end."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 60000, size=rng.integers(0, 50)) for _ in range(40)]
+    docs[3] = docs[3][:0]  # an empty document
+    writer = IndexedWriter(str(tmp_path / "d"), dtype)
+    for doc in docs:
+        writer.add_document(doc)
+    writer.close()
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(os.stat(tmp_path / f).st_mode & 0o777 == 0o666 & ~umask for f in ("d.bin", "d.idx"))  # as open() makes
+    theirs = _megatron_indexed().IndexedDataset(str(tmp_path / "d"))
+    assert len(theirs) == len(docs) and theirs.index.dtype == dtype
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(theirs[i], doc)
+    ours = read_indexed(str(tmp_path / "d"))
+    np.testing.assert_array_equal(ours.tokens, np.concatenate(docs))
+    lengths = [len(d) for d in docs if len(d)]
+    np.testing.assert_array_equal(ours.ends, np.cumsum(lengths))
+
+
+def test_megatron_builder_with_sentence_sequences_reads_in_ours(tmp_path):
+    """Megatron-LM's preprocess_data with --split-sentences writes several sequences per
+    document: the stream is every sequence in order and a document ends after its last one."""
+    indexed = _megatron_indexed()
+    rng = np.random.default_rng(2)
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    documents = []
+    for _ in range(25):
+        sentences = [rng.integers(0, 1000, size=rng.integers(1, 9)) for _ in range(rng.integers(1, 5))]
+        builder.add_document(torch.from_numpy(np.concatenate(sentences)), [len(s) for s in sentences])
+        documents.append(np.concatenate(sentences))
+    builder.finalize(str(tmp_path / "m.idx"))
+    ours = read_indexed(str(tmp_path / "m"))
+    np.testing.assert_array_equal(ours.tokens, np.concatenate(documents))
+    np.testing.assert_array_equal(ours.ends, np.cumsum([len(d) for d in documents]))
+    assert indexed_prefix(str(tmp_path / "m.bin")) == indexed_prefix(str(tmp_path / "m.idx")) == str(tmp_path / "m")
+    assert indexed_prefix(str(tmp_path / "nothing")) is None
+
+
+@pytest.mark.parametrize("packing", ["stream", "fit", "best_fit"])
+def test_preprocessed_dataset_equals_the_text_run(corpus, tokenizer, prefix, tmp_path, packing):
+    """tools/preprocess_data.py's files (2 workers) give the token stream, document ends and
+    samples that the run builds from the text itself with the same tokenizer."""
+    text = TokenDataset(str(corpus), tokenizer, SEQ, tmp_path / "cache", seed=3, packing=packing)
+    ids = TokenDataset(prefix, tokenizer, SEQ, tmp_path / "cache", seed=3, packing=packing)
+    assert ids.indexed == prefix and text.indexed is None
+    np.testing.assert_array_equal(np.asarray(ids.tokens), np.asarray(text.tokens))
+    np.testing.assert_array_equal(ids.ends, text.ends)
+    assert ids.num_samples == text.num_samples and ids.masked_labels == text.masked_labels
+    for i in list(range(12)) + [ids.num_samples + 5]:  # into a second epoch too
+        for a, b in zip(ids.get(i), text.get(i)):
+            assert torch.equal(a, b), (packing, i)
+        assert ids.record_starts(i) == text.record_starts(i)
+
+
+def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys):
+    tool = _tool()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "alpha beta"}\nnot json\n{"text": "gamma"}\n')
+    out = str(tmp_path / "o")
+    assert tool.main(["--input", str(bad), "--tokenizer", str(tokenizer.model_path), "--output", out,
+                      "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --input: {bad}:2: not valid JSON") and err.count("\n") == 1, err
+    assert not any(f.startswith(("o.", ".o.")) for f in os.listdir(tmp_path))  # nothing half written
+    assert tool.main(["--input", str(bad), "--tokenizer", str(tokenizer.model_path), "--output", out,
+                      "--workers", "1", "--bad-data", "skip"]) == 0
+    assert "2 documents" in capsys.readouterr().out
+    assert [tokenizer.decode(d) for d in np.split(np.asarray(read_indexed(out).tokens),
+                                                   read_indexed(out).ends[:-1])] == [
+        "alpha beta" + tokenizer.decode([tokenizer.eos_id]), "gamma" + tokenizer.decode([tokenizer.eos_id])]
+
+
+def test_bad_files_name_the_file(prefix, tmp_path, tokenizer):
+    import shutil
+
+    def copy(name):
+        for ext in (".bin", ".idx"):
+            shutil.copy(prefix + ext, tmp_path / (name + ext))
+        return str(tmp_path / name)
+
+    short = copy("short")
+    with open(short + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(short + ".bin") - 2)
+    with pytest.raises(ValueError, match=r"training\.data_path: .*short\.bin: .*truncated"):
+        read_indexed(short)
+    header = copy("header")
+    raw = bytearray(open(header + ".idx", "rb").read())
+    raw[:4] = b"JUNK"
+    open(header + ".idx", "wb").write(raw)
+    with pytest.raises(ValueError, match=r"header\.idx: not a Megatron indexed dataset index"):
+        read_indexed(header)
+    version = copy("version")
+    raw = bytearray(open(version + ".idx", "rb").read())
+    raw[9:17] = struct.pack("<Q", 2)
+    open(version + ".idx", "wb").write(raw)
+    with pytest.raises(ValueError, match=r"index version 2"):
+        read_indexed(version)
+    cut = copy("cut")
+    with open(cut + ".idx", "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match=r"cut\.idx: truncated"):
+        TokenDataset(cut, tokenizer, SEQ, tmp_path / "cache", seed=0)
+
+
+def test_ids_outside_the_tokenizer_stop_naming_it(tmp_path, tokenizer):
+    """Data made with a larger tokenizer: stopped at load (its first tokens) and, past them, at
+    the sample that holds such an id, naming training.tokenizer_model."""
+    writer = IndexedWriter(str(tmp_path / "early"), np.uint16)
+    writer.add_document(np.arange(0, 40) * 20)  # up to 780 >= 320
+    writer.close()
+    with pytest.raises(ValueError, match=r"training\.tokenizer_model: .*early: its first tokens hold token id 780, "
+                                         r"outside the tokenizer's 320 pieces"):
+        TokenDataset(str(tmp_path / "early"), tokenizer, SEQ, tmp_path / "cache", seed=0)
+    late = str(tmp_path / "late")  # the first 2^20 tokens (what the load checks) fine, then one outside
+    writer = IndexedWriter(late, np.uint16)
+    writer.add_document(np.full(1 << 20, 5))
+    writer.add_document(np.array([999] + [5] * (SEQ * 4)))
+    writer.close()
+    ds = TokenDataset(late, tokenizer, SEQ, tmp_path / "cache", seed=0)
+    i = int(np.flatnonzero(ds._permutation(0) == (1 << 20) // SEQ)[0])  # the sample whose inputs hold it
+    with pytest.raises(ValueError, match=rf"training\.tokenizer_model: .*late: sample {i} hold token id 999"):
+        ds.get(i)
+    ds.get(int(np.flatnonzero(ds._permutation(0) == 0)[0]))  # the others load
+
+
+def _indexed(path, docs, dtype=np.uint16):
+    writer = IndexedWriter(str(path), dtype)
+    for d in docs:
+        writer.add_document(np.asarray(d))
+    writer.close()
+    return str(path)
+
+
+def test_blend_is_stateless_in_proportion_and_repeats_small_parts(tmp_path, tokenizer):
+    """Each block of BLEND_BLOCK samples holds each dataset's share (weights 0.7 / 0.2 / 0.1),
+    spread through the block; part d's samples come in its own order, each once per pass, a small
+    part repeating in new orders; a second object gives the same samples (stateless)."""
+    rng = np.random.default_rng(4)
+    paths = [_indexed(tmp_path / f"p{d}", [rng.integers(0, VOCAB, size=SEQ * n + 1)])
+             for d, n in enumerate((3000, 900, 20))]
+    blend = f"0.7 {paths[0]} 0.2 {paths[1]} 0.1 {paths[2]}"
+    assert parse_blend(blend) == [(0.7, paths[0]), (0.2, paths[1]), (0.1, paths[2])]
+    assert parse_blend(paths[0]) is None and parse_blend("1 a b") is None and parse_blend("x a y b") is None
+    ds = open_dataset(blend, tokenizer, SEQ, tmp_path / "cache", seed=5)
+    assert isinstance(ds, BlendedDataset) and list(ds.counts) == [7000, 2000, 1000]
+    seen = [ds._where(i) for i in range(2 * BLEND_BLOCK)]
+    for d, part in enumerate(ds.parts):
+        mine = [local for p, local in seen if p is part]
+        assert len(mine) == 2 * ds.counts[d] and mine == sorted(mine) == list(range(len(mine)))
+    first = [ds.parts.index(p) for p, _ in seen[:BLEND_BLOCK]]
+    assert max(np.diff([i for i, d in enumerate(first) if d == 2])) <= 11  # spread, every ~10th
+    small = ds.parts[2]  # 20 samples a pass, 1000 a block: 50 passes, each a permutation
+    got = [small._permutation(e) for e in range(3)]
+    assert all(sorted(g) == list(range(20)) for g in got) and not np.array_equal(got[0], got[1])
+    again = open_dataset(blend, tokenizer, SEQ, tmp_path / "cache", seed=5)
+    for i in [0, 1, 7, 9999, 10000, 123456]:
+        part, local = ds._where(i)
+        for a, b, c in zip(ds.get(i), again.get(i), part.get(local)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="weight under 1/10000"):
+        open_dataset(f"1 {paths[0]} 0.00001 {paths[1]}", tokenizer, SEQ, tmp_path / "cache", seed=5)
+
+
+def _config(tmp_path, **overrides):
+    ov = {"training.output_dir": str(tmp_path / "out"), "training.cache_dir": str(tmp_path / "cache")}
+    ov.update(overrides)
+    return load_config(TINY, ov)
+
+
+def test_config_names_what_indexed_data_needs(tmp_path, prefix, tokenizer, corpus):
+    with pytest.raises(ConfigError, match=r"training\.tokenizer_model: training\.data_path is an indexed dataset"):
+        _config(tmp_path, **{"training.data_path": prefix}).validate()
+    with pytest.raises(ConfigError, match=r"training\.tokenizer_model: training\.eval_data_path is a blend"):
+        _config(tmp_path, **{"training.eval_data_path": f"1 {prefix} 1 {corpus}"}).validate()
+    with pytest.raises(ConfigError, match=r"training\.data_format: prompt_response reads \.jsonl records; "
+                                          r"training\.data_path .* is an indexed dataset"):
+        _config(tmp_path, **{"training.data_path": prefix + ".idx", "training.data_format": "prompt_response",
+                             "training.tokenizer_model": str(tokenizer.model_path)}).validate()
+    with pytest.raises(ConfigError, match=r"training\.data_path: .*nowhere.* does not exist.*indexed dataset's prefix"):
+        _config(tmp_path, **{"training.data_path": f"0.5 {prefix} 0.5 {tmp_path}/nowhere",
+                             "training.tokenizer_model": str(tokenizer.model_path)}).validate()
+    with pytest.raises(ConfigError, match=r"training\.data_path: blend weight -1\.0 .* must be a positive number"):
+        _config(tmp_path, **{"training.data_path": f"-1 {prefix} 2 {prefix}",
+                             "training.tokenizer_model": str(tokenizer.model_path)}).validate()
+    _config(tmp_path, **{"training.data_path": f"0.5 {prefix} 0.5 {corpus}",
+                         "training.tokenizer_model": str(tokenizer.model_path)}).validate()
+
+
+def test_a_run_trains_on_an_indexed_blend(tmp_path, prefix, tokenizer, corpus, capsys):
+    """The CLI on a blend of the indexed dataset and the text it was made from: one line per
+    dataset in the data summary, and the run trains."""
+    from megatron_moe_hybrid.training.cli import main
+
+    args = ["--config", TINY, "--training.train_steps", "2", "--training.cache_dir", str(tmp_path / "cache"),
+            "--training.output_dir", str(tmp_path / "out"), "--training.data_path", f"3 {prefix} 1 {corpus}",
+            "--training.tokenizer_model", str(tokenizer.model_path), "--model.vocab_size", str(VOCAB),
+            "--training.seq_length", "64", "--training.save_interval", "0"]
+    assert main("pretrain", args) == 0
+    out = capsys.readouterr().out
+    assert "data: a blend of 2 datasets (text)" in out and f"0.75 x {prefix} (indexed dataset, uint16)" in out, out
+    assert f"0.25 x {corpus} (text)" in out, out
+    assert os.path.isfile(tmp_path / "out" / "metrics.jsonl")

@@ -1,0 +1,102 @@
+"""Tokenize a corpus once, in parallel, into a Megatron indexed dataset (P.bin + P.idx), which
+a run then reads in place (`--training.data_path P`): no tokenizing at start-up, nothing of the
+corpus in memory, whatever its size.
+
+    python tools/preprocess_data.py --input corpus/ --tokenizer runs/base/tokenizer.json --output data/corpus
+    torchrun --nproc-per-node 8 -m megatron_moe_hybrid.train --config runs/base/config.yaml \\
+        --training.data_path data/corpus --training.tokenizer_model runs/base/tokenizer.json
+
+--input is what training.data_path takes as text: a .txt file (documents separated by a blank
+line), a .jsonl file (--text-field of each line), a directory of them (sorted; read one file at
+a time), or stdlib. Each non-empty document becomes its tokens and the tokenizer's end of text,
+one document of the dataset: the token stream a run builds from the same text and tokenizer,
+token for token. Bad lines stop with file and line, or are dropped and counted under
+--bad-data skip, as in training. The files are Megatron-Core's format (version 1, uint16 ids
+below 65500 pieces, else int32), which Megatron-LM reads as well; they appear at the end, whole.
+"""
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_moe_hybrid.training.data import STAT_KEYS, _data_files, load_documents, load_tokenizer  # noqa: E402
+from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, worker_encode, worker_init  # noqa: E402
+
+BATCH = 512  # documents per task of a worker
+
+def _sources(path: str) -> list[str]:
+    """What is read in turn: stdlib whole, else each file of path (a file or a sorted directory)."""
+    if path == "stdlib" or path.startswith("stdlib:"):
+        return [path]
+    return [str(f) for f in _data_files(path) if f.stat().st_size and f.read_bytes().strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="a .txt/.jsonl file, a directory of them, or stdlib")
+    p.add_argument("--tokenizer", required=True, help="a sentencepiece .model or a tokenizer.json (the run's "
+                   "training.tokenizer_model)")
+    p.add_argument("--output", required=True, help="the prefix P: writes P.bin and P.idx")
+    p.add_argument("--text-field", default="text", help="the JSONL field holding a document")
+    p.add_argument("--bad-data", choices=("error", "skip"), default="error")
+    p.add_argument("--max-document-chars", type=int, default=None)
+    p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    a = p.parse_args(argv)
+    if not (os.path.exists(a.input) or a.input == "stdlib" or a.input.startswith("stdlib:")):
+        print(f"error: --input: {a.input!r} does not exist", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = load_tokenizer(a.tokenizer)
+    except (OSError, ValueError) as e:
+        print(f"error: --tokenizer: {e}", file=sys.stderr)
+        return 2
+    dtype = dtype_for(tokenizer.vocab_size)
+    workers = max(1, a.workers or os.cpu_count() or 1)
+    start = time.time()
+    writer = IndexedWriter(a.output, dtype)
+    documents = tokens = 0
+    skipped = dict.fromkeys(STAT_KEYS, 0)
+    pool = multiprocessing.get_context("spawn").Pool(workers, worker_init, (a.tokenizer,)) if workers > 1 else None
+    try:
+        if pool is None:
+            worker_init(a.tokenizer)
+        for source in _sources(a.input):
+            docs, stats = load_documents(source, bad_data=a.bad_data, text_field=a.text_field,
+                                         max_document_chars=a.max_document_chars)
+            skipped = {k: skipped[k] + stats.get(k, 0) for k in skipped}
+            docs = [d for d in docs if d.strip()]  # as a run's token stream skips them
+            batches = [docs[i:i + BATCH] for i in range(0, len(docs), BATCH)]
+            for encoded in (pool.imap(worker_encode, batches) if pool else map(worker_encode, batches)):  # in order
+                for ids in encoded:
+                    writer.add_document(ids)
+                    documents += 1
+                    tokens += len(ids)
+    except ValueError as e:  # a bad line: its file and line, and the fix
+        writer.abort()
+        print(f"error: --input: {str(e).split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    if not documents:
+        writer.abort()
+        print(f"error: --input: {a.input!r} holds no text", file=sys.stderr)
+        return 2
+    writer.close()
+    dropped = {k: v for k, v in skipped.items() if v}
+    print(f"{a.output}.bin / .idx: {documents:,} documents, {tokens:,} tokens ({dtype.name}) by {a.tokenizer} "
+          f"in {time.time() - start:.1f} s" + (f"; skipped lines (--bad-data skip): {dropped}" if dropped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
