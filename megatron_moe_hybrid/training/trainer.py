@@ -43,6 +43,10 @@ class RunResult:
     eval_losses: list = field(default_factory=list)  # (step, held-out loss) of this invocation
 
 
+# How long the other ranks wait for rank 0 to train the tokenizer and tokenize the text on a
+# run's first start (a rank that dies fails the wait at once; only a hung one waits this long).
+DATA_WAIT_S = 24 * 3600.0
+
 def training_device(config: HybridMoEConfig) -> torch.device:
     """training.device resolved: this rank's GPU (LOCAL_RANK) or the CPU.
 
@@ -277,7 +281,11 @@ class Trainer:
 
         # Rank 0 trains/tokenises first; the others then read the cache. After each turn the
         # ranks agree whether it failed, so none waits on a rank that stopped (the failing rank
-        # raises its error, the others say where to look).
+        # raises its error, the others say where to look). They agree over a gloo group of their
+        # own whose timeout is DATA_WAIT_S, not parallel.collective_timeout_s: tokenizing a large
+        # text corpus on first start may take hours (a rank that dies still fails the wait at once).
+        wait = timedelta(seconds=max(DATA_WAIT_S, config.parallel.collective_timeout_s))
+        waiting = dist.new_group(backend="gloo", timeout=wait)
         for turn in (0, 1):
             failed: Optional[Exception] = None
             if (self.rank == 0) == (turn == 0):
@@ -285,14 +293,15 @@ class Trainer:
                     self._load_data()
                 except Exception as e:
                     failed = e
-            flag = torch.tensor([float(failed is not None)], device=self.device)
-            dist.all_reduce(flag)
+            flag = torch.tensor([float(failed is not None)])
+            dist.all_reduce(flag, group=waiting)
             if failed is not None:
                 raise _field_error(failed)
             if flag.item():
                 raise TrainingStopped(f"rank {self.rank}: {'rank 0' if turn == 0 else 'another rank'} could not load "
                                       "the training data (tokenizer, training.data_path, training.eval_data_path); its "
                                       "error says why")  # fmt: skip
+        dist.destroy_process_group(waiting)
         if self.tokenizer.vocab_size > config.vocab_size:  # every rank loaded the same tokenizer
             raise _start_error("model.vocab_size", ValueError(
                 f"{config.vocab_size} is smaller than the tokenizer's {self.tokenizer.vocab_size} pieces "

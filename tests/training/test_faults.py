@@ -17,6 +17,8 @@ import torch
 from megatron_moe_hybrid.testing import free_port, spawn
 from megatron_moe_hybrid.training import checkpoint as ckpt
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
@@ -393,6 +395,45 @@ def test_torchrun_prints_an_error_every_rank_raised_once(corpus, cache_dir, tmp_
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
     assert errors[0].startswith("error: parallel.world_size: is 4 but 2 processes were launched"), errors
+
+
+_SLOW_DATA = """
+import os, sys, time
+from megatron_moe_hybrid.training import trainer
+load = trainer.Trainer._load_data
+def slow(self):  # rank 0 tokenizes for longer than parallel.collective_timeout_s
+    if self.rank == 0:
+        time.sleep(float(os.environ["SLOW_DATA_S"]))
+    return load(self)
+trainer.Trainer._load_data = slow
+from megatron_moe_hybrid.training.cli import main
+sys.exit(main("pretrain", sys.argv[1:]))
+"""
+
+
+def test_torchrun_ranks_wait_for_a_first_tokenization_longer_than_the_collective_timeout(
+        corpus, cache_dir, tmp_path, raw_config):
+    """On a first start rank 0 trains the tokenizer and tokenizes the text while the other ranks
+    wait: a large corpus takes longer than parallel.collective_timeout_s, which must not fail
+    the launch (here rank 0 takes 12 s against a 5 s timeout; the ranks then train)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{
+        "parallel.world_size": 2, "training.train_steps": 1, "parallel.collective_timeout_s": 5})  # fmt: skip
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    script = tmp_path / "slow_data.py"
+    script.write_text(_SLOW_DATA)
+    args = ["--config", str(config)] + [x for k, v in ov.items() for x in (f"--{k}", str(v))]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(script)] + args, capture_output=True, text=True, timeout=300,
+                       env=dict(env, OMP_NUM_THREADS="1", SLOW_DATA_S="12"), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert len(read_metrics(str(tmp_path / "run"))) == 1
 
 
 def test_a_launch_error_of_one_rank_names_the_rank(monkeypatch, capsys):
