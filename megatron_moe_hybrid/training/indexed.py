@@ -102,8 +102,11 @@ def read_indexed(prefix: str, field: str = "training.data_path") -> IndexedToken
         raise bad(idx, "a sequence has a negative length")
     seq_ends = np.cumsum(lengths, dtype=np.int64)  # [sequences] in tokens
     # the sequences must lie one after another in P.bin, as every writer of the format puts them
-    if sequences and np.any(pointers != (seq_ends - lengths) * dtype.itemsize):
-        raise bad(idx, "its sequences are not stored one after another in the .bin")
+    # (checked a slice at a time: no temporaries the size of the index)
+    for a in range(0, sequences, 1 << 22):
+        b = min(a + (1 << 22), sequences)
+        if np.any(pointers[a:b] != (seq_ends[a:b] - lengths[a:b]) * dtype.itemsize):
+            raise bad(idx, "its sequences are not stored one after another in the .bin")
     num_tokens = int(seq_ends[-1]) if sequences else 0
     if bin_.stat().st_size != num_tokens * dtype.itemsize:
         raise bad(bin_, f"{bin_.stat().st_size} bytes where its index describes {num_tokens} tokens of "

@@ -168,6 +168,14 @@ def test_bad_files_name_the_file(prefix, tmp_path, tokenizer):
     open(version + ".idx", "wb").write(raw)
     with pytest.raises(ValueError, match=r"index version 2"):
         read_indexed(version)
+    gap = copy("gap")  # a second sequence that does not start where the first ends
+    raw = bytearray(open(gap + ".idx", "rb").read())
+    sequences = struct.unpack("<Q", raw[18:26])[0]
+    at = 34 + 4 * sequences + 8  # the second sequence's byte offset
+    raw[at:at + 8] = struct.pack("<q", struct.unpack("<q", raw[at:at + 8])[0] + 2)
+    open(gap + ".idx", "wb").write(raw)
+    with pytest.raises(ValueError, match=r"gap\.idx: its sequences are not stored one after another"):
+        read_indexed(gap)
     cut = copy("cut")
     with open(cut + ".idx", "r+b") as f:
         f.truncate(40)
