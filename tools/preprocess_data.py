@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     pool = multiprocessing.get_context("spawn").Pool(workers, worker_init, (a.tokenizer,)) if workers > 1 else None
     try:
         if pool is None:
-            worker_init(a.tokenizer)
+            worker_init(a.tokenizer, pool=False)
         for source in _sources(a.input):
             docs, stats = load_documents(source, bad_data=a.bad_data, text_field=a.text_field,
                                          max_document_chars=a.max_document_chars)

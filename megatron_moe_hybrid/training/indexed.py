@@ -171,9 +171,12 @@ class IndexedWriter:
 _WORKER_TOKENIZER = None
 
 
-def worker_init(tokenizer_path: str) -> None:
+def worker_init(tokenizer_path: str, pool: bool = True) -> None:
     global _WORKER_TOKENIZER
     from megatron_moe_hybrid.training.data import load_tokenizer
+
+    if pool:  # one process per core already: no thread pool per process on top (HF tokenizers)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _WORKER_TOKENIZER = load_tokenizer(tokenizer_path)
 
