@@ -1044,7 +1044,8 @@ class BlendedDataset:
         self.packing = parts[0].packing
         self.masked_labels = any(p.masked_labels for p in parts)
         self.num_samples = sum(p.num_samples for p in parts)
-        self.data_stats = {k: sum(p.data_stats.get(k, 0) for p in parts) for p in parts for k in p.data_stats}
+        keys = dict.fromkeys(k for p in parts for k in p.data_stats)  # the parts' counts, summed
+        self.data_stats = {k: sum(p.data_stats.get(k, 0) for p in parts) for k in keys}
 
     def __len__(self) -> int:
         return self.num_samples

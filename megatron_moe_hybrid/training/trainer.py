@@ -47,6 +47,7 @@ class RunResult:
 # run's first start (a rank that dies fails the wait at once; only a hung one waits this long).
 DATA_WAIT_S = 24 * 3600.0
 
+
 def training_device(config: HybridMoEConfig) -> torch.device:
     """training.device resolved: this rank's GPU (LOCAL_RANK) or the CPU.
 
