@@ -952,7 +952,8 @@ class TokenDataset:
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._epoch_perm is None or self._epoch_perm[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._epoch_perm = (epoch, rng.permutation(self.num_samples))
+            perm = rng.permutation(self.num_samples)  # int32 where it fits: half the memory a large corpus holds
+            self._epoch_perm = (epoch, perm.astype(np.int32) if self.num_samples < 2**31 else perm)
         return self._epoch_perm[1]
 
     def _pieces(self, sample_index: int) -> list[tuple[int, int]]:
