@@ -20,9 +20,9 @@ Ops and their shapes (default: the first listed; a shape key applies to the ops 
                triton_sparse.py) at benchmarks/sparse_attention.py's shapes: mla, mla-h32,
                mla128k, gqa8k, gqa32k, with 64 queries (the query count sets only the grids),
                each pass in the form "auto" takes on the GPU (FORWARD_FORM, BACKWARD_FORM:
-               cuBLAS products around a few kernels from 32-64 heads a group; --set
-               "FORWARD_FORM='kernels'" for the kernels, --set "BACKWARD_FORM='fused'" for the
-               fused kernels backward)
+               cuBLAS products around a few kernels from 32-64 heads a group, the fused
+               kernels backward at GQA; --set "FORWARD_FORM='kernels'" for the kernels, --set
+               "BACKWARD_FORM='kernels'" for the dq and dk/dv kernels)
     indexer    the lightning indexer's top-k (token and block mode) and its index scores at the
                selected keys, forward and backward: dsv32 (B1, T 4096, 64 heads x 128, top-2048)
     loss       chunked_linear_cross_entropy's Triton path, trainable and frozen weight: v152k,

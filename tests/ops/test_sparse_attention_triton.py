@@ -313,12 +313,15 @@ def test_auto_sends_only_16_bit_cuda_tensors_to_triton(monkeypatch, caplog):
 def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
     """auto: the batched products on CUDA for 32 or more heads per kv group in the backward
     (absorbed MLA's 128, its 32 per rank under TP 4), and in a forward that makes the indexer
-    loss's target for 64 or more; the kernels otherwise (every other forward, GQA's 16, every CPU
-    tensor); a set form wins."""
+    loss's target for 64 or more; below that the fused kernels backward on CUDA for GQA-width
+    rows (GQA's 16 heads, d 128) and the kernels for MLA's 576-wide ones; the kernels for every
+    other forward and every CPU tensor; a set form wins."""
     cuda, cpu = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
-    for R, fwd_target, bwd in ((128, "products", "products"), (64, "products", "products"),
-                               (32, "kernels", "products"), (16, "kernels", "kernels")):
-        sh = types.SimpleNamespace(R=R)
+    gqa, mla = 128 + 128, 512 + 64 + 512  # a gathered row's columns (_Shape.width)
+    for R, width, fwd_target, bwd in ((128, mla, "products", "products"), (64, mla, "products", "products"),
+                                      (32, mla, "kernels", "products"), (16, mla, "kernels", "kernels"),
+                                      (16, gqa, "kernels", "fused"), (8, gqa, "kernels", "fused")):
+        sh = types.SimpleNamespace(R=R, width=width)
         assert triton_sparse._form(sh, cuda, "auto") == "kernels"
         assert triton_sparse._form(sh, cuda, "auto", with_target=True) == fwd_target
         assert triton_sparse._form(sh, cpu, "auto", with_target=True) == "kernels"
@@ -326,7 +329,9 @@ def test_auto_form_takes_products_for_many_heads_per_group_on_cuda(monkeypatch):
         assert triton_sparse._form(sh, cpu, "auto", "backward") == "kernels"
         assert triton_sparse._form(sh, cpu, "products") == "products"
     monkeypatch.setattr(triton_sparse, "BACKWARD_FORM", "kernels")
-    assert triton_sparse._form(types.SimpleNamespace(R=128), cuda, triton_sparse.BACKWARD_FORM, "backward") == "kernels"
+    for R, width in ((128, mla), (16, gqa)):
+        sh = types.SimpleNamespace(R=R, width=width)
+        assert triton_sparse._form(sh, cuda, triton_sparse.BACKWARD_FORM, "backward") == "kernels"
 
 
 @interpreter

@@ -17,10 +17,11 @@ Kernels (README.md has the forward math; the backward is the usual softmax gradi
                     (BH at a time) and writes the per-(query, slot) contributions
                     dk_c = scale ds^T q and dv_c = p^T do, summed over the group's heads,
                     to a buffer C [B, Tc, K, G, F] (input dtype for bf16, else fp32).
-    _bwd_fused_kernel   (BACKWARD_FORM "fused", untimed: not auto's) the dq and dk/dv kernels
-                    in one, one query and all R heads of one group over its K slots: each
-                    block of slots gathered once, dq accumulated and the block's contributions
-                    written to C.
+    _bwd_fused_kernel   (BACKWARD_FORM "fused"; auto's on the GPU for GQA-width rows, at most
+                    FUSED_MAX_HEADS heads per group and fewer than the products form's) the dq
+                    and dk/dv kernels in one, one query and all R heads of one group over its K
+                    slots: each block of slots gathered once, dq accumulated and the block's
+                    contributions written to C.
     _bwd_reduce_kernel  one key, BW of its G F columns: sums the contributions of the
                     (query, slot) pairs that selected the key, listed by a CSR built with a
                     stable sort of the chunk's indices, in a fixed order; adds into an fp32
@@ -425,9 +426,11 @@ def _candidates(kernel: str, R: int, width: int, interpret: bool) -> tuple[dict,
         bh = max(16, _next_pow2(R))
         if interpret:
             return ({"BH": bh, "BK": 16, "num_warps": 4, "num_stages": 1},)
-        if width <= 512:  # GQA: as _bwd_dkv_kernel's, which holds as many live tiles
-            big = {"BH": bh, "BK": 64, "num_warps": 4, "num_stages": 2}
-            return (big, {**big, "num_stages": 1}, {**big, "BK": 32, "num_stages": 1})
+        if width <= 512:  # GQA. H100, 16 heads per group (results/h100/sparse_fused_bwd_gqa.json):
+            # 32 slots on 4 warps 31.6 / 133.8 ms fwd+bwd at 8k / 32k, 64 slots 33.9 / 144.6
+            first = {"BH": bh, "BK": 32, "num_warps": 4, "num_stages": 2}
+            big = {**first, "BK": 64}
+            return (first, big, {**big, "num_stages": 1}, {**first, "num_stages": 1})
         first = {"BH": bh, "BK": 32, "num_warps": 8, "num_stages": 2}
         return (first, {**first, "num_stages": 1}, {**first, "BK": 16, "num_stages": 1})
     if kernel == "reduce":  # width: the G F columns of a contribution row
@@ -570,9 +573,14 @@ def _fwd(q, k, v, indices, scale: float, with_target: bool = False, backward: bo
 FORWARD_FORM = "auto"
 BACKWARD_FORM = "auto"
 # BACKWARD_FORM "fused": the kernels form's backward with _bwd_dq_kernel folded into the
-# contributions kernel (_bwd_fused_kernel), for at most FUSED_MAX_HEADS heads per kv group. Untimed
-# on the H200 so far: "auto" does not take it (benchmarks/sparse_attention.py --forms times it).
+# contributions kernel (_bwd_fused_kernel), for at most FUSED_MAX_HEADS heads per kv group. "auto"
+# takes it on the GPU where the kernels form would run and a gathered row is at most
+# FUSED_AUTO_MAX_WIDTH columns (GQA's d 128): on an H100 (benchmarks/sparse_attention.py --forms,
+# results/h100/sparse_fused_bwd_gqa.json) GQA's 16 heads per group ran fwd+bwd 1.27x / 1.32x the
+# kernels form at 8k / 32k queries, bitwise equal to it; MLA's 576-wide rows at fewer than
+# PRODUCTS_MIN_HEADS heads (TP 8) are untimed and keep the kernels form. Not yet timed on an H200.
 FUSED_MAX_HEADS = 64
+FUSED_AUTO_MAX_WIDTH = 512
 
 
 # heads per kv group from which "auto" takes the products form, per pass (sparse_attention.json,
@@ -603,7 +611,10 @@ def _form(sh: "_Shape", q: Tensor, which: str, pass_: str = "forward", with_targ
     if which != "auto":
         return which
     many = q.is_cuda and sh.R >= PRODUCTS_MIN_HEADS[pass_]
-    return "products" if many and (pass_ == "backward" or with_target) else "kernels"
+    if many and (pass_ == "backward" or with_target):
+        return "products"
+    fused = q.is_cuda and pass_ == "backward" and sh.R <= FUSED_MAX_HEADS and sh.width <= FUSED_AUTO_MAX_WIDTH
+    return "fused" if fused else "kernels"
 
 
 def _chunk_rows(sh: "_Shape", per_query: int, extra_elems: int) -> int:
