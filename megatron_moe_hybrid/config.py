@@ -375,20 +375,38 @@ def _model_keys_written() -> set[str]:
     }  # fmt: skip
 
 
-def _check_data_path(path: str, field_name: str) -> None:
-    """A source the data loader takes: 'stdlib', 'stdlib:<package>', a file / directory, a Megatron
-    indexed dataset's prefix (P with P.bin and P.idx), or a blend of these, "w1 path1 w2 path2 ..."."""
+def _check_data_path(t, name: str) -> None:
+    """training.<name>, a source the data loader takes: 'stdlib', 'stdlib:<package>', a file /
+    directory, a Megatron indexed dataset's prefix (P with P.bin and P.idx), or a blend of these,
+    "w1 path1 w2 path2 ...". Indexed datasets hold token ids and a blend mixes sources: the
+    tokenizer they were made with must be given (none is trained on them), and indexed data is
+    documents, not records."""
     from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend
 
+    field_name = f"training.{name}"
+    path = getattr(t, name)
     blend = parse_blend(path)
-    if blend is not None:
-        for weight, part in blend:
-            _require(weight > 0 and math.isfinite(weight), field_name,
-                     f"blend weight {weight} of {part!r} must be a positive number")
-            _check_data_path(part, field_name)
-        return
-    if indexed_prefix(path) is not None:
-        return
+    indexed = []
+    for weight, part in blend if blend is not None else [(1.0, path)]:
+        _require(weight > 0 and math.isfinite(weight), field_name,
+                 f"blend weight {weight} of {part!r} must be a positive number")
+        if indexed_prefix(part) is not None:
+            indexed.append(part)
+        else:
+            _check_text_source(part, field_name)
+    if blend is not None or indexed:
+        what = "a blend" if blend is not None else "an indexed dataset (token ids)"
+        _require(t.tokenizer_model is not None, "training.tokenizer_model",
+                 f"{field_name} is {what}: set the tokenizer its data was made with "
+                 "(a sentencepiece .model or a tokenizer.json); none is trained on it")
+    if indexed:
+        _require(t.data_format == "text", "training.data_format",
+                 f"{t.data_format} reads .jsonl records; {field_name} {indexed[0]!r} is an indexed dataset "
+                 "of token ids (documents): use data_format text")
+
+
+def _check_text_source(path: str, field_name: str) -> None:
+    """A text source: 'stdlib', 'stdlib:<package>', or a file / directory that exists."""
     if path.startswith("stdlib:"):
         import sysconfig
 
@@ -405,30 +423,6 @@ def _check_data_path(path: str, field_name: str) -> None:
             f"{path!r} does not exist; use 'stdlib' (the built-in corpus), a .txt/.jsonl file or directory, or an "
             "indexed dataset's prefix (P, with P.bin and P.idx)",
         )
-
-
-def _check_token_data(t) -> None:
-    """Indexed datasets hold token ids and a blend mixes sources: the tokenizer they were made
-    with must be given (none is trained on them), and indexed data is documents, not records."""
-    from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend
-
-    for name in ("data_path", "eval_data_path"):
-        path = getattr(t, name)
-        if path is None:
-            continue
-        blend = parse_blend(path)
-        parts = [p for _, p in blend] if blend is not None else [path]
-        indexed = [p for p in parts if indexed_prefix(p) is not None]
-        what = "an indexed dataset (token ids)" if indexed and blend is None else (
-            "a blend" if blend is not None else None)
-        if what is not None:
-            _require(t.tokenizer_model is not None, "training.tokenizer_model",
-                     f"training.{name} is {what}: set the tokenizer its data was made with "
-                     "(a sentencepiece .model or a tokenizer.json); none is trained on it")
-        if indexed:
-            _require(t.data_format == "text", "training.data_format",
-                     f"{t.data_format} reads .jsonl records; training.{name} {indexed[0]!r} is an indexed dataset "
-                     "of token ids (documents): use data_format text")
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -881,11 +875,10 @@ def _validate(c: HybridMoEConfig) -> None:
             raise ConfigError(name, message) from None
     if t.max_document_chars is not None:
         _positive(t.max_document_chars, "training.max_document_chars")
-    _check_data_path(t.data_path, "training.data_path")
+    _check_data_path(t, "data_path")
     if t.eval_data_path is not None:
         _require(bool(t.eval_data_path), "training.eval_data_path", "is empty; use a .txt/.jsonl file or directory, or null")
-        _check_data_path(t.eval_data_path, "training.eval_data_path")
-    _check_token_data(t)
+        _check_data_path(t, "eval_data_path")
     if t.tensorboard_dir is not None:
         import importlib.util
 

@@ -30,11 +30,23 @@ from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, worke
 
 BATCH = 512  # documents per task of a worker
 
+
 def _sources(path: str) -> list[str]:
-    """What is read in turn: stdlib whole, else each file of path (a file or a sorted directory)."""
+    """What is read in turn: stdlib whole, else each file of path (a file or a sorted directory)
+    that holds more than whitespace, as training skips the others."""
     if path == "stdlib" or path.startswith("stdlib:"):
         return [path]
-    return [str(f) for f in _data_files(path) if f.stat().st_size and f.read_bytes().strip()]
+    return [str(f) for f in _data_files(path) if not _blank(f)]
+
+
+def _blank(path) -> bool:
+    """Whether a file holds only whitespace, read until its first other byte (for a text file
+    its first block: the file is read whole once, by load_documents, not twice)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            if block.strip():
+                return False
+    return True
 
 
 def main(argv=None) -> int:

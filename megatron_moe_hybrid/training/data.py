@@ -40,7 +40,6 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,6 +48,7 @@ import numpy as np
 import torch
 
 from megatron_moe_hybrid.registry import CHAT_FORMATS, CHAT_TURNS, DATA_FORMATS, PACKINGS
+from megatron_moe_hybrid.training._files import publish, temp_beside
 from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend, read_indexed
 
 logger = logging.getLogger(__name__)
@@ -719,13 +719,13 @@ def _locked(path: Path) -> Iterator[None]:
 
 def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
     """Readers see either no file or the whole file, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
@@ -919,7 +919,7 @@ class TokenDataset:
             if opts.data_format != "text":
                 raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records; {data_path!r} is an "
                                  "indexed dataset of token ids (documents only): use data_format text")
-            _, self.tokens, self.ends = read_indexed(self.indexed)
+            self.tokens, self.ends = read_indexed(self.indexed)
             self.trained, self.data_stats = None, dict.fromkeys(STAT_KEYS, 0)
             self._id_limit = tokenizer.vocab_size
             self._check_ids(self.tokens[:1 << 20], "its first tokens")

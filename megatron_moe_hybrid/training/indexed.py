@@ -18,11 +18,12 @@ from P.idx, so nothing of the corpus is loaded or tokenized at start-up, whateve
 
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from megatron_moe_hybrid.training._files import publish, temp_beside
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -36,7 +37,6 @@ class IndexedTokens(NamedTuple):
     """An indexed dataset as a token stream: tokens [num_tokens] (a read-only memory map of P.bin),
     ends [documents] int64 (where each non-empty document ends in the stream, increasing)."""
 
-    prefix: str
     tokens: np.ndarray
     ends: np.ndarray
 
@@ -68,13 +68,14 @@ def dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def read_indexed(prefix: str, field: str = "training.data_path") -> IndexedTokens:
+def read_indexed(prefix: str) -> IndexedTokens:
     """P.bin memory-mapped and the document ends of P.idx. A file that is not one of these, is
-    truncated, or whose index does not describe its data raises ValueError naming field and file."""
+    truncated, or whose index does not describe its data raises ValueError naming the file (under
+    training.data_path, as the data module's errors)."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
 
     def bad(path: Path, what: str) -> ValueError:
-        return ValueError(f"{field}: {path}: {what}; write it again with tools/preprocess_data.py "
+        return ValueError(f"training.data_path: {path}: {what}; write it again with tools/preprocess_data.py "
                           "(or Megatron-LM's tools/preprocess_data.py)")
 
     size = idx.stat().st_size
@@ -114,7 +115,7 @@ def read_indexed(prefix: str, field: str = "training.data_path") -> IndexedToken
     tokens = (np.memmap(bin_, dtype=dtype, mode="r") if num_tokens else np.zeros(0, dtype))
     last = starts[1:] - 1  # each document's last sequence
     ends = seq_ends[last[last >= 0]] if sequences else np.zeros(0, np.int64)
-    return IndexedTokens(prefix, tokens, np.unique(ends[ends > 0]))  # empty documents end nowhere new
+    return IndexedTokens(tokens, np.unique(ends[ends > 0]))  # empty documents end nowhere new
 
 
 class IndexedWriter:
@@ -127,7 +128,7 @@ class IndexedWriter:
         if self.dtype not in _CODES or not np.issubdtype(self.dtype, np.integer):
             raise ValueError(f"dtype {self.dtype} is not an integer dtype of the format")
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        fd, self._bin_tmp = tempfile.mkstemp(dir=Path(prefix).parent, prefix=f".{Path(prefix).name}.", suffix=".bin.tmp")
+        fd, self._bin_tmp = temp_beside(prefix, ".bin.tmp")
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[int] = []
         self._limit = np.iinfo(self.dtype).max
@@ -146,19 +147,14 @@ class IndexedWriter:
         lengths = np.asarray(self._lengths, dtype=np.int32)
         n = len(lengths)
         pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * self.dtype.itemsize
-        fd, idx_tmp = tempfile.mkstemp(dir=Path(self.prefix).parent, prefix=f".{Path(self.prefix).name}.",
-                                       suffix=".idx.tmp")
+        fd, idx_tmp = temp_beside(self.prefix, ".idx.tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(HEADER + struct.pack("<QBQQ", VERSION, _CODES[self.dtype], n, n + 1))
             f.write(lengths.tobytes() + pointers.tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp in (self._bin_tmp, idx_tmp):  # as open() would make them (mkstemp's are the owner's only)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(self._bin_tmp, self.prefix + ".bin")
-        os.replace(idx_tmp, self.prefix + ".idx")
+        publish(self._bin_tmp, self.prefix + ".bin")
+        publish(idx_tmp, self.prefix + ".idx")
 
     def abort(self) -> None:
         """Leaves no file behind (a failed tokenization)."""

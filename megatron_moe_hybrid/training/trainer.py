@@ -225,10 +225,15 @@ def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
     if getattr(dataset, "parts", None):  # a blend: each dataset's line, its weight first
         return (f"{what}: a blend of {len(dataset.parts)} datasets ({data_format}), {dataset.num_samples:,} samples of "
                 f"{dataset.seq_length} tokens in one pass of each: " + "; ".join(
-                    f"{w:.3g} x " + _data_summary("", p, part, data_format)[2:]
+                    f"{w:.3g} x {_dataset_line(p, part, data_format)}"
                     for w, p, part in zip(dataset.weights, dataset.paths, dataset.parts)))  # fmt: skip
-    kind = f"indexed dataset, {dataset.tokens.dtype.name}" if getattr(dataset, "indexed", None) else data_format
-    line = (f"{what}: {path} ({kind}): {len(dataset.tokens):,} tokens, {dataset.num_samples:,} samples of "
+    return f"{what}: {_dataset_line(path, dataset, data_format)}"
+
+
+def _dataset_line(path: str, dataset, data_format: str) -> str:
+    """_data_summary's account of one TokenDataset."""
+    kind = f"indexed dataset, {dataset.tokens.dtype.name}" if dataset.indexed else data_format
+    line = (f"{path} ({kind}): {len(dataset.tokens):,} tokens, {dataset.num_samples:,} samples of "
             f"{dataset.seq_length} tokens")
     if dataset.trained is not None:
         line += f"; {float(np.asarray(dataset.trained).mean()):.1%} of the tokens trained"
@@ -284,7 +289,8 @@ class Trainer:
         # ranks agree whether it failed, so none waits on a rank that stopped (the failing rank
         # raises its error, the others say where to look). They agree over a gloo group of their
         # own whose timeout is DATA_WAIT_S, not parallel.collective_timeout_s: tokenizing a large
-        # text corpus on first start may take hours (a rank that dies still fails the wait at once).
+        # text corpus on first start may take hours (a rank that dies still fails the wait at once:
+        # gloo sees its connection close).
         wait = timedelta(seconds=max(DATA_WAIT_S, config.parallel.collective_timeout_s))
         waiting = dist.new_group(backend="gloo", timeout=wait)
         for turn in (0, 1):

@@ -272,3 +272,16 @@ def test_dataset_over_an_hf_tokenizer(tmp_path, small_text_file, cache_dir):
     documents = [d for d in load_text(str(small_text_file)).split("\n\n") if d.strip()]
     assert int((stream == tok.eos_id).sum()) == len(documents)  # each document ends with the eos token
     assert tok.decode(stream[: int(np.argmax(stream == tok.eos_id))].tolist()) == documents[0]
+
+
+def test_cached_files_get_the_mode_open_gives(tmp_path):
+    """A cache file (tokenizer, token ids) appears whole and readable as a plain open() would make
+    it, not the owner-only mode of its temporary file: a cache_dir shared between users or
+    accounts stays readable."""
+    import os
+
+    data._atomic_write(tmp_path / "ids.npy", lambda f: f.write(b"abc"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.listdir(tmp_path) == ["ids.npy"] and (tmp_path / "ids.npy").read_bytes() == b"abc"
+    assert os.stat(tmp_path / "ids.npy").st_mode & 0o777 == 0o666 & ~umask

@@ -401,9 +401,11 @@ _SLOW_DATA = """
 import os, sys, time
 from megatron_moe_hybrid.training import trainer
 load = trainer.Trainer._load_data
-def slow(self):  # rank 0 tokenizes for longer than parallel.collective_timeout_s
+def slow(self):  # rank 0 tokenizes for longer than parallel.collective_timeout_s (or dies doing so)
     if self.rank == 0:
         time.sleep(float(os.environ["SLOW_DATA_S"]))
+        if os.environ.get("DIE_IN_DATA"):
+            os._exit(3)
     return load(self)
 trainer.Trainer._load_data = slow
 from megatron_moe_hybrid.training.cli import main
@@ -415,7 +417,8 @@ def test_torchrun_ranks_wait_for_a_first_tokenization_longer_than_the_collective
         corpus, cache_dir, tmp_path, raw_config):
     """On a first start rank 0 trains the tokenizer and tokenizes the text while the other ranks
     wait: a large corpus takes longer than parallel.collective_timeout_s, which must not fail
-    the launch (here rank 0 takes 12 s against a 5 s timeout; the ranks then train)."""
+    the launch (here rank 0 takes 12 s against a 5 s timeout; the ranks then train). A rank 0
+    that dies meanwhile still ends the launch at once."""
     import subprocess
     import sys
 
@@ -434,6 +437,12 @@ def test_torchrun_ranks_wait_for_a_first_tokenization_longer_than_the_collective
                        env=dict(env, OMP_NUM_THREADS="1", SLOW_DATA_S="12"), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert len(read_metrics(str(tmp_path / "run"))) == 1
+    # a rank 0 that dies while the others wait ends the launch at once, not after the long wait
+    start = time.time()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(script)] + args, capture_output=True, text=True, timeout=300,
+                       env=dict(env, OMP_NUM_THREADS="1", SLOW_DATA_S="2", DIE_IN_DATA="1"), cwd=ROOT)
+    assert r.returncode != 0 and time.time() - start < 120, (time.time() - start, r.stderr[-3000:])
 
 
 def test_a_launch_error_of_one_rank_names_the_rank(monkeypatch, capsys):

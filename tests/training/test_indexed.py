@@ -30,11 +30,12 @@ def _doc(rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A directory of a .jsonl and a .txt file (blank-line separated documents)."""
+    """A directory of a .jsonl file, a .txt file (blank-line separated documents) and a blank one."""
     root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     (root / "a.jsonl").write_text("".join(json.dumps({"text": _doc(rng)}) + "\n" for _ in range(150)))
     (root / "b.txt").write_text("\n\n".join(_doc(rng) for _ in range(150)))
+    (root / "c.txt").write_text("\n \n\t\n")  # whitespace only: skipped by the run and by the tool
     return root
 
 
