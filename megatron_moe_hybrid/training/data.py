@@ -922,7 +922,7 @@ class TokenDataset:
             self.tokens, self.ends = read_indexed(self.indexed)
             self.trained, self.data_stats = None, dict.fromkeys(STAT_KEYS, 0)
             self._id_limit = tokenizer.vocab_size
-            self._check_ids(self.tokens[:1 << 20], "its first tokens")
+            self._check_ids(self.tokens[:1 << 20], "its first tokens hold")
             stat = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
                     for f in (self.indexed + ".bin", self.indexed + ".idx")]
             ids_path = Path(cache_dir) / f"indexed-{_sha256(json.dumps(stat))[:16]}.npy"  # names the best_fit cache
@@ -987,7 +987,7 @@ class TokenDataset:
         """An indexed dataset's ids against the tokenizer's size: one made with another tokenizer
         stops here, naming it, rather than in the embedding (a CUDA device assert)."""
         if ids.size and int(ids.max()) >= self._id_limit:
-            raise ValueError(f"training.tokenizer_model: {self.indexed}: {where} hold token id {int(ids.max())}, "
+            raise ValueError(f"training.tokenizer_model: {self.indexed}: {where} token id {int(ids.max())}, "
                              f"outside the tokenizer's {self._id_limit} pieces; give the tokenizer the data was made "
                              "with")
 
@@ -997,7 +997,7 @@ class TokenDataset:
         # one copy of the (memory-mapped) pieces, cast as they are joined
         joined = np.concatenate([self.tokens[a:b] for a, b in pieces], dtype=np.int64)
         if self._id_limit is not None:
-            self._check_ids(joined, f"sample {sample_index}")
+            self._check_ids(joined, f"sample {sample_index} holds")
         window = torch.from_numpy(joined)
         labels = window[1:]  # window: [n + 1], n <= S
         if self.trained is not None:

@@ -499,7 +499,12 @@ class Trainer:
         from megatron_moe_hybrid.training.data import batch, batch_record_starts, pack_records
 
         size = self.config.training.micro_batch_size
-        tokens, labels = batch(dataset, start, size)  # on the CPU
+        try:
+            tokens, labels = batch(dataset, start, size)  # on the CPU
+        except ValueError as e:  # a sample the load's checks could not see (an indexed file's id past its first
+            # tokens): one line naming the field, not a traceback; torchrun then stops the other ranks
+            who = f"rank {self.rank}: " if dist.get_world_size() > 1 else ""
+            raise TrainingStopped(f"{who}training stopped at step {self.step + 1}: {e}") from e
         if not self.config.training.isolate_records:
             return self.cp_layout.shard(tokens, 1), self.cp_layout.shard(labels, 1), {}
         from megatron.core.packed_seq_params import PackedSeqParams

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import struct
 
 import numpy as np
@@ -200,9 +201,26 @@ def test_ids_outside_the_tokenizer_stop_naming_it(tmp_path, tokenizer):
     writer.close()
     ds = TokenDataset(late, tokenizer, SEQ, tmp_path / "cache", seed=0)
     i = int(np.flatnonzero(ds._permutation(0) == (1 << 20) // SEQ)[0])  # the sample whose inputs hold it
-    with pytest.raises(ValueError, match=rf"training\.tokenizer_model: .*late: sample {i} hold token id 999"):
+    with pytest.raises(ValueError, match=rf"training\.tokenizer_model: .*late: sample {i} holds token id 999"):
         ds.get(i)
     ds.get(int(np.flatnonzero(ds._permutation(0) == 0)[0]))  # the others load
+
+
+def test_a_bad_id_mid_run_stops_it_in_one_line(tmp_path, tokenizer, capsys):
+    """An id outside the tokenizer past what the load checks: the run stops at the step whose
+    sample holds it, with one line naming training.tokenizer_model (exit 1), not a traceback."""
+    from megatron_moe_hybrid.training.cli import main
+
+    late = _indexed(tmp_path / "late", [np.full(1 << 20, 5), np.full(1 << 20, 999)])  # half the samples bad
+    args = ["--config", TINY, "--training.train_steps", "3", "--training.cache_dir", str(tmp_path / "cache"),
+            "--training.output_dir", str(tmp_path / "out"), "--training.data_path", late,
+            "--training.tokenizer_model", str(tokenizer.model_path), "--model.vocab_size", str(VOCAB),
+            "--training.seq_length", "64", "--training.save_interval", "0"]
+    assert main("pretrain", args) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line and not line.startswith("pretrain:")]  # progress
+    assert len(err) == 1 and re.fullmatch(r"error: training stopped at step 1: training\.tokenizer_model: "
+                                          r".*late: sample \d+ holds token id 999, outside the tokenizer's 320 "
+                                          r"pieces; give the tokenizer the data was made with", err[0]), err
 
 
 def _indexed(path, docs, dtype=np.uint16):
