@@ -10,8 +10,8 @@ corpus in memory, whatever its size.
 line), a .jsonl file (--text-field of each line), a directory of them (sorted; read one file at
 a time), or stdlib. Each non-empty document becomes its tokens and the tokenizer's end of text,
 one document of the dataset: the token stream a run builds from the same text and tokenizer,
-token for token. Bad lines stop with file and line, or are dropped and counted under
---bad-data skip, as in training. The files are Megatron-Core's format (version 1, uint16 ids
+token for token. A file is read in blocks of 64 MB, never whole. Bad lines stop with file and
+line, or are dropped and counted under --bad-data skip, as in training. The files are Megatron-Core's format (version 1, uint16 ids
 below 65500 pieces, else int32), which Megatron-LM reads as well; they appear at the end, whole.
 """
 
@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_moe_hybrid.training.data import STAT_KEYS, _data_files, load_documents, load_tokenizer  # noqa: E402
+from megatron_moe_hybrid.training.data import (  # noqa: E402
+    STAT_KEYS, _data_files, file_documents, load_documents, load_tokenizer)
 from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, worker_encode, worker_init  # noqa: E402
 
 BATCH = 512  # documents per task of a worker
@@ -41,7 +42,7 @@ def _sources(path: str) -> list[str]:
 
 def _blank(path) -> bool:
     """Whether a file holds only whitespace, read until its first other byte (for a text file
-    its first block: the file is read whole once, by load_documents, not twice)."""
+    its first block)."""
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             if block.strip():
@@ -78,17 +79,19 @@ def main(argv=None) -> int:
     try:
         if pool is None:
             worker_init(a.tokenizer, pool=False)
+        options = dict(bad_data=a.bad_data, text_field=a.text_field, max_document_chars=a.max_document_chars)
         for source in _sources(a.input):
-            docs, stats = load_documents(source, bad_data=a.bad_data, text_field=a.text_field,
-                                         max_document_chars=a.max_document_chars)
-            skipped = {k: skipped[k] + stats.get(k, 0) for k in skipped}
-            docs = [d for d in docs if d.strip()]  # as a run's token stream skips them
-            batches = [docs[i:i + BATCH] for i in range(0, len(docs), BATCH)]
-            for encoded in (pool.imap(worker_encode, batches) if pool else map(worker_encode, batches)):  # in order
-                for ids in encoded:
-                    writer.add_document(ids)
-                    documents += 1
-                    tokens += len(ids)
+            # a file block by block (BLOCK_BYTES), never whole: the same documents as reading it whole
+            pieces = [load_documents(source, **options)] if source.startswith("stdlib") else file_documents(source, **options)
+            for docs, stats in pieces:
+                skipped = {k: skipped[k] + stats.get(k, 0) for k in skipped}
+                docs = [d for d in docs if d.strip()]  # as a run's token stream skips them
+                batches = [docs[i:i + BATCH] for i in range(0, len(docs), BATCH)]
+                for encoded in (pool.imap(worker_encode, batches) if pool else map(worker_encode, batches)):  # in order
+                    for ids in encoded:
+                        writer.add_document(ids)
+                        documents += 1
+                        tokens += len(ids)
     except ValueError as e:  # a bad line: its file and line, and the fix
         writer.abort()
         print(f"error: --input: {str(e).split(': ', 1)[-1]}", file=sys.stderr)

@@ -461,6 +461,54 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     return docs, stats
 
 
+BLOCK_BYTES = 64 << 20  # file_documents' piece of a file
+
+
+def file_documents(path: str | Path, block_bytes: int | None = None, **options) -> Iterator[tuple[list, dict[str, int]]]:
+    """The documents of one .txt or .jsonl file (data_format text) as load_documents reads them
+    (the same documents, skip counts and errors with file:line and byte offset) in pieces:
+    (documents, skip counts) per block_bytes (default BLOCK_BYTES) or so read, so that no file is ever held whole
+    (tools/preprocess_data.py). A .jsonl file is read line by line either way. A .txt file's
+    text is its decoded lines joined by newlines (the non-UTF-8 ones dropped); its documents are
+    cut at a blank line that follows a non-empty line and precedes another line: there
+    str.split(_DOC_SEP) of the whole text splits too. (A .txt file with two kinds of bad line
+    under bad_data error stops at the first in the file: reading whole, at a non-UTF-8 one.)"""
+    path, opts, block_bytes = Path(path), _TextOptions(**options), block_bytes or BLOCK_BYTES
+    jsonl = path.suffix == ".jsonl"
+    line, byte, tail = 1, 0, b""  # the number and offset of the first line not read, its bytes so far
+    lines: list[str] = []  # .txt: decoded lines not yet in a document; lines[0] is line `first`
+    first = searched = 1
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(block_bytes)
+            buf = tail + block
+            end = buf.rfind(b"\n") if block else len(buf)  # whole lines only, until the end
+            if end < 0:
+                tail = buf
+                continue
+            piece, tail = buf[:end], buf[end + 1 :]
+            stats = dict.fromkeys(STAT_KEYS, 0)
+            if jsonl:
+                docs = _jsonl_documents(path, piece, opts, stats, line, byte)
+            else:
+                try:
+                    lines.extend(piece.decode("utf-8").split("\n"))
+                except UnicodeDecodeError:
+                    lines.extend(text for _, text in _utf8_lines(path, piece, opts, stats, line, byte))
+                cut = len(lines) if not block else next(  # lines[cut] blank, the line before not, one after
+                    (j for j in range(len(lines) - 2, max(searched, 1) - 1, -1) if not lines[j] and lines[j - 1]), None)
+                searched = max(1, len(lines) - 1)
+                docs = []
+                if cut is not None:
+                    docs = _split_text(path, "\n".join(lines[:cut]), opts, stats, first)
+                    first, lines, searched = first + cut + 1, lines[cut + 1 :], 1
+            line += piece.count(b"\n") + 1
+            byte += end + 1
+            yield docs, stats
+            if not block:
+                return
+
+
 def load_text(data_path: str, **options) -> str:
     """The documents of load_documents joined by a blank line (a prompt and its response by a
     newline, a conversation's rendered pieces by nothing): for a .txt file its text, minus skipped lines."""
@@ -524,15 +572,18 @@ def _over_limit(opts: _TextOptions) -> str:
     return f"more than training.max_document_chars={opts.max_document_chars}; split it or raise the limit"
 
 
-def _utf8_lines(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line without its newline) of every line that decodes."""
-    offset = 0  # of the line's first byte in the file
-    for number, line in enumerate(raw.split(b"\n"), 1):
+def _utf8_lines(
+    path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int], first_line: int = 1, first_byte: int = 0
+) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line without its newline) of every line that decodes. raw: the file,
+    or a piece of it from line first_line, byte first_byte (file_documents)."""
+    offset = 0  # of the line's first byte in raw
+    for number, line in enumerate(raw.split(b"\n"), first_line):
         try:
             yield number, line.decode("utf-8")
         except UnicodeDecodeError as err:
             bad = offset + err.start
-            problem = f"byte offset {bad} ({raw[bad : bad + 4]!r}...) is not UTF-8"
+            problem = f"byte offset {first_byte + bad} ({line[err.start : err.start + 4]!r}...) is not UTF-8"
             _bad(opts, stats, "skipped_non_utf8", f"{path}:{number}: {problem}; re-encode the file as UTF-8")
         offset += len(line) + 1
 
@@ -542,6 +593,12 @@ def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str,
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         text = "\n".join(line for _, line in _utf8_lines(path, raw, opts, stats))
+    return _split_text(path, text, opts, stats, 1)
+
+
+def _split_text(path: Path, text: str, opts: _TextOptions, stats: dict[str, int], first_line: int) -> list[str]:
+    """The documents of a .txt file's text (from its line first_line), the long ones dropped or
+    named under training.max_document_chars."""
     docs = text.split(_DOC_SEP)
     if opts.max_document_chars is None:
         return docs
@@ -551,19 +608,21 @@ def _text_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str,
             kept.append(doc)
         else:
             # Under "error" no line was dropped before, so the offset counts lines of the file.
-            line = text.count("\n", 0, offset) + 1
+            line = text.count("\n", 0, offset) + first_line
             problem = f"the document starting here has {len(doc)} characters, {_over_limit(opts)}"
             _bad(opts, stats, "skipped_too_long", f"{path}:{line}: {problem}")
         offset += len(doc) + len(_DOC_SEP)
     return kept
 
 
-def _jsonl_documents(path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int]) -> list[str]:
+def _jsonl_documents(
+    path: Path, raw: bytes, opts: _TextOptions, stats: dict[str, int], first_line: int = 1, first_byte: int = 0
+) -> list[str]:
     docs = []
     field = {"text": opts.text_field, "prompt_response": opts.prompt_field, "messages": opts.messages_field}[opts.data_format]
     chat_format = (load_chat_format(opts.chat_format, opts.chat_template_kwargs) if opts.data_format == "messages"
                    else None)
-    for number, line in _utf8_lines(path, raw, opts, stats):
+    for number, line in _utf8_lines(path, raw, opts, stats, first_line, first_byte):
         if not line.strip():
             continue  # blank lines, e.g. a trailing newline, are no records
         where = f"{path}:{number}"

@@ -55,8 +55,12 @@ def _tool():
 @pytest.fixture(scope="module")
 def prefix(corpus, tokenizer, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("indexed") / "corpus_text_document")
-    assert _tool().main(["--input", str(corpus), "--tokenizer", str(tokenizer.model_path), "--output", out,
-                         "--workers", "2"]) == 0
+    block, data.BLOCK_BYTES = data.BLOCK_BYTES, 97  # each file read in many pieces, as a large one is
+    try:
+        assert _tool().main(["--input", str(corpus), "--tokenizer", str(tokenizer.model_path), "--output", out,
+                             "--workers", "2"]) == 0
+    finally:
+        data.BLOCK_BYTES = block
     return out
 
 
@@ -113,8 +117,9 @@ def test_megatron_builder_with_sentence_sequences_reads_in_ours(tmp_path):
 
 @pytest.mark.parametrize("packing", ["stream", "fit", "best_fit"])
 def test_preprocessed_dataset_equals_the_text_run(corpus, tokenizer, prefix, tmp_path, packing):
-    """tools/preprocess_data.py's files (2 workers) give the token stream, document ends and
-    samples that the run builds from the text itself with the same tokenizer."""
+    """tools/preprocess_data.py's files (2 workers, each file read in 97-byte blocks) give the
+    token stream, document ends and samples that the run builds from the text itself (read
+    whole) with the same tokenizer."""
     text = TokenDataset(str(corpus), tokenizer, SEQ, tmp_path / "cache", seed=3, packing=packing)
     ids = TokenDataset(prefix, tokenizer, SEQ, tmp_path / "cache", seed=3, packing=packing)
     assert ids.indexed == prefix and text.indexed is None
@@ -143,6 +148,45 @@ def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys):
     assert [tokenizer.decode(d) for d in np.split(np.asarray(read_indexed(out).tokens),
                                                    read_indexed(out).ends[:-1])] == [
         "alpha beta" + tokenizer.decode([tokenizer.eos_id]), "gamma" + tokenizer.decode([tokenizer.eos_id])]
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_file_read_block_by_block_gives_what_reading_it_whole_gives(tmp_path, suffix):
+    """file_documents (the tool's reader, a file never whole) against load_documents on random
+    files cut into blocks of 1 to 200 bytes: runs of blank lines, non-UTF-8 lines beside them,
+    bad JSON, over-long documents; the documents and skip counts under bad_data skip, the error
+    (file, line and byte offset) under bad_data error (where a .txt file holds two kinds of bad
+    line, the first in the file rather than the first kind reading it whole looks for)."""
+    rng = random.Random(hash(suffix) % 1000)
+    pieces = [b"alpha beta", b"gamma", b"", b"", b"\xff\xfe bad", "dé\u00e9lta".encode(), b"  ", b"omega " * 9]
+    if suffix == ".jsonl":
+        pieces = [json.dumps({"text": _doc(rng)}).encode(), b"{not json", b"", b"[1]", json.dumps({"x": 1}).encode(),
+                  b"\\xff" + json.dumps({"text": "z"}).encode(), json.dumps({"text": "w " * 40}).encode()]
+    edges = [b"a\n\n\xff", b"a\n\n\xff\n", b"a\n\n\xff\n\xff\n\nb", b"a\n\n\n\nb", b"\n\na\n\n", b"", b"\n", b"\xff\n\na"]
+    for trial in range(40 + len(edges)):
+        path = tmp_path / f"f{trial}{suffix}"
+        path.write_bytes(edges[trial - 40] if trial >= 40 else b"\n".join(
+            rng.choice(pieces) for _ in range(rng.randint(0, 60))) + rng.choice([b"", b"\n", b"\n\n"]))
+        for bad_data in ("skip", "error"):
+            options = dict(bad_data=bad_data, max_document_chars=rng.choice([None, 50]))
+            try:
+                whole = (data._jsonl_documents if suffix == ".jsonl" else data._text_documents)(
+                    path, path.read_bytes(), data._TextOptions(**options), stats := dict.fromkeys(data.STAT_KEYS, 0))
+                want = (whole, stats)
+            except ValueError as e:
+                want = str(e)
+            for block in (1, 2, 3, 7, 31, 200):
+                try:
+                    parts = list(data.file_documents(path, block_bytes=block, **options))
+                    got = ([d for docs, _ in parts for d in docs],
+                           {k: sum(s[k] for _, s in parts) for k in data.STAT_KEYS})
+                except ValueError as e:
+                    got = str(e)
+                if isinstance(want, str) and suffix == ".txt" and options["max_document_chars"]:
+                    # reading whole, a .txt file's non-UTF-8 lines stop it before any long document;
+                    # block by block, whichever comes first in the file
+                    assert isinstance(got, str) and got.startswith(f"training.data_path: {path}:"), (got, want)
+                    continue
+                assert got == want, (trial, bad_data, block, path.read_bytes())
 
 
 def test_bad_files_name_the_file(prefix, tmp_path, tokenizer):
