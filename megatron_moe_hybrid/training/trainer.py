@@ -502,7 +502,10 @@ class Trainer:
         try:
             tokens, labels = batch(dataset, start, size)  # on the CPU
         except ValueError as e:  # a sample the load's checks could not see (an indexed file's id past its first
-            # tokens): one line naming the field, not a traceback; torchrun then stops the other ranks
+            # tokens): one line naming the field, not a traceback (torchrun then stops the other ranks); an
+            # error that names no field is a bug, whose traceback stays
+            if _field_error(e) is e:
+                raise
             who = f"rank {self.rank}: " if dist.get_world_size() > 1 else ""
             raise TrainingStopped(f"{who}training stopped at step {self.step + 1}: {e}") from e
         if not self.config.training.isolate_records:
