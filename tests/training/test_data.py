@@ -170,7 +170,31 @@ def _stream_windows(dataset):
     return stream[: n * s].reshape(n, s), stream[1 : n * s + 1].reshape(n, s)
 
 
-def test_dataset_epoch_is_a_permutation_of_shifted_windows(dataset, tokenizer):
+@pytest.fixture(params=["table", "keyed"])
+def order_form(request, monkeypatch):
+    """An epoch's order as numpy's permutation table, or (SHUFFLE_TABLE_MAX lowered below the
+    corpus) keyed_shuffle, which must never build the table."""
+    if request.param == "keyed":
+        monkeypatch.setattr(data, "SHUFFLE_TABLE_MAX", 1)
+        monkeypatch.setattr(TokenDataset, "_permutation", lambda *a: pytest.fail("keyed_shuffle builds no table"))
+    return request.param
+
+
+def test_keyed_shuffle_is_a_permutation_drawn_from_seed_and_epoch():
+    for n in list(range(1, 70)) + [255, 256, 257, 1000, 4099]:
+        order = [data.keyed_shuffle(i, n, 3, 0) for i in range(n)]
+        assert sorted(order) == list(range(n)), n
+    first = [data.keyed_shuffle(i, 1000, 3, 0) for i in range(1000)]
+    assert sum(a == i for i, a in enumerate(first)) < 10, "shuffled"
+    assert sum(a == b for a, b in zip(first, [data.keyed_shuffle(i, 1000, 3, 1) for i in range(1000)])) < 10
+    assert sum(a == b for a, b in zip(first, [data.keyed_shuffle(i, 1000, 4, 0) for i in range(1000)])) < 10
+    assert abs(np.corrcoef(np.arange(1000), first)[0, 1]) < 0.1
+    assert data.keyed_shuffle(10**12 - 1, 10**12, 3, 0) < 10**12  # a 15T-token corpus's positions, no table
+    with pytest.raises(ValueError, match=r"position must be in \[0, 10\)"):
+        data.keyed_shuffle(10, 10, 3, 0)
+
+
+def test_dataset_epoch_is_a_permutation_of_shifted_windows(dataset, tokenizer, order_form):
     n = dataset.num_samples
     assert n > 1000
     assert len(dataset.tokens) > n * SEQ
@@ -194,7 +218,7 @@ def test_dataset_epoch_is_a_permutation_of_shifted_windows(dataset, tokenizer):
             assert order != first_order, "each epoch needs its own permutation"
 
 
-def test_dataset_is_deterministic_and_stateless(dataset, tokenizer, cache_dir, monkeypatch):
+def test_dataset_is_deterministic_and_stateless(dataset, tokenizer, cache_dir, monkeypatch, order_form):
     monkeypatch.setattr(tokenizer, "encode_batch", lambda texts: pytest.fail("tokens were not loaded from the cache"))
     monkeypatch.setattr(data, "stdlib_corpus", lambda *a: pytest.fail("a warm cache must not parse the stdlib"))
     fresh = TokenDataset("stdlib", tokenizer, SEQ, cache_dir, seed=1234)
