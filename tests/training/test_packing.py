@@ -286,6 +286,7 @@ def test_best_fit_is_computed_once_per_cache_and_length(records, sft_cache, monk
     again = TokenDataset(records, tok, 200, sft_cache, seed=0, packing="best_fit", **options)
     assert calls == [] and np.array_equal(again.spans, first.spans)
     assert np.array_equal(again.sample_pieces, first.sample_pieces) and again.cut_records == first.cut_records
+    assert isinstance(again.spans, np.memmap) and isinstance(again.sample_pieces, np.memmap)  # one copy a host
     TokenDataset(records, tok, 160, sft_cache, seed=0, packing="best_fit", **options)
     assert calls == [160]
 
