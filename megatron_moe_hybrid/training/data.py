@@ -1027,11 +1027,8 @@ class TokenDataset:
         # spans[sample_pieces[i] : sample_pieces[i + 1]] (one per sample under "fit")
         self.spans = self.sample_pieces = None
         self.cut_records = 0
-        if packing == "fit":
-            self.spans, self.cut_records = fit_spans(self.ends, seq_length)
-            self.sample_pieces = np.arange(len(self.spans) + 1)
-        elif packing == "best_fit":
-            self.spans, self.sample_pieces, self.cut_records = _cached_best_fit(ids_path, self.ends, seq_length)
+        if packing != "stream":
+            self.spans, self.sample_pieces, self.cut_records = _cached_packing(ids_path, self.ends, seq_length, packing)
         self.num_samples = (len(self.sample_pieces) - 1 if self.spans is not None
                             else (len(self.tokens) - 1) // seq_length)
         if self.num_samples < 1:
@@ -1333,15 +1330,21 @@ def _cached_token_ids(
     return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats, ids_path
 
 
-def _cached_best_fit(ids_path: Path, ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """best_fit_pieces(ends, seq_length), computed once per token cache and sample length and kept
-    beside the tokens (under a second per million records), under the tokens' lock so that the
-    ranks of a launch compute it once; memory-mapped, so the ranks of a host share one copy (a
-    corpus of 100M documents: 1.7 GB)."""
-    path = ids_path.with_name(f"{ids_path.stem}.best_fit-v2-{seq_length}.npy")  # v: of best_fit_pieces / layout
+def _cached_packing(ids_path: Path, ends: np.ndarray, seq_length: int, packing: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(pieces, offsets, cut) of packing "fit" (fit_spans: one piece a sample) or "best_fit"
+    (best_fit_pieces), computed once per token cache and sample length and kept beside the tokens
+    (either takes under a second per million records), under the tokens' lock so that the ranks of
+    a launch compute it once; memory-mapped, so the ranks of a host share one copy (a corpus of
+    100M documents: about 1.7 GB)."""
+    version = {"fit": "fit-v1", "best_fit": "best_fit-v2"}[packing]  # v: of the function / the file's layout
+    path = ids_path.with_name(f"{ids_path.stem}.{version}-{seq_length}.npy")
     with _locked(ids_path):
         if not path.exists():
-            pieces, offsets, cut = best_fit_pieces(ends, seq_length)
+            if packing == "fit":
+                pieces, cut = fit_spans(ends, seq_length)
+                offsets = np.arange(len(pieces) + 1)
+            else:
+                pieces, offsets, cut = best_fit_pieces(ends, seq_length)
             flat = np.concatenate([[cut, len(pieces)], pieces.reshape(-1), offsets]).astype(np.int64)
             _atomic_write(path, lambda f: np.save(f, flat))
     flat = np.load(path, mmap_mode="r")  # [cut, P, pieces (2 P), offsets (samples + 1)]

@@ -274,20 +274,23 @@ def test_best_fit_samples_are_whole_records_with_less_padding(records, sft_cache
         f"packed whole (training.packing: best_fit), {padding:.1%} of positions padding, 0 longer than a sample cut")
 
 
-def test_best_fit_is_computed_once_per_cache_and_length(records, sft_cache, monkeypatch):
-    """The best-fit samples are kept beside the cached tokens: a second dataset over the same data
-    and sample length reads them back (best_fit_pieces not called), another length computes its own."""
+@pytest.mark.parametrize("packing", ["fit", "best_fit"])
+def test_packing_is_computed_once_per_cache_and_length(records, sft_cache, monkeypatch, packing):
+    """The fit / best-fit samples are kept beside the cached tokens, memory-mapped: a second dataset
+    over the same data and sample length reads them back (the packing not computed), another
+    length computes its own."""
     options = dict(data_format="prompt_response")
     tok = get_tokenizer(records, 512, sft_cache, **options)
-    first = TokenDataset(records, tok, 200, sft_cache, seed=0, packing="best_fit", **options)
+    first = TokenDataset(records, tok, 200, sft_cache, seed=0, packing=packing, **options)
     calls = []
-    real = data.best_fit_pieces
-    monkeypatch.setattr(data, "best_fit_pieces", lambda ends, s: calls.append(s) or real(ends, s))
-    again = TokenDataset(records, tok, 200, sft_cache, seed=0, packing="best_fit", **options)
+    name = {"fit": "fit_spans", "best_fit": "best_fit_pieces"}[packing]
+    real = getattr(data, name)
+    monkeypatch.setattr(data, name, lambda ends, s: calls.append(s) or real(ends, s))
+    again = TokenDataset(records, tok, 200, sft_cache, seed=0, packing=packing, **options)
     assert calls == [] and np.array_equal(again.spans, first.spans)
     assert np.array_equal(again.sample_pieces, first.sample_pieces) and again.cut_records == first.cut_records
     assert isinstance(again.spans, np.memmap) and isinstance(again.sample_pieces, np.memmap)  # one copy a host
-    TokenDataset(records, tok, 160, sft_cache, seed=0, packing="best_fit", **options)
+    TokenDataset(records, tok, 160, sft_cache, seed=0, packing=packing, **options)
     assert calls == [160]
 
 
