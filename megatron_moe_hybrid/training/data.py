@@ -467,8 +467,8 @@ BLOCK_BYTES = 64 << 20  # file_documents' piece of a file
 def file_documents(path: str | Path, block_bytes: int | None = None, **options) -> Iterator[tuple[list, dict[str, int]]]:
     """The documents of one .txt or .jsonl file (data_format text) as load_documents reads them
     (the same documents, skip counts and errors with file:line and byte offset) in pieces:
-    (documents, skip counts) per block_bytes (default BLOCK_BYTES) or so read, so that no file is ever held whole
-    (tools/preprocess_data.py). A .jsonl file is read line by line either way. A .txt file's
+    (documents, skip counts) per block_bytes (default BLOCK_BYTES) or so read, so that no file
+    is ever held whole (tools/preprocess_data.py). A .jsonl file is read line by line either way. A .txt file's
     text is its decoded lines joined by newlines (the non-UTF-8 ones dropped); its documents are
     cut at a blank line that follows a non-empty line and precedes another line: there
     str.split(_DOC_SEP) of the whole text splits too. (A .txt file with two kinds of bad line
@@ -1021,7 +1021,7 @@ class TokenDataset:
             self._check_ids(self.tokens[:1 << 20], "its first tokens hold")
             stat = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
                     for f in (self.indexed + ".bin", self.indexed + ".idx")]
-            ids_path = Path(cache_dir) / f"indexed-{_sha256(json.dumps(stat))[:16]}.npy"  # names the best_fit cache
+            ids_path = Path(cache_dir) / f"indexed-{_sha256(json.dumps(stat))[:16]}.npy"  # names the packing's cache
         self.masked_labels = self.trained is not None or packing != "stream"
         # fit packings: the stream ranges [P, 2] a sample is made of, sample i's being
         # spans[sample_pieces[i] : sample_pieces[i + 1]] (one per sample under "fit")
