@@ -98,8 +98,7 @@ def single_full(corpus, cache_dir, tmp_path_factory, raw_config):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2)], ids=["W2-DP2-EP1", "W2-DP2-EP2"])
+@pytest.mark.parametrize("world,ep", [pytest.param(2, 1, id="W2-DP2-EP1", marks=pytest.mark.slow), pytest.param(2, 2, id="W2-DP2-EP2")])
 def test_full_training_with_resume_equals_single_process(world, ep, single_full, corpus, cache_dir, tmp_path, raw_config):
     """Stops after 2 steps and resumes: the sharded optimizer state must round-trip."""
     out = str(tmp_path / "fsdp")
@@ -322,7 +321,6 @@ def test_dist_checkpoint_init_loads_into_fsdp_shards(base_dir, dcp_dir, corpus, 
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_lora_from_a_dist_checkpoint_under_fsdp(base_dir, dcp_dir, corpus, cache_dir, tmp_path, raw_config):
     """LoRA under FSDP2 + EP=2 from a dist checkpoint: the wrapped base weights read their
     unwrapped names, the adapters start fresh, and the run equals one process's from safetensors."""

@@ -133,8 +133,7 @@ def _worker_killed_in_save(rank, world, raw, ov, point):
     _run(raw, ov)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("point", ["model", "state", "meta", "rename"])
+@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.slow) for p in ("model", "state", "meta")] + ["rename"])
 def test_killed_during_save_keeps_previous_and_resumes(point, corpus, cache_dir, tmp_path, raw_config):
     out = str(tmp_path / "run")
     raw, ov = raw_config(corpus, cache_dir, out, **{"training.train_steps": 6, "training.save_interval": 2})

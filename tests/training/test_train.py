@@ -34,7 +34,6 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.slow
 def test_loss_falls(corpus, cache_dir, tmp_path, raw_config):
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "run"), **{"training.train_steps": 40})
     (res,) = spawn(_train, 1, raw, ov)
