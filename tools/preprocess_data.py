@@ -11,8 +11,9 @@ line), a .jsonl file (--text-field of each line), a directory of them (sorted; r
 a time), or stdlib. Each non-empty document becomes its tokens and the tokenizer's end of text,
 one document of the dataset: the token stream a run builds from the same text and tokenizer,
 token for token. A file is read in blocks of 64 MB, never whole. Bad lines stop with file and
-line, or are dropped and counted under --bad-data skip, as in training. The files are Megatron-Core's format (version 1, uint16 ids
-below 65500 pieces, else int32), which Megatron-LM reads as well; they appear at the end, whole.
+line, or are dropped and counted under --bad-data skip, as in training. The files are
+Megatron-Core's format (version 1, uint16 ids below 65500 pieces, else int32), which Megatron-LM
+reads as well; they appear at the end, whole.
 """
 
 import argparse
@@ -26,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe_hybrid.training.data import (  # noqa: E402
-    STAT_KEYS, _data_files, file_documents, load_documents, load_tokenizer)
+    STAT_KEYS, _data_files, file_documents, is_stdlib, load_documents, load_tokenizer)
 from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, worker_encode, worker_init  # noqa: E402
 
 BATCH = 512  # documents per task of a worker
@@ -35,7 +36,7 @@ BATCH = 512  # documents per task of a worker
 def _sources(path: str) -> list[str]:
     """What is read in turn: stdlib whole, else each file of path (a file or a sorted directory)
     that holds more than whitespace, as training skips the others."""
-    if path == "stdlib" or path.startswith("stdlib:"):
+    if is_stdlib(path):
         return [path]
     return [str(f) for f in _data_files(path) if not _blank(f)]
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-document-chars", type=int, default=None)
     p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
     a = p.parse_args(argv)
-    if not (os.path.exists(a.input) or a.input == "stdlib" or a.input.startswith("stdlib:")):
+    if not (os.path.exists(a.input) or is_stdlib(a.input)):
         print(f"error: --input: {a.input!r} does not exist", file=sys.stderr)
         return 2
     try:
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         options = dict(bad_data=a.bad_data, text_field=a.text_field, max_document_chars=a.max_document_chars)
         for source in _sources(a.input):
             # a file block by block (BLOCK_BYTES), never whole: the same documents as reading it whole
-            pieces = [load_documents(source, **options)] if source.startswith("stdlib") else file_documents(source, **options)
+            pieces = [load_documents(source, **options)] if is_stdlib(source) else file_documents(source, **options)
             for docs, stats in pieces:
                 skipped = {k: skipped[k] + stats.get(k, 0) for k in skipped}
                 docs = [d for d in docs if d.strip()]  # as a run's token stream skips them

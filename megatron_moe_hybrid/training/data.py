@@ -423,7 +423,7 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     if opts.data_format == "messages":
         stats["split_conversations"] = 0  # not a skip: conversations made one record per assistant turn
     records = opts.data_format != "text"
-    if data_path == STDLIB or data_path.startswith(STDLIB + ":"):
+    if is_stdlib(data_path):
         if records:
             raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records, not {data_path!r}; "
                              "point training.data_path at them")
@@ -543,6 +543,11 @@ def _has_text(doc) -> bool:
 
 def _stdlib_text(data_path: str) -> str:
     return stdlib_corpus() if data_path == STDLIB else stdlib_corpus(subset=data_path[len(STDLIB) + 1 :])
+
+
+def is_stdlib(data_path: str) -> bool:
+    """Whether data_path names the built-in corpus: 'stdlib' or 'stdlib:<package>'."""
+    return data_path == STDLIB or data_path.startswith(STDLIB + ":")
 
 
 def _data_files(data_path: str) -> list[Path]:
@@ -733,7 +738,7 @@ def _text_key(data_path: str, opts: _TextOptions) -> str:
     a key belong to it); the stdlib corpus by its source files' stats, so that warm
     caches spare every rank the multi-second parse.
     """
-    if data_path != STDLIB and not data_path.startswith(STDLIB + ":"):
+    if not is_stdlib(data_path):
         root = Path(data_path)
         digests = []
         for path in _data_files(data_path):
@@ -1051,7 +1056,7 @@ class TokenDataset:
 
     def _sample_at(self, epoch: int, position: int) -> int:
         """perm_e[position]: numpy's permutation below SHUFFLE_TABLE_MAX samples, above it
-        keyed_shuffle, which holds no table (a table per rank and epoch would take 4 bytes a
+        keyed_shuffle (8 us a sample, benchmarks/results/cpu/packing.json), which holds no table (a table per rank and epoch would take 4 bytes a
         sample: 15 GB for 15T tokens of 4096-token samples, and a minute to draw)."""
         if self.num_samples < SHUFFLE_TABLE_MAX:
             return int(self._permutation(epoch)[position])
@@ -1218,9 +1223,9 @@ def best_fit_pieces(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.n
     and its remainder placed like a document. ends: where each document ends (exclusive),
     ascending.
 
-    Pieces of one length L go in together (0.3-0.7 s per million documents here, not 12 as one at a
-    time): a sample with room r >= L, once the least room that holds L, stays the least (r - L is
-    smaller, and no sample had a room in [L, r)), so it takes r // L pieces in a row and is left
+    Pieces of one length L go in together (0.24-0.70 s per million documents on one core, 21-45x
+    faster than one at a time: benchmarks/results/cpu/packing.json): a sample with room r >= L,
+    once the least room that holds L, stays the least (r - L is smaller, and no sample had a room in [L, r)), so it takes r // L pieces in a row and is left
     with r % L. The samples with room >= L therefore take the pieces room by room, ascending,
     each room's samples in the order they got it; the rest open new samples of cap // L pieces."""
     cap = seq_length + 1

@@ -504,7 +504,7 @@ class Trainer:
         except ValueError as e:  # a sample the load's checks could not see (an indexed file's id past its first
             # tokens): one line naming the field, not a traceback (torchrun then stops the other ranks); an
             # error that names no field is a bug, whose traceback stays
-            if _field_error(e) is e:
+            if _field_named(e) is None:
                 raise
             who = f"rank {self.rank}: " if dist.get_world_size() > 1 else ""
             raise TrainingStopped(f"{who}training stopped at step {self.step + 1}: {e}") from e
@@ -904,14 +904,20 @@ def _field_error(error: Exception) -> Exception:
     """A data or tokenizer error whose message starts with the config field it is about
     ("training.data_path: ...", the data module's way) as a ConfigError, which the CLIs print
     as one line with exit status 2; any other error as it is."""
-    import re
-
-    found = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", str(error)) if isinstance(error, ValueError) else None
+    found = _field_named(error)
     if found is None:
         return error
     converted = _start_error(found.group(1), ValueError(str(error)[found.end():]))
     converted.__cause__ = error
     return converted
+
+
+def _field_named(error: Exception):
+    """The match of the config field a data or tokenizer ValueError's message starts with
+    ("training.data_path: ..."), or None."""
+    import re
+
+    return re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", str(error)) if isinstance(error, ValueError) else None
 
 
 def _start_error(field: str, error: Exception, every_rank: bool = False):

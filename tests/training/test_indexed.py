@@ -132,7 +132,7 @@ def test_preprocessed_dataset_equals_the_text_run(corpus, tokenizer, prefix, tmp
         assert ids.record_starts(i) == text.record_starts(i)
 
 
-def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys):
+def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys, monkeypatch):
     tool = _tool()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "alpha beta"}\nnot json\n{"text": "gamma"}\n')
@@ -148,6 +148,18 @@ def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys):
     assert [tokenizer.decode(d) for d in np.split(np.asarray(read_indexed(out).tokens),
                                                    read_indexed(out).ends[:-1])] == [
         "alpha beta" + tokenizer.decode([tokenizer.eos_id]), "gamma" + tokenizer.decode([tokenizer.eos_id])]
+    # a corpus whose path merely starts with "stdlib" is files, read block by block, not the built-in corpus
+    named = tmp_path / "stdlib_notes"
+    named.mkdir()
+    (named / "a.txt").write_text("alpha beta\n\ngamma")
+    read = []
+    real = tool.file_documents
+    monkeypatch.setattr(tool, "file_documents", lambda path, **kw: read.append(path) or real(path, **kw))
+    monkeypatch.chdir(tmp_path)  # a relative path: "stdlib_notes/a.txt"
+    assert tool.main(["--input", "stdlib_notes", "--tokenizer", str(tokenizer.model_path), "--output", out + "2",
+                      "--workers", "1"]) == 0
+    assert read == [os.path.join("stdlib_notes", "a.txt")] and "2 documents" in capsys.readouterr().out
+
 
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
 def test_a_file_read_block_by_block_gives_what_reading_it_whole_gives(tmp_path, suffix):
