@@ -1223,10 +1223,10 @@ def best_fit_pieces(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.n
     and its remainder placed like a document. ends: where each document ends (exclusive),
     ascending.
 
-    Pieces of one length L go in together (0.24-0.70 s per million documents on one core, 21-45x
+    Pieces of one length L go in together (0.24-0.70 s per million documents on one core, 20-44x
     faster than one at a time: benchmarks/results/cpu/packing.json): a sample with room r >= L,
-    once the least room that holds L, stays the least (r - L is smaller, and no sample had a room in [L, r)), so it takes r // L pieces in a row and is left
-    with r % L. The samples with room >= L therefore take the pieces room by room, ascending,
+    once the least room that holds L, stays the least (r - L is smaller, and no sample had a room
+    in [L, r)), so it takes r // L pieces in a row and is left with r % L. The samples with room >= L therefore take the pieces room by room, ascending,
     each room's samples in the order they got it; the rest open new samples of cap // L pieces."""
     cap = seq_length + 1
     ends = np.asarray(ends, dtype=np.int64)
