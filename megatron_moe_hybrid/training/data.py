@@ -1020,13 +1020,14 @@ class TokenDataset:
             if opts.data_format != "text":
                 raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records; {data_path!r} is an "
                                  "indexed dataset of token ids (documents only): use data_format text")
-            self.tokens, self.ends = read_indexed(self.indexed)
-            self.trained, self.data_stats = None, dict.fromkeys(STAT_KEYS, 0)
-            self._id_limit = tokenizer.vocab_size
-            self._check_ids(self.tokens[:1 << 20], "its first tokens hold")
             stat = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
                     for f in (self.indexed + ".bin", self.indexed + ".idx")]
             ids_path = Path(cache_dir) / f"indexed-{_sha256(json.dumps(stat))[:16]}.npy"  # names the packing's cache
+            with _locked(ids_path):  # the document ends made once per host, memory-mapped by its ranks
+                self.tokens, self.ends = read_indexed(self.indexed, ids_path.with_name(f"{ids_path.stem}.ends-v1.i64"))
+            self.trained, self.data_stats = None, dict.fromkeys(STAT_KEYS, 0)
+            self._id_limit = tokenizer.vocab_size
+            self._check_ids(self.tokens[:1 << 20], "its first tokens hold")
         self.masked_labels = self.trained is not None or packing != "stream"
         # fit packings: the stream ranges [P, 2] a sample is made of, sample i's being
         # spans[sample_pieces[i] : sample_pieces[i + 1]] (one per sample under "fit")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_moe_hybrid.config import ConfigError, load_config
-from megatron_moe_hybrid.training import data
+from megatron_moe_hybrid.training import data, indexed
 from megatron_moe_hybrid.training.data import BLEND_BLOCK, BlendedDataset, TokenDataset, get_tokenizer, open_dataset
 from megatron_moe_hybrid.training.indexed import IndexedWriter, indexed_prefix, parse_blend, read_indexed
 
@@ -199,6 +199,114 @@ def test_a_file_read_block_by_block_gives_what_reading_it_whole_gives(tmp_path, 
                     assert isinstance(got, str) and got.startswith(f"training.data_path: {path}:"), (got, want)
                     continue
                 assert got == want, (trial, bad_data, block, path.read_bytes())
+
+
+def _write_index(prefix, lengths, pointers, starts, dtype=np.uint16, tokens=None):
+    """P.idx of the given arrays as they are (right or wrong) and P.bin of their tokens."""
+    with open(prefix + ".idx", "wb") as f:
+        f.write(indexed.HEADER + struct.pack("<QBQQ", 1, indexed._CODES[np.dtype(dtype)], len(lengths), len(starts)))
+        f.write(np.asarray(lengths, np.int32).tobytes() + np.asarray(pointers, np.int64).tobytes()
+                + np.asarray(starts, np.int64).tobytes())
+    count = int(np.sum(np.maximum(lengths, 0))) if tokens is None else len(tokens)
+    np.zeros(count, dtype).tofile(prefix + ".bin") if tokens is None else np.asarray(tokens, dtype).tofile(prefix + ".bin")
+
+
+def _plain_ends(lengths, starts):
+    """The ends read the plain way (the reader's form until 2026-12-06): every sequence's end,
+    each document's last one, empty documents and zero-length sequences ending nowhere new."""
+    seq_ends = np.cumsum(lengths, dtype=np.int64)
+    last = np.asarray(starts[1:]) - 1
+    ends = seq_ends[last[last >= 0]] if len(lengths) else np.zeros(0, np.int64)
+    return np.unique(ends[ends > 0])
+
+
+@pytest.mark.parametrize("slice_", [1, 2, 3, 7, 1 << 22])
+def test_document_ends_made_a_slice_at_a_time_equal_the_plain_form(tmp_path, monkeypatch, slice_):
+    """Random indexes (several sequences a document, empty documents, zero-length sequences, none
+    at all) read a slice of the index at a time, into memory and into an ends file, give the
+    plain form's ends; the checks on the way (negative length, a sequence out of place, document
+    starts out of order) name the file at every slice size."""
+    monkeypatch.setattr(indexed, "_SLICE", slice_)
+    rng = np.random.default_rng(slice_)
+    for trial in range(30):
+        documents = int(rng.integers(0, 12))
+        per_doc = rng.integers(0, 4, documents) * (rng.random(documents) > 0.2)  # sequences a document, some 0
+        starts = np.concatenate([[0], np.cumsum(per_doc)]).astype(np.int64)
+        lengths = rng.integers(0, 5, int(starts[-1])).astype(np.int32) * (rng.random(int(starts[-1])) > 0.2)
+        pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * 2
+        prefix = str(tmp_path / f"t{trial}")
+        _write_index(prefix, lengths, pointers, starts)
+        want = _plain_ends(lengths, starts)
+        got = read_indexed(prefix)
+        np.testing.assert_array_equal(got.ends, want)
+        assert len(got.tokens) == int(lengths.sum())
+        ends_path = tmp_path / f"t{trial}.ends"
+        np.testing.assert_array_equal(read_indexed(prefix, ends_path).ends, want)
+        np.testing.assert_array_equal(read_indexed(prefix, ends_path).ends, want)  # from the file
+        if len(lengths) < 2 or lengths.sum() == 0:
+            continue
+        bad = lengths.copy()
+        bad[rng.integers(len(bad))] = -1
+        _write_index(prefix, bad, pointers, starts, tokens=np.zeros(int(lengths.sum())))
+        with pytest.raises(ValueError, match=rf"t{trial}\.idx: a sequence has a negative length"):
+            read_indexed(prefix)
+        moved = pointers.copy()
+        moved[rng.integers(1, len(moved))] += 2
+        _write_index(prefix, lengths, moved, starts)
+        with pytest.raises(ValueError, match=rf"t{trial}\.idx: its sequences are not stored one after another"):
+            read_indexed(prefix, tmp_path / f"t{trial}.moved")
+        assert not (tmp_path / f"t{trial}.moved").exists() and not list(tmp_path.glob(f".t{trial}.moved*"))
+        if documents >= 2:  # a start past the sequence count, before the last start
+            swapped = starts.copy()
+            swapped[1] = starts[-1] + 1
+            _write_index(prefix, lengths, pointers, swapped)
+            with pytest.raises(ValueError, match=r"document starts do not run from 0 to the sequence count"):
+                read_indexed(prefix)
+
+
+def test_the_ends_are_made_once_and_memory_mapped(prefix, tokenizer, tmp_path, monkeypatch):
+    """An indexed dataset's document ends are written once into the cache (the ranks of a host
+    then share one memory-mapped copy and do not read the index again) and equal the plain read's;
+    a changed dataset (another size or time) gets its own."""
+    cache = tmp_path / "cache"
+    first = TokenDataset(prefix, tokenizer, SEQ, cache, seed=0, packing="best_fit")
+    made = sorted(p.name for p in cache.glob("*.ends-v1.i64"))
+    assert len(made) == 1 and isinstance(first.ends, np.memmap)
+    np.testing.assert_array_equal(first.ends, read_indexed(prefix).ends)
+
+    def never(*args):
+        raise AssertionError("the index was read again")
+
+    monkeypatch.setattr(indexed, "_document_ends", never)
+    again = TokenDataset(prefix, tokenizer, SEQ, cache, seed=0, packing="best_fit")
+    np.testing.assert_array_equal(again.ends, first.ends)
+    assert [again.get(i)[0].tolist() for i in range(5)] == [first.get(i)[0].tolist() for i in range(5)]
+    monkeypatch.undo()
+    import shutil
+
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, tmp_path / ("copy" + ext))
+    TokenDataset(str(tmp_path / "copy"), tokenizer, SEQ, cache, seed=0)
+    assert len(list(cache.glob("*.ends-v1.i64"))) == 2
+
+
+def test_writer_writes_a_slice_at_a_time_what_it_wrote_whole(tmp_path, monkeypatch):
+    """IndexedWriter's index written in slices of 1-3 documents is byte for byte the one written
+    in one piece."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 1000, size=rng.integers(0, 9)) for _ in range(23)]
+    files = []
+    for slice_ in (1, 2, 3, 1 << 22):
+        monkeypatch.setattr(indexed, "_SLICE", slice_)
+        writer = IndexedWriter(str(tmp_path / f"w{slice_}"), np.uint16)
+        for doc in docs:
+            writer.add_document(doc)
+        writer.close()
+        files.append((tmp_path / f"w{slice_}.idx").read_bytes())
+    assert all(f == files[-1] for f in files)
+    lengths = np.array([len(d) for d in docs], np.int32)
+    assert files[-1][indexed._FIXED:] == (lengths.tobytes() + ((np.cumsum(lengths) - lengths) * 2).astype(np.int64).tobytes()
+                                          + np.arange(len(docs) + 1, dtype=np.int64).tobytes())
 
 
 def test_bad_files_name_the_file(prefix, tmp_path, tokenizer):
