@@ -17,20 +17,24 @@ reads as well; they appear at the end, whole.
 """
 
 import argparse
+import collections
 import multiprocessing
 import os
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe_hybrid.training.data import (  # noqa: E402
-    STAT_KEYS, _data_files, file_documents, is_stdlib, load_documents, load_tokenizer)
-from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, worker_encode, worker_init  # noqa: E402
+    STAT_KEYS, _data_files, file_documents, is_stdlib, jsonl_pieces, load_documents, load_tokenizer)
+from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, encode_task, worker_init  # noqa: E402
 
-BATCH = 512  # documents per task of a worker
+BATCH = 512  # documents per task of a worker, of a .txt file (or stdlib)
+TASK_BYTES = 1 << 20  # bytes of a .jsonl file per task of a worker, which parses them
+AHEAD = 4  # tasks in flight per worker: the file is read ahead that far, no further
 
 
 def _sources(path: str) -> list[str]:
@@ -49,6 +53,30 @@ def _blank(path) -> bool:
             if block.strip():
                 return False
     return True
+
+
+def _tasks(sources: list[str], options: dict, dtype) -> Iterator[tuple]:
+    """encode_task's tasks, in the input's order: a .jsonl file's pieces of about TASK_BYTES, which
+    the workers parse (the tool's process only finds line ends), and the documents of a .txt file
+    (read here in blocks: a document may span blocks) or stdlib, BATCH at a time."""
+    for source in sources:
+        if not is_stdlib(source) and source.endswith(".jsonl"):
+            for raw, line, byte in jsonl_pieces(source, piece_bytes=TASK_BYTES):
+                yield "jsonl", source, raw, options, line, byte, dtype
+            continue
+        # a file block by block (BLOCK_BYTES), never whole: the same documents as reading it whole
+        pieces = [load_documents(source, **options)] if is_stdlib(source) else file_documents(source, **options)
+        for docs, stats in pieces:
+            for i in range(0, max(len(docs), 1), BATCH):
+                yield "docs", docs[i : i + BATCH], stats if i == 0 else {}, dtype
+
+
+def _write(result, writer: IndexedWriter, skipped: dict, documents: int, tokens: int) -> tuple[int, int]:
+    stats, lengths, ids = result
+    for key, count in stats.items():
+        skipped[key] += count
+    writer.add_documents(lengths, ids)
+    return documents + len(lengths), tokens + ids.size
 
 
 def main(argv=None) -> int:
@@ -81,18 +109,15 @@ def main(argv=None) -> int:
         if pool is None:
             worker_init(a.tokenizer, pool=False)
         options = dict(bad_data=a.bad_data, text_field=a.text_field, max_document_chars=a.max_document_chars)
-        for source in _sources(a.input):
-            # a file block by block (BLOCK_BYTES), never whole: the same documents as reading it whole
-            pieces = [load_documents(source, **options)] if is_stdlib(source) else file_documents(source, **options)
-            for docs, stats in pieces:
-                skipped = {k: skipped[k] + stats.get(k, 0) for k in skipped}
-                docs = [d for d in docs if d.strip()]  # as a run's token stream skips them
-                batches = [docs[i:i + BATCH] for i in range(0, len(docs), BATCH)]
-                for encoded in (pool.imap(worker_encode, batches) if pool else map(worker_encode, batches)):  # in order
-                    for ids in encoded:
-                        writer.add_document(ids)
-                        documents += 1
-                        tokens += len(ids)
+        tasks = _tasks(_sources(a.input), options, dtype)
+        # in order, at most AHEAD tasks a worker in flight (Pool.imap would read the whole input ahead)
+        pending: collections.deque = collections.deque()
+        for task in tasks if pool else ():
+            pending.append(pool.apply_async(encode_task, (task,)))
+            while len(pending) > AHEAD * workers or (pending and pending[0].ready()):
+                documents, tokens = _write(pending.popleft().get(), writer, skipped, documents, tokens)
+        for result in (r.get() for r in pending) if pool else map(encode_task, tasks):
+            documents, tokens = _write(result, writer, skipped, documents, tokens)
     except ValueError as e:  # a bad line: its file and line, and the fix
         writer.abort()
         print(f"error: --input: {str(e).split(': ', 1)[-1]}", file=sys.stderr)

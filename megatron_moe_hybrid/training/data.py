@@ -474,7 +474,11 @@ def file_documents(path: str | Path, block_bytes: int | None = None, **options) 
     str.split(_DOC_SEP) of the whole text splits too. (A .txt file with two kinds of bad line
     under bad_data error stops at the first in the file: reading whole, at a non-UTF-8 one.)"""
     path, opts, block_bytes = Path(path), _TextOptions(**options), block_bytes or BLOCK_BYTES
-    jsonl = path.suffix == ".jsonl"
+    if path.suffix == ".jsonl":
+        for raw, line, byte in jsonl_pieces(path, block_bytes):
+            stats = dict.fromkeys(STAT_KEYS, 0)
+            yield _jsonl_documents(path, raw, opts, stats, line, byte), stats
+        return
     line, byte, tail = 1, 0, b""  # the number and offset of the first line not read, its bytes so far
     lines: list[str] = []  # .txt: decoded lines not yet in a document; lines[0] is line `first`
     first = searched = 1
@@ -488,23 +492,54 @@ def file_documents(path: str | Path, block_bytes: int | None = None, **options) 
                 continue
             piece, tail = buf[:end], buf[end + 1 :]
             stats = dict.fromkeys(STAT_KEYS, 0)
-            if jsonl:
-                docs = _jsonl_documents(path, piece, opts, stats, line, byte)
-            else:
-                try:
-                    lines.extend(piece.decode("utf-8").split("\n"))
-                except UnicodeDecodeError:
-                    lines.extend(text for _, text in _utf8_lines(path, piece, opts, stats, line, byte))
-                cut = len(lines) if not block else next(  # lines[cut] blank, the line before not, one after
-                    (j for j in range(len(lines) - 2, max(searched, 1) - 1, -1) if not lines[j] and lines[j - 1]), None)
-                searched = max(1, len(lines) - 1)
-                docs = []
-                if cut is not None:
-                    docs = _split_text(path, "\n".join(lines[:cut]), opts, stats, first)
-                    first, lines, searched = first + cut + 1, lines[cut + 1 :], 1
+            try:
+                lines.extend(piece.decode("utf-8").split("\n"))
+            except UnicodeDecodeError:
+                lines.extend(text for _, text in _utf8_lines(path, piece, opts, stats, line, byte))
+            cut = len(lines) if not block else next(  # lines[cut] blank, the line before not, one after
+                (j for j in range(len(lines) - 2, max(searched, 1) - 1, -1) if not lines[j] and lines[j - 1]), None)
+            searched = max(1, len(lines) - 1)
+            docs = []
+            if cut is not None:
+                docs = _split_text(path, "\n".join(lines[:cut]), opts, stats, first)
+                first, lines, searched = first + cut + 1, lines[cut + 1 :], 1
             line += piece.count(b"\n") + 1
             byte += end + 1
             yield docs, stats
+            if not block:
+                return
+
+
+def jsonl_pieces(path: str | Path, block_bytes: int | None = None,
+                 piece_bytes: int | None = None) -> Iterator[tuple[bytes, int, int]]:
+    """A .jsonl file in pieces of whole lines, read block_bytes (default BLOCK_BYTES) at a time:
+    (its bytes without the newline that ends it, the number of its first line, that line's byte
+    offset), each piece about piece_bytes (default block_bytes) or one line longer. The pieces'
+    records, each parsed by _jsonl_documents from its line and offset, are the file's (the same
+    documents, skip counts and errors), so that the tool's workers can parse them."""
+    block_bytes = block_bytes or BLOCK_BYTES
+    piece_bytes = piece_bytes or block_bytes
+    line, byte, tail = 1, 0, b""  # the number and offset of the first line not given, its bytes so far
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(block_bytes)
+            buf = tail + block
+            end = buf.rfind(b"\n") if block else len(buf)  # whole lines only, until the end
+            if end < 0:
+                tail = buf
+                continue
+            lines, tail = buf[:end], buf[end + 1 :]
+            start = 0
+            while True:
+                stop = lines.find(b"\n", start + piece_bytes) if start + piece_bytes < len(lines) else -1
+                stop = len(lines) if stop < 0 else stop
+                raw = lines[start:stop]
+                yield raw, line, byte
+                line += raw.count(b"\n") + 1
+                byte += len(raw) + 1
+                start = stop + 1
+                if stop == len(lines):
+                    break
             if not block:
                 return
 

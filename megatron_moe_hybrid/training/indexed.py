@@ -16,6 +16,7 @@ from P.idx, so nothing of the corpus is loaded or tokenized at start-up, whateve
 "0.3 P1 0.7 P2", as Megatron's `--data-path` takes them (`parse_blend`).
 """
 
+import itertools
 import os
 import struct
 from array import array
@@ -194,6 +195,14 @@ class IndexedWriter:
         self._bin.write(ids.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(ids.size))
 
+    def add_documents(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Documents one after another: their lengths [documents] and token ids [sum(lengths)],
+        already of the writer's dtype (encode_task's), in one write."""
+        if tokens.dtype != self.dtype or int(np.sum(lengths, dtype=np.int64)) != tokens.size:
+            raise ValueError(f"add_documents takes {self.dtype.name} ids, as many as the lengths add up to")
+        self._bin.write(tokens.tobytes(order="C"))
+        self._lengths.extend(np.asarray(lengths, dtype=np.int32).tolist())
+
     def close(self) -> None:
         self._bin.flush()
         os.fsync(self._bin.fileno())
@@ -223,7 +232,8 @@ class IndexedWriter:
 
 
 # Workers of tools/preprocess_data.py (here so that spawned processes can import them): each
-# loads the tokenizer once and turns batches of documents into their ids and the end of text.
+# loads the tokenizer once and turns batches of documents, or pieces of a .jsonl file it parses
+# itself, into their ids and the end of text.
 _WORKER_TOKENIZER = None
 
 
@@ -237,6 +247,27 @@ def worker_init(tokenizer_path: str, pool: bool = True) -> None:
     _WORKER_TOKENIZER = load_tokenizer(tokenizer_path)
 
 
-def worker_encode(docs: list[str]) -> list[np.ndarray]:
+def encode_task(task: tuple) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+    """One task of the tool, in a worker: (skip counts, lengths int32 [documents], token ids
+    [tokens] of the dataset's dtype) of each non-empty document's tokens and the end of text.
+    task: ("docs", documents, skip counts, dtype), documents the tool's process read, or ("jsonl",
+    path, raw, options, first_line, first_byte, dtype), a piece of a .jsonl file (jsonl_pieces)
+    that the worker parses: its records, skip counts and errors (file:line) are the file's."""
+    from megatron_moe_hybrid.training.data import STAT_KEYS, _jsonl_documents, _TextOptions
+
+    if task[0] == "docs":
+        _, docs, stats, dtype = task
+    else:
+        _, path, raw, options, line, byte, dtype = task
+        stats = dict.fromkeys(STAT_KEYS, 0)
+        docs = _jsonl_documents(Path(path), raw, _TextOptions(**options), stats, line, byte)
+    docs = [d for d in docs if d.strip()]  # as a run's token stream skips them
     eos = _WORKER_TOKENIZER.eos_id
-    return [np.asarray(ids + [eos], dtype=np.int64) for ids in _WORKER_TOKENIZER.encode_batch(docs)]
+    encoded = _WORKER_TOKENIZER.encode_batch(docs) if docs else []
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int32, count=len(encoded))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids + [eos] for ids in encoded), dtype=np.int64,
+                         count=int(lengths.sum(dtype=np.int64)))
+    limit = np.iinfo(dtype).max
+    if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
+        raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {np.dtype(dtype).name}")
+    return stats, lengths, tokens.astype(dtype)

@@ -55,10 +55,12 @@ def _tool():
 @pytest.fixture(scope="module")
 def prefix(corpus, tokenizer, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("indexed") / "corpus_text_document")
+    tool = _tool()
+    tool.TASK_BYTES, tool.AHEAD = 200, 1  # many .jsonl tasks, the workers' queue often full
     block, data.BLOCK_BYTES = data.BLOCK_BYTES, 97  # each file read in many pieces, as a large one is
     try:
-        assert _tool().main(["--input", str(corpus), "--tokenizer", str(tokenizer.model_path), "--output", out,
-                             "--workers", "2"]) == 0
+        assert tool.main(["--input", str(corpus), "--tokenizer", str(tokenizer.model_path), "--output", out,
+                          "--workers", "2"]) == 0
     finally:
         data.BLOCK_BYTES = block
     return out
@@ -117,7 +119,8 @@ def test_megatron_builder_with_sentence_sequences_reads_in_ours(tmp_path):
 
 @pytest.mark.parametrize("packing", ["stream", "fit", "best_fit"])
 def test_preprocessed_dataset_equals_the_text_run(corpus, tokenizer, prefix, tmp_path, packing):
-    """tools/preprocess_data.py's files (2 workers, each file read in 97-byte blocks) give the
+    """tools/preprocess_data.py's files (2 workers, each file read in 97-byte blocks, a .jsonl
+    file parsed by the workers in pieces of about 200 bytes) give the
     token stream, document ends and samples that the run builds from the text itself (read
     whole) with the same tokenizer."""
     text = TokenDataset(str(corpus), tokenizer, SEQ, tmp_path / "cache", seed=3, packing=packing)
@@ -148,6 +151,43 @@ def test_preprocess_tool_errors_and_skips(corpus, tokenizer, tmp_path, capsys, m
     assert [tokenizer.decode(d) for d in np.split(np.asarray(read_indexed(out).tokens),
                                                    read_indexed(out).ends[:-1])] == [
         "alpha beta" + tokenizer.decode([tokenizer.eos_id]), "gamma" + tokenizer.decode([tokenizer.eos_id])]
+    # the workers parse a .jsonl file: a bad line in a later piece names its file and line, and
+    # at most AHEAD tasks a worker are in flight (the input is not read ahead further)
+    many = tmp_path / "many.jsonl"
+    lines = [json.dumps({"text": f"alpha {i} beta"}) for i in range(300)]
+    lines[217] = "{not json"
+    many.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(tool, "TASK_BYTES", 64)
+    monkeypatch.setattr(tool, "AHEAD", 2)
+    given, written, most = [0], [0], [0]
+    tasks, write = tool._tasks, tool._write
+
+    def counted(*args):
+        for task in tasks(*args):
+            given[0] += 1
+            yield task
+
+    def count_written(*args):
+        written[0] += 1
+        most[0] = max(most[0], given[0] - written[0])
+        return write(*args)
+
+    monkeypatch.setattr(tool, "_tasks", counted)
+    monkeypatch.setattr(tool, "_write", count_written)
+    assert tool.main(["--input", str(many), "--tokenizer", str(tokenizer.model_path), "--output", out + "m",
+                      "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --input: {many}:218: not valid JSON") and err.count("\n") == 1, err
+    assert not any(f.startswith(("om", ".om")) for f in os.listdir(tmp_path))
+    given[0] = written[0] = most[0] = 0
+    assert tool.main(["--input", str(many), "--tokenizer", str(tokenizer.model_path), "--output", out + "m",
+                      "--workers", "2", "--bad-data", "skip"]) == 0
+    assert "299 documents" in capsys.readouterr().out and given[0] == written[0] > 100
+    assert 1 <= most[0] <= 2 * 2  # AHEAD tasks a worker
+    docs = [tokenizer.decode(d) for d in np.split(np.asarray(read_indexed(out + "m").tokens),
+                                                  read_indexed(out + "m").ends[:-1])]
+    assert docs == [f"alpha {i} beta" + tokenizer.decode([tokenizer.eos_id]) for i in range(300) if i != 217]
+    monkeypatch.undo()
     # a corpus whose path merely starts with "stdlib" is files, read block by block, not the built-in corpus
     named = tmp_path / "stdlib_notes"
     named.mkdir()
@@ -193,6 +233,17 @@ def test_a_file_read_block_by_block_gives_what_reading_it_whole_gives(tmp_path, 
                            {k: sum(s[k] for _, s in parts) for k in data.STAT_KEYS})
                 except ValueError as e:
                     got = str(e)
+                if suffix == ".jsonl":  # the tool's workers' pieces, parsed one by one from their line and byte
+                    for piece in (1, 5, 64):
+                        try:
+                            parsed = [(data._jsonl_documents(path, raw, data._TextOptions(**options),
+                                                             stats := dict.fromkeys(data.STAT_KEYS, 0), line, byte), stats)
+                                      for raw, line, byte in data.jsonl_pieces(path, block, piece)]
+                            by_piece = ([d for docs, _ in parsed for d in docs],
+                                        {k: sum(s[k] for _, s in parsed) for k in data.STAT_KEYS})
+                        except ValueError as e:
+                            by_piece = str(e)
+                        assert by_piece == want, (trial, bad_data, block, piece, path.read_bytes())
                 if isinstance(want, str) and suffix == ".txt" and options["max_document_chars"]:
                     # reading whole, a .txt file's non-UTF-8 lines stop it before any long document;
                     # block by block, whichever comes first in the file
