@@ -30,6 +30,7 @@ Shape legend:
 import ast
 import bisect
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -38,6 +39,7 @@ import json
 import logging
 import os
 import re
+import resource
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass, field
@@ -1216,9 +1218,41 @@ def open_dataset(data_path: str, tokenizer, seq_length: int, cache_dir, seed: in
     blend = parse_blend(data_path)
     if blend is None:
         return TokenDataset(data_path, tokenizer, seq_length, cache_dir, seed, packing=packing, **options)
-    parts = [TokenDataset(path, tokenizer, seq_length, cache_dir, seed, packing=packing, **options)
-             for _, path in blend]
+    _open_files_for(len(blend))
+    try:
+        parts = [TokenDataset(path, tokenizer, seq_length, cache_dir, seed, packing=packing, **options)
+                 for _, path in blend]
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        raise ValueError(_too_many_files(len(blend), *resource.getrlimit(resource.RLIMIT_NOFILE))) from e
     return BlendedDataset([w for w, _ in blend], parts, [path for _, path in blend])
+
+
+FILES_PER_PART = 3  # memory maps a dataset of a blend holds at most: its tokens, document ends, packing
+OTHER_FILES = 256  # kept free for everything else a rank opens (sockets, logs, checkpoints)
+
+
+def _open_files_for(parts: int) -> None:
+    """A blend of many datasets holds FILES_PER_PART memory maps each, and each map an open file:
+    hundreds of datasets pass the usual soft limit of 1024 open files ("Too many open files"),
+    so the soft limit is raised toward the hard one (as far as 65536) where it is too low; past
+    the hard limit the blend stops here, naming the fix, before anything is opened."""
+    need = parts * FILES_PER_PART + OTHER_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ValueError(_too_many_files(parts, soft, hard))
+    target = max(need, 65536)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target if hard == resource.RLIM_INFINITY else min(target, hard), hard))
+
+
+def _too_many_files(parts: int, soft: int, hard: int) -> str:
+    return (f"training.data_path: a blend of {parts} datasets holds up to {parts * FILES_PER_PART} memory-mapped "
+            f"files, more than this process may open (open files: {soft}, hard limit {hard}); raise the hard limit "
+            f"to at least {parts * FILES_PER_PART + OTHER_FILES} (ulimit -Hn, the container's nofile, "
+            "/etc/security/limits.conf) or blend fewer, larger datasets")
 
 
 def fit_spans(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, int]:

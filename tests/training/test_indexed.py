@@ -515,3 +515,51 @@ def test_a_run_trains_on_an_indexed_blend(tmp_path, prefix, tokenizer, corpus, c
     assert "data: a blend of 2 datasets (text)" in out and f"0.75 x {prefix} (indexed dataset, uint16)" in out, out
     assert f"0.25 x {corpus} (text)" in out, out
     assert os.path.isfile(tmp_path / "out" / "metrics.jsonl")
+
+
+def test_a_blend_of_hundreds_of_datasets_opens_under_a_low_open_file_limit(tmp_path, tokenizer):
+    """Each dataset of a blend holds up to three memory maps, each an open file: 150 datasets
+    under a soft limit of 256 open files raise it and open (they stopped with "Too many open
+    files" before); under a hard limit of 300 the CLI stops at once with one line naming the field
+    and the fix."""
+    import resource
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    for i in range(150):
+        writer = IndexedWriter(str(tmp_path / f"p{i}"), np.uint16)
+        for _ in range(4):
+            writer.add_document(rng.integers(1, VOCAB, rng.integers(5, 40)))
+        writer.close()
+    blend = " ".join(f"1 {tmp_path / f'p{i}'}" for i in range(150))
+    script = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, int(sys.argv[1])))
+from megatron_moe_hybrid.training.data import load_tokenizer, open_dataset
+if sys.argv[2] == "open":
+    d = open_dataset({blend!r}, load_tokenizer({str(tokenizer.model_path)!r}), {SEQ}, {str(tmp_path / 'cache')!r}, 0,
+                     packing="best_fit")
+    [d.get(i) for i in range(0, 3000, 7)]
+    print("opened", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+else:
+    from megatron_moe_hybrid.training.cli import main
+    sys.exit(main("pretrain", ["--config", {TINY!r}, "--training.data_path", {blend!r}, "--training.tokenizer_model",
+                               {str(tokenizer.model_path)!r}, "--model.vocab_size", "{VOCAB}",
+                               "--training.cache_dir", {str(tmp_path / 'cache')!r},
+                               "--training.output_dir", {str(tmp_path / 'out')!r}]))
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    hard = min(20000, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    if hard < 150 * 3 + 256:
+        pytest.skip(f"this machine's hard limit on open files ({hard}) is below what the blend needs")
+    done = subprocess.run([sys.executable, "-c", script, str(hard), "open"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and "opened" in done.stdout, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", script, "300", "cli"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: training.data_path: a blend of 150 datasets holds up to 450 memory-mapped files, more than this "
+        "process may open (open files: 256, hard limit 300); raise the hard limit to at least 706 (ulimit -Hn, the "
+        "container's nofile, /etc/security/limits.conf) or blend fewer, larger datasets"], done.stderr
