@@ -6,7 +6,9 @@ Each run records its wall time and the CPU seconds of the tool's own process (th
 writer) and of its worker processes: the tool's process does its share one task after another,
 so its CPU seconds per GB bound the tool's throughput however many workers it has.
 
-    python benchmarks/preprocess.py [--mb 100] [--before 310fa0f] [--out benchmarks/results/cpu/preprocess.json]
+    python benchmarks/preprocess.py [--mb 100] [--before 310fa0f] [--workers 1,2] [--out benchmarks/results/cpu/preprocess.json]
+    (on a machine without the history: git archive 310fa0f | tar -x -C .cache/anchor, then
+     --before 310fa0f --before-tree .cache/anchor; --before none times ours alone)
 """
 
 import argparse
@@ -88,7 +90,10 @@ def _run(tree: str, corpus: dict, kind: str, workers: int, out: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=100, help="size of each generated file")
-    p.add_argument("--before", default="310fa0f", help="the revision whose tool is the anchor")
+    p.add_argument("--before", default="310fa0f", help="the revision whose tool is the anchor ('none': ours only, "
+                   "e.g. where the tree has no history, as on the device machine)")
+    p.add_argument("--before-tree", default=None, help="a checkout of --before to use (git archive's files) "
+                   "instead of a worktree made here")
     p.add_argument("--workers", default="1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "preprocess.json"))
     a = p.parse_args()
@@ -96,32 +101,36 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        before = os.path.join(tmp, "before")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", before, a.before], check=True)
+        before = None if a.before == "none" else os.path.abspath(a.before_tree or os.path.join(tmp, "before"))
+        if before and not a.before_tree:
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", before, a.before], check=True)
         try:
             corpus = _corpus(tmp, a.mb)
             for kind in ("jsonl", "txt"):
                 gb = os.path.getsize(corpus[kind]) / 1e9
                 for workers in map(int, a.workers.split(",")):
                     ours = _run(ROOT, corpus, kind, workers, os.path.join(tmp, "ours"))
-                    anchor = _run(before, corpus, kind, workers, os.path.join(tmp, "anchor"))
-                    for ext in (".bin", ".idx"):
+                    anchor = _run(before, corpus, kind, workers, os.path.join(tmp, "anchor")) if before else None
+                    for ext in (".bin", ".idx") if before else ():
                         with open(os.path.join(tmp, "ours" + ext), "rb") as x, open(os.path.join(tmp, "anchor" + ext), "rb") as y:
                             assert x.read() == y.read(), f"the datasets differ ({ext})"
                     rows.append({
                         "name": f"preprocess_data .{kind}", "shape": f"{gb * 1e3:.0f}MB-workers{workers}",
-                        "ours_ms": round(ours["wall_s"] * 1e3), "anchor": f"the tool at {a.before}",
-                        "anchor_ms": round(anchor["wall_s"] * 1e3), "speedup": round(anchor["wall_s"] / ours["wall_s"], 3),
+                        "ours_ms": round(ours["wall_s"] * 1e3), "anchor": f"the tool at {a.before}" if before else None,
+                        "anchor_ms": round(anchor["wall_s"] * 1e3) if before else None,
+                        "speedup": round(anchor["wall_s"] / ours["wall_s"], 3) if before else None,
+                        "mb_per_s": round(gb * 1e3 / ours["wall_s"], 2),
                         "tool_process_cpu_s_per_gb": round(ours["tool_cpu_s"] / gb, 2),
-                        "anchor_tool_process_cpu_s_per_gb": round(anchor["tool_cpu_s"] / gb, 2),
+                        "anchor_tool_process_cpu_s_per_gb": round(anchor["tool_cpu_s"] / gb, 2) if before else None,
                         "workers_cpu_s_per_gb": round(ours["workers_cpu_s"] / gb, 2),
-                        "anchor_workers_cpu_s_per_gb": round(anchor["workers_cpu_s"] / gb, 2),
-                        "notes": "one run each, the datasets asserted byte for byte equal; tool_process: the tool's "
-                                 "own process (reading, cutting, writing; at workers 1 it tokenizes too); "
-                                 "workers: its worker processes"})
+                        "anchor_workers_cpu_s_per_gb": round(anchor["workers_cpu_s"] / gb, 2) if before else None,
+                        "notes": "one run each" + (", the datasets asserted byte for byte equal" if before else "")
+                                 + "; tool_process: the tool's own process (reading, cutting, writing; at workers 1 "
+                                   "it tokenizes too); workers: its worker processes"})
                     print(rows[-1], flush=True)
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], check=False)
+            if before and not a.before_tree:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], check=False)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     import tokenizers
 
