@@ -222,12 +222,22 @@ def _print0(*args) -> None:
 def _data_summary(what: str, path: str, dataset, data_format: str) -> str:
     """One line on what a run reads: tokens, samples and, for records, the share of trained tokens
     (the quick check that a prompt / chat mask is what was meant)."""
-    if getattr(dataset, "parts", None):  # a blend: each dataset's line, its weight first
-        return (f"{what}: a blend of {len(dataset.parts)} datasets ({data_format}), {dataset.num_samples:,} samples of "
+    if getattr(dataset, "parts", None):  # a blend: each dataset's line, its weight first (the heaviest few)
+        order = sorted(range(len(dataset.parts)), key=lambda i: -dataset.weights[i])
+        shown, rest = order[:BLEND_LINES], order[BLEND_LINES:]
+        line = (f"{what}: a blend of {len(dataset.parts)} datasets ({data_format}), {dataset.num_samples:,} samples of "
                 f"{dataset.seq_length} tokens in one pass of each: " + "; ".join(
-                    f"{w:.3g} x {_dataset_line(p, part, data_format)}"
-                    for w, p, part in zip(dataset.weights, dataset.paths, dataset.parts)))  # fmt: skip
+                    f"{dataset.weights[i]:.3g} x {_dataset_line(dataset.paths[i], dataset.parts[i], data_format)}"
+                    for i in sorted(shown)))  # fmt: skip
+        if rest:
+            tokens = sum(len(dataset.parts[i].tokens) for i in rest)
+            line += (f"; and {len(rest)} more (weights {sum(dataset.weights[i] for i in rest):.3g} in all, "
+                     f"{tokens:,} tokens)")
+        return line
     return f"{what}: {_dataset_line(path, dataset, data_format)}"
+
+
+BLEND_LINES = 8  # datasets of a blend the data summary describes one by one: the heaviest
 
 
 def _dataset_line(path: str, dataset, data_format: str) -> str:
@@ -472,7 +482,8 @@ class Trainer:
         )
         self.dataset = open_dataset(t.data_path, self.tokenizer, t.seq_length, t.cache_dir, t.seed, packing=t.packing,
                                     **data_opts)
-        _print0(_data_summary("data", t.data_path, self.dataset, t.data_format))
+        if _is_rank0():  # the summary reads every packing's spans: rank 0 only
+            print(_data_summary("data", t.data_path, self.dataset, t.data_format), flush=True)
         self.eval_dataset = None
         if t.eval_data_path is not None:
             try:
@@ -482,7 +493,8 @@ class Trainer:
             except ValueError as e:  # too little text for one sample
                 raise _start_error("training.eval_data_path", ValueError(str(e).replace(
                     "training.seq_length: ", ""))) from e  # fmt: skip
-            _print0(_data_summary("held-out data", t.eval_data_path, self.eval_dataset, t.data_format))
+            if _is_rank0():
+                print(_data_summary("held-out data", t.eval_data_path, self.eval_dataset, t.data_format), flush=True)
             need = t.eval_batches * t.global_batch_size
             if self.eval_dataset.num_samples < need:
                 raise _start_error("training.eval_batches", ValueError(

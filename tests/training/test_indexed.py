@@ -563,3 +563,28 @@ else:
         "error: training.data_path: a blend of 150 datasets holds up to 450 memory-mapped files, more than this "
         "process may open (open files: 256, hard limit 300); raise the hard limit to at least 706 (ulimit -Hn, the "
         "container's nofile, /etc/security/limits.conf) or blend fewer, larger datasets"], done.stderr
+
+
+def test_the_summary_of_a_large_blend_names_its_heaviest_datasets(tmp_path, tokenizer):
+    """A blend of 12 datasets: the data summary describes the 8 heaviest one by one and the other
+    4 in one clause (their weights and tokens), not a line of hundreds of datasets."""
+    from megatron_moe_hybrid.training.trainer import BLEND_LINES, _data_summary
+
+    rng = np.random.default_rng(4)
+    paths, tokens = [], {}
+    for i in range(12):
+        writer = IndexedWriter(str(tmp_path / f"p{i}"), np.uint16)
+        docs = [rng.integers(1, VOCAB, rng.integers(5, 40)) for _ in range(6)]
+        for doc in docs:
+            writer.add_document(doc)
+        writer.close()
+        paths.append(str(tmp_path / f"p{i}"))
+        tokens[paths[-1]] = sum(map(len, docs))
+    weights = [i + 1 for i in range(12)]  # p11 heaviest
+    blend = open_dataset(" ".join(f"{w} {p}" for w, p in zip(weights, paths)), tokenizer, SEQ, tmp_path / "cache", 0)
+    line = _data_summary("data", "", blend, "text")
+    assert BLEND_LINES == 8 and line.startswith("data: a blend of 12 datasets (text)")
+    named = [p for p in paths if f" x {p} (indexed dataset" in line]
+    assert named == paths[4:], line  # the 8 heaviest, in the blend's order
+    rest = sum(weights[:4]) / sum(weights)
+    assert line.endswith(f"; and 4 more (weights {rest:.3g} in all, {sum(tokens[p] for p in paths[:4]):,} tokens)"), line
