@@ -414,37 +414,59 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     _TextOptions' fields (bad_data, text_field, max_document_chars, data_format, prompt_field,
     response_field, messages_field, chat_format). A document is a str; under data_format
     "prompt_response" a (prompt, response) pair; under "messages" the (text, trained) pieces of
-    render_messages.
+    render_messages. document_pieces' pieces, collected.
 
     "stdlib" is generated, trusted text: its documents are the blank-line-separated
     paragraphs of stdlib_corpus() and the bad-data options do not apply to it.
     A non-UTF-8 line is dropped on its own (in a .txt file the rest of its document stays).
     """
-    opts = _TextOptions(**options)
+    docs: list = []
+    stats = _new_stats(_TextOptions(**options))
+    for piece, counts in document_pieces(data_path, **options):
+        docs.extend(piece)
+        for key, count in counts.items():
+            stats[key] += count
+    return docs, stats
+
+
+def _new_stats(opts: "_TextOptions") -> dict[str, int]:
     stats = dict.fromkeys(STAT_KEYS, 0)
     if opts.data_format == "messages":
         stats["split_conversations"] = 0  # not a skip: conversations made one record per assistant turn
+    return stats
+
+
+def document_pieces(data_path: str, block_bytes: int | None = None,
+                    **options) -> Iterator[tuple[list, dict[str, int]]]:
+    """load_documents' documents in pieces, each file read block_bytes (default BLOCK_BYTES) at a
+    time (file_documents), never whole: (documents, the piece's counts). The checks that need
+    every file (all of them empty, no text left after skipping bad data) stop it at the end."""
+    opts = _TextOptions(**options)
     records = opts.data_format != "text"
     if is_stdlib(data_path):
         if records:
             raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records, not {data_path!r}; "
                              "point training.data_path at them")
-        return _stdlib_text(data_path).split(_DOC_SEP), stats
-    docs: list = []
+        yield _stdlib_text(data_path).split(_DOC_SEP), _new_stats(opts)
+        return
     files = _data_files(data_path)
     if records and any(path.suffix != ".jsonl" for path in files):
         other = next(path for path in files if path.suffix != ".jsonl")
         raise ValueError(f"training.data_format: {opts.data_format} reads .jsonl records; {other} is not one "
                          "(move it out, or use data_format: text)")
     num_empty = 0
+    text = False  # whether some document so far has text
+    stats = _new_stats(opts)
     for path in files:
-        raw = path.read_bytes()
-        if not raw.strip():
+        if _blank_file(path):
             num_empty += 1  # an error only when every file is empty
             continue
         before = dict(stats)
-        read = _jsonl_documents if path.suffix == ".jsonl" else _text_documents
-        docs.extend(read(path, raw, opts, stats))
+        for docs, counts in file_documents(path, block_bytes, **options):
+            for key, count in counts.items():
+                stats[key] += count
+            text = text or any(_has_text(doc) for doc in docs)
+            yield docs, counts
         skipped = {k: stats[k] - before[k] for k in STAT_KEYS if stats[k] != before[k]}
         if skipped:
             logger.warning("training.data_path: skipped lines of %s: %s (bad_data: error names each)", path, skipped)
@@ -455,12 +477,20 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
             f"training.data_path: directory {data_path!r} holds only empty files "
             f"({', '.join(f.name for f in files)}); point it at text data"
         )
-    if not any(_has_text(doc) for doc in docs):
+    if not text:
         raise ValueError(
             f"training.data_path: {data_path!r} has no text left after skipping bad data ({stats}); "
             "fix the data, or check training.text_field and training.max_document_chars"
         )
-    return docs, stats
+
+
+def _blank_file(path: Path) -> bool:
+    """Whether a file holds only whitespace, read until its first other byte."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            if block.strip():
+                return False
+    return True
 
 
 BLOCK_BYTES = 64 << 20  # file_documents' piece of a file
@@ -478,7 +508,7 @@ def file_documents(path: str | Path, block_bytes: int | None = None, **options) 
     path, opts, block_bytes = Path(path), _TextOptions(**options), block_bytes or BLOCK_BYTES
     if path.suffix == ".jsonl":
         for raw, line, byte in jsonl_pieces(path, block_bytes):
-            stats = dict.fromkeys(STAT_KEYS, 0)
+            stats = _new_stats(opts)
             yield _jsonl_documents(path, raw, opts, stats, line, byte), stats
         return
     line, byte, tail = 1, 0, b""  # the number and offset of the first line not read, its bytes so far
@@ -1361,6 +1391,53 @@ def best_fit_pieces(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.n
     return pieces, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), int((cuts > 0).sum())
 
 
+ENCODE_BATCH = 1024  # documents tokenized at a time when a run tokenizes its text
+
+
+def _batches(pieces: Iterator[tuple[list, dict]], size: int) -> Iterator[tuple[list, dict]]:
+    """document_pieces' pieces cut into at most size documents each (the counts with the first)."""
+    for docs, counts in pieces:
+        for i in range(0, max(len(docs), 1), size):
+            yield docs[i : i + size], counts if i == 0 else {}
+
+
+class _NpyWriter:
+    """A 1-D .npy file written a piece at a time, whose length is known only at the end: a
+    temporary file beside path with a header of fixed size, rewritten with the length at
+    publish(), then renamed (readers see no file or the whole one)."""
+
+    HEADER = 128  # bytes: magic, version 1.0, the header's length, its dict padded with spaces
+
+    def __init__(self, path: Path, dtype):
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = temp_beside(path)
+        self.file = os.fdopen(fd, "wb")
+        self.file.write(b"\0" * self.HEADER)
+
+    def write(self, array: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        self.count += len(array)
+
+    def publish(self) -> None:
+        text = repr({"descr": self.dtype.str, "fortran_order": False, "shape": (self.count,)})
+        text = text.encode("latin1").ljust(self.HEADER - 10 - 1) + b"\n"
+        self.file.seek(0)
+        self.file.write(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        publish(self.tmp, self.path)
+        self.tmp = None
+
+    def abort(self) -> None:
+        """Removes the temporary file where publish() did not run."""
+        if self.tmp is not None:
+            self.file.close()
+            os.unlink(self.tmp)
+            self.tmp = None
+
+
 def _cached_token_ids(
     data_path: str, tokenizer: Tokenizer, cache_dir: Path, opts: _TextOptions
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, dict[str, int]]:
@@ -1372,34 +1449,51 @@ def _cached_token_ids(
     ends_path = cache_dir / f"tokens-{key[:16]}.ends.npy"  # where each document / record ends in the stream
     with _locked(ids_path):
         if not (ids_path.exists() and stats_path.exists() and ends_path.exists() and (trained_path.exists() or not masked)):
-            docs, stats = load_documents(data_path, **asdict(opts))
-            ids: list[int] = []
-            trained: list[int] = []
-            ends: list[int] = []
-            if masked:  # records: each piece tokenized alone, the record closed by an eos
-                records = [_record_pieces(doc) for doc in docs]
-                encoded = iter(tokenizer.encode_batch([text for pieces, _ in records for text, _ in pieces]))
-                for pieces, eos_trained in records:
-                    for _, piece_trained in pieces:
-                        piece = next(encoded)
-                        ids.extend(piece)
-                        trained.extend([int(piece_trained)] * len(piece))
-                    if ids[-1] != tokenizer.eos_id:  # not where the record's last piece ends with it already
-                        ids.append(tokenizer.eos_id)
-                        trained.append(int(eos_trained))
-                    ends.append(len(ids))
-                mask = np.asarray(trained, dtype=np.uint8)  # [num_tokens]
-                _atomic_write(trained_path, lambda f: np.save(f, mask))
-            else:
-                for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
-                    ids.extend(doc_ids)
-                    ids.append(tokenizer.eos_id)
-                    ends.append(len(ids))
-            array = np.asarray(ids, dtype=np.int32)  # [num_tokens]
-            ends_array = np.asarray(ends, dtype=np.int64)  # [documents]
-            _atomic_write(ends_path, lambda f: np.save(f, ends_array))
-            _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
-            _atomic_write(ids_path, lambda f: np.save(f, array))
+            # block by block (document_pieces): the text, its ids and their lists are never held whole
+            # (a Python list of ids took 36 bytes a token), only each block's; the files appear at the end
+            writers = {"ids": _NpyWriter(ids_path, np.int32), "ends": _NpyWriter(ends_path, np.int64)}
+            if masked:
+                writers["trained"] = _NpyWriter(trained_path, np.uint8)
+            try:
+                stats = _new_stats(opts)
+                total = 0  # tokens written
+                last = -1  # the last token written (a record's last piece may end with the eos)
+                for docs, counts in _batches(document_pieces(data_path, **asdict(opts)), ENCODE_BATCH):
+                    for key, count in counts.items():
+                        stats[key] = stats.get(key, 0) + count
+                    ids: list[int] = []
+                    trained: list[int] = []
+                    ends: list[int] = []
+                    if masked:  # records: each piece tokenized alone, the record closed by an eos
+                        records = [_record_pieces(doc) for doc in docs]
+                        encoded = iter(tokenizer.encode_batch([text for pieces, _ in records for text, _ in pieces]))
+                        for pieces, eos_trained in records:
+                            for _, piece_trained in pieces:
+                                piece = next(encoded)
+                                ids.extend(piece)
+                                trained.extend([int(piece_trained)] * len(piece))
+                            if (ids[-1] if ids else last) != tokenizer.eos_id:  # not where the last piece ends with it
+                                ids.append(tokenizer.eos_id)
+                                trained.append(int(eos_trained))
+                            ends.append(total + len(ids))
+                        writers["trained"].write(np.asarray(trained, dtype=np.uint8))
+                    else:
+                        for doc_ids in tokenizer.encode_batch([doc for doc in docs if doc.strip()]):
+                            ids.extend(doc_ids)
+                            ids.append(tokenizer.eos_id)
+                            ends.append(total + len(ids))
+                    writers["ids"].write(np.asarray(ids, dtype=np.int32))
+                    writers["ends"].write(np.asarray(ends, dtype=np.int64))
+                    total += len(ids)
+                    last = ids[-1] if ids else last
+                writers["ends"].publish()
+                _atomic_write(stats_path, lambda f: f.write(json.dumps(stats, sort_keys=True).encode()))
+                if masked:
+                    writers["trained"].publish()
+                writers["ids"].publish()  # last: its presence says the rest is there
+            finally:
+                for writer in writers.values():
+                    writer.abort()
         stats = json.loads(stats_path.read_text())
     trained_array = np.load(trained_path, mmap_mode="r") if masked else None
     return np.load(ids_path, mmap_mode="r"), trained_array, np.load(ends_path), stats, ids_path
