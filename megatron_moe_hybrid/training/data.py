@@ -1255,7 +1255,9 @@ def open_dataset(data_path: str, tokenizer, seq_length: int, cache_dir, seed: in
     except OSError as e:
         if e.errno != errno.EMFILE:
             raise
-        raise ValueError(_too_many_files(len(blend), *resource.getrlimit(resource.RLIMIT_NOFILE))) from e
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise ValueError(_too_many_files(len(blend), _open_now() + len(blend) * FILES_PER_PART + OTHER_FILES,
+                                         soft, hard)) from e
     return BlendedDataset([w for w, _ in blend], parts, [path for _, path in blend])
 
 
@@ -1268,21 +1270,29 @@ def _open_files_for(parts: int) -> None:
     hundreds of datasets pass the usual soft limit of 1024 open files ("Too many open files"),
     so the soft limit is raised toward the hard one (as far as 65536) where it is too low; past
     the hard limit the blend stops here, naming the fix, before anything is opened."""
-    need = parts * FILES_PER_PART + OTHER_FILES
+    need = _open_now() + parts * FILES_PER_PART + OTHER_FILES  # a held-out blend comes on top of the training one
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or need <= soft:
         return
     if hard != resource.RLIM_INFINITY and need > hard:
-        raise ValueError(_too_many_files(parts, soft, hard))
+        raise ValueError(_too_many_files(parts, need, soft, hard))
     target = max(need, 65536)
     resource.setrlimit(resource.RLIMIT_NOFILE, (target if hard == resource.RLIM_INFINITY else min(target, hard), hard))
 
 
-def _too_many_files(parts: int, soft: int, hard: int) -> str:
+def _open_now() -> int:
+    """Files this process has open (Linux; 0 where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def _too_many_files(parts: int, need: int, soft: int, hard: int) -> str:
     return (f"training.data_path: a blend of {parts} datasets holds up to {parts * FILES_PER_PART} memory-mapped "
             f"files, more than this process may open (open files: {soft}, hard limit {hard}); raise the hard limit "
-            f"to at least {parts * FILES_PER_PART + OTHER_FILES} (ulimit -Hn, the container's nofile, "
-            "/etc/security/limits.conf) or blend fewer, larger datasets")
+            f"to at least {need} (ulimit -Hn, the container's nofile, /etc/security/limits.conf) or blend fewer, "
+            "larger datasets")
 
 
 def fit_spans(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, int]:
