@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe_hybrid.training.data import (  # noqa: E402
-    STAT_KEYS, _data_files, file_documents, is_stdlib, jsonl_pieces, load_documents, load_tokenizer)
+    STAT_KEYS, _blank_file, _data_files, file_documents, is_stdlib, jsonl_pieces, load_documents, load_tokenizer)
 from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, encode_task, worker_init  # noqa: E402
 
 BATCH = 512  # documents per task of a worker, of a .txt file (or stdlib)
@@ -42,17 +42,7 @@ def _sources(path: str) -> list[str]:
     that holds more than whitespace, as training skips the others."""
     if is_stdlib(path):
         return [path]
-    return [str(f) for f in _data_files(path) if not _blank(f)]
-
-
-def _blank(path) -> bool:
-    """Whether a file holds only whitespace, read until its first other byte (for a text file
-    its first block)."""
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            if block.strip():
-                return False
-    return True
+    return [str(f) for f in _data_files(path) if not _blank_file(f)]
 
 
 def _tasks(sources: list[str], options: dict, dtype) -> Iterator[tuple]:

@@ -44,12 +44,13 @@ import sys
 import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from megatron_moe_hybrid.registry import CHAT_FORMATS, CHAT_TURNS, DATA_FORMATS, PACKINGS
+from megatron_moe_hybrid.training._files import atomic_write as _atomic_write
 from megatron_moe_hybrid.training._files import publish, temp_beside
 from megatron_moe_hybrid.training.indexed import indexed_prefix, parse_blend, read_indexed
 
@@ -511,9 +512,28 @@ def file_documents(path: str | Path, block_bytes: int | None = None, **options) 
             stats = _new_stats(opts)
             yield _jsonl_documents(path, raw, opts, stats, line, byte), stats
         return
-    line, byte, tail = 1, 0, b""  # the number and offset of the first line not read, its bytes so far
-    lines: list[str] = []  # .txt: decoded lines not yet in a document; lines[0] is line `first`
+    lines: list[str] = []  # decoded lines not yet in a document; lines[0] is line `first`
     first = searched = 1
+    for piece, line, byte, last in _line_blocks(path, block_bytes):
+        stats = dict.fromkeys(STAT_KEYS, 0)
+        try:
+            lines.extend(piece.decode("utf-8").split("\n"))
+        except UnicodeDecodeError:
+            lines.extend(text for _, text in _utf8_lines(path, piece, opts, stats, line, byte))
+        cut = len(lines) if last else next(  # lines[cut] blank, the line before not, one after
+            (j for j in range(len(lines) - 2, max(searched, 1) - 1, -1) if not lines[j] and lines[j - 1]), None)
+        searched = max(1, len(lines) - 1)
+        docs = []
+        if cut is not None:
+            docs = _split_text(path, "\n".join(lines[:cut]), opts, stats, first)
+            first, lines, searched = first + cut + 1, lines[cut + 1 :], 1
+        yield docs, stats
+
+
+def _line_blocks(path: str | Path, block_bytes: int) -> Iterator[tuple[bytes, int, int, bool]]:
+    """A file read block_bytes at a time, as whole lines: (the lines' bytes without the newline
+    that ends the last, the number of the first line, its byte offset, whether the file ends there)."""
+    line, byte, tail = 1, 0, b""  # the number and offset of the first line not given, its bytes so far
     with open(path, "rb") as f:
         while True:
             block = f.read(block_bytes)
@@ -522,24 +542,12 @@ def file_documents(path: str | Path, block_bytes: int | None = None, **options) 
             if end < 0:
                 tail = buf
                 continue
-            piece, tail = buf[:end], buf[end + 1 :]
-            stats = dict.fromkeys(STAT_KEYS, 0)
-            try:
-                lines.extend(piece.decode("utf-8").split("\n"))
-            except UnicodeDecodeError:
-                lines.extend(text for _, text in _utf8_lines(path, piece, opts, stats, line, byte))
-            cut = len(lines) if not block else next(  # lines[cut] blank, the line before not, one after
-                (j for j in range(len(lines) - 2, max(searched, 1) - 1, -1) if not lines[j] and lines[j - 1]), None)
-            searched = max(1, len(lines) - 1)
-            docs = []
-            if cut is not None:
-                docs = _split_text(path, "\n".join(lines[:cut]), opts, stats, first)
-                first, lines, searched = first + cut + 1, lines[cut + 1 :], 1
-            line += piece.count(b"\n") + 1
-            byte += end + 1
-            yield docs, stats
+            lines, tail = buf[:end], buf[end + 1 :]
+            yield lines, line, byte, not block
             if not block:
                 return
+            line += lines.count(b"\n") + 1
+            byte += end + 1
 
 
 def jsonl_pieces(path: str | Path, block_bytes: int | None = None,
@@ -551,29 +559,18 @@ def jsonl_pieces(path: str | Path, block_bytes: int | None = None,
     documents, skip counts and errors), so that the tool's workers can parse them."""
     block_bytes = block_bytes or BLOCK_BYTES
     piece_bytes = piece_bytes or block_bytes
-    line, byte, tail = 1, 0, b""  # the number and offset of the first line not given, its bytes so far
-    with open(path, "rb") as f:
+    for lines, line, byte, _ in _line_blocks(path, block_bytes):
+        start = 0
         while True:
-            block = f.read(block_bytes)
-            buf = tail + block
-            end = buf.rfind(b"\n") if block else len(buf)  # whole lines only, until the end
-            if end < 0:
-                tail = buf
-                continue
-            lines, tail = buf[:end], buf[end + 1 :]
-            start = 0
-            while True:
-                stop = lines.find(b"\n", start + piece_bytes) if start + piece_bytes < len(lines) else -1
-                stop = len(lines) if stop < 0 else stop
-                raw = lines[start:stop]
-                yield raw, line, byte
-                line += raw.count(b"\n") + 1
-                byte += len(raw) + 1
-                start = stop + 1
-                if stop == len(lines):
-                    break
-            if not block:
-                return
+            stop = lines.find(b"\n", start + piece_bytes) if start + piece_bytes < len(lines) else -1
+            stop = len(lines) if stop < 0 else stop
+            raw = lines[start:stop]
+            yield raw, line, byte
+            line += raw.count(b"\n") + 1
+            byte += len(raw) + 1
+            start = stop + 1
+            if stop == len(lines):
+                break
 
 
 def load_text(data_path: str, **options) -> str:
@@ -846,20 +843,6 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Readers see either no file or the whole file, never a partial one."""
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        publish(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class Tokenizer:

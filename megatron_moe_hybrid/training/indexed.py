@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from megatron_moe_hybrid.training._files import publish, temp_beside
+from megatron_moe_hybrid.training._files import atomic_write, publish, temp_beside
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -148,17 +148,7 @@ def read_indexed(prefix: str, ends_path: Path | None = None) -> IndexedTokens:
         if ends_path is None:
             ends = np.concatenate([np.zeros(0, np.int64), *pieces])
         else:
-            fd, tmp = temp_beside(ends_path)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    for piece in pieces:
-                        f.write(piece.astype("<i8", copy=False).tobytes())
-                    f.flush()
-                    os.fsync(f.fileno())
-                publish(tmp, ends_path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            atomic_write(ends_path, lambda f: [f.write(piece.astype("<i8", copy=False).tobytes()) for piece in pieces])
             ends = _ends_file(ends_path)
     num_tokens = int(ends[-1]) if len(ends) else 0  # the last document ends at the last sequence's end
     if bin_.stat().st_size != num_tokens * dtype.itemsize:
