@@ -3,6 +3,7 @@
 See ../shared/DESIGN.md ("Benchmark results") for the file format.
 """
 
+import contextlib
 import datetime
 import json
 import os
@@ -82,11 +83,12 @@ def git_sha() -> str:
         return "unknown"
 
 
-def write_results(path: str, rows: list[dict], packages: tuple[str, ...] = ()) -> None:
-    """Writes the results file (again after every row, so a run cut short keeps what it measured)."""
+def write_results(path: str, rows: list[dict], packages: tuple[str, ...] = (), device: str | None = None) -> None:
+    """Writes the results file (again after every row, so a run cut short keeps what it measured);
+    device: the CUDA device's name unless given (a CPU benchmark names the CPU)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": device or torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
         "command": "python " + " ".join(sys.argv),
@@ -95,3 +97,22 @@ def write_results(path: str, rows: list[dict], packages: tuple[str, ...] = ()) -
     }
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def cpu_name(note: str = "") -> str:
+    """This machine's CPU as a CPU benchmark's results name their device."""
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores){note}"
+
+
+@contextlib.contextmanager
+def worktree(revision: str, where: str):
+    """A checkout of revision at where (a git worktree of this repository), removed at the end:
+    the anchor of a benchmark that times ours against our own earlier code in the same run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", where, revision], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", where], check=False)

@@ -9,10 +9,8 @@ memory; the indexed dataset's ends and the token caches are asserted equal.
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import struct
 import subprocess
@@ -78,49 +76,38 @@ def main() -> None:
     p.add_argument("--before", default="310fa0f", help="the revision whose code is the anchor")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "data_at_scale.json"))
     a = p.parse_args()
-    from common import git_sha
+    from common import cpu_name, worktree, write_results
     from preprocess import _corpus
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        before = os.path.join(tmp, "before")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", before, a.before], check=True)
-        try:
-            _indexed(os.path.join(tmp, "d"), a.documents)
-            corpus = _corpus(tmp, a.text_mb)
-            for kind, path, shape in (("indexed", os.path.join(tmp, "d"), f"indexed-{a.documents}-documents"),
-                                      ("text", corpus["jsonl"], f"jsonl-{a.text_mb}MB")):
-                ours = _open(ROOT, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-ours-{kind}"),
-                             os.path.join(tmp, "ours"))
-                again = _open(ROOT, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-ours-{kind}"),
-                              os.path.join(tmp, "again"))
-                anchor = _open(before, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-anchor-{kind}"),
-                               os.path.join(tmp, "anchor"))
-                for part in ("ends",) + (("tokens",) if kind == "text" else ()):
-                    x, y = (np.load(os.path.join(tmp, f"{who}.{part}.npy")) for who in ("ours", "anchor"))
-                    assert np.array_equal(x, y), f"{kind}: the {part} differ"
-                rows.append({
-                    "name": {"indexed": "an indexed dataset opened (its document ends)",
-                             "text": "a run's own tokenizing of .jsonl (the token cache)"}[kind],
-                    "shape": f"{shape}-{ours['tokens']}-tokens", "ours_ms": round(ours["wall_s"] * 1e3),
-                    "anchor": f"the code at {a.before}", "anchor_ms": round(anchor["wall_s"] * 1e3),
-                    "speedup": round(anchor["wall_s"] / ours["wall_s"], 2),
-                    "ours_peak_rss_bytes": ours["peak_rss_bytes"], "anchor_peak_rss_bytes": anchor["peak_rss_bytes"],
-                    "ours_again_ms": round(again["wall_s"] * 1e3, 2),
-                    "notes": "TokenDataset(path, ..., 128) in a fresh process each, one run each, a fresh cache for "
-                             "the first open; ours_again: ours a second time, from its cache (what every other rank "
-                             "of a host does); peak_rss: the process's whole peak (Python, torch and the data); "
-                             "ends (and the text's tokens) asserted equal"})
-                print(rows[-1], flush=True)
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], check=False)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-                   "date": datetime.date.today().isoformat(), "git_sha": git_sha(),
-                   "command": "python " + " ".join(sys.argv), "versions": {"numpy": np.__version__}, "rows": rows},
-                  f, indent=2)
-
+    with tempfile.TemporaryDirectory() as tmp, worktree(a.before, os.path.join(tmp, "before")) as before:
+        _indexed(os.path.join(tmp, "d"), a.documents)
+        corpus = _corpus(tmp, a.text_mb)
+        for kind, path, shape in (("indexed", os.path.join(tmp, "d"), f"indexed-{a.documents}-documents"),
+                                  ("text", corpus["jsonl"], f"jsonl-{a.text_mb}MB")):
+            ours = _open(ROOT, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-ours-{kind}"),
+                         os.path.join(tmp, "ours"))
+            again = _open(ROOT, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-ours-{kind}"),
+                          os.path.join(tmp, "again"))
+            anchor = _open(before, kind, path, corpus["tokenizer"], os.path.join(tmp, f"c-anchor-{kind}"),
+                           os.path.join(tmp, "anchor"))
+            for part in ("ends",) + (("tokens",) if kind == "text" else ()):
+                x, y = (np.load(os.path.join(tmp, f"{who}.{part}.npy")) for who in ("ours", "anchor"))
+                assert np.array_equal(x, y), f"{kind}: the {part} differ"
+            rows.append({
+                "name": {"indexed": "an indexed dataset opened (its document ends)",
+                         "text": "a run's own tokenizing of .jsonl (the token cache)"}[kind],
+                "shape": f"{shape}-{ours['tokens']}-tokens", "ours_ms": round(ours["wall_s"] * 1e3),
+                "anchor": f"the code at {a.before}", "anchor_ms": round(anchor["wall_s"] * 1e3),
+                "speedup": round(anchor["wall_s"] / ours["wall_s"], 2),
+                "ours_peak_rss_bytes": ours["peak_rss_bytes"], "anchor_peak_rss_bytes": anchor["peak_rss_bytes"],
+                "ours_again_ms": round(again["wall_s"] * 1e3, 2),
+                "notes": "TokenDataset(path, ..., 128) in a fresh process each, one run each, a fresh cache for "
+                         "the first open; ours_again: ours a second time, from its cache (what every other rank "
+                         "of a host does); peak_rss: the process's whole peak (Python, torch and the data); "
+                         "ends (and the text's tokens) asserted equal"})
+            print(rows[-1], flush=True)
+    write_results(a.out, rows, ("numpy", "tokenizers"), device=cpu_name())
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--driver":

@@ -6,10 +6,7 @@ tests/training/test_packing.py), fit_spans, and keyed_shuffle per sample. Same s
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
@@ -22,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "training"))
 from megatron_moe_hybrid.training.data import best_fit_pieces, fit_spans, keyed_shuffle  # noqa: E402
 from test_packing import _one_at_a_time  # noqa: E402  (the one-at-a-time form, test's reference)
 
-from common import git_sha  # noqa: E402
+from common import cpu_name, write_results  # noqa: E402
 
 
 def _seconds(fn, *args) -> tuple[float, object]:
@@ -65,12 +62,7 @@ def main() -> None:
                  "anchor_ms": None, "speedup": None, "notes": f"mean of {calls} calls; numpy's permutation of n is not run "
                  f"(it would hold 8 n bytes: {8 * n / 1e9:.0f} GB)"})
     print(rows[-1])
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), one thread",
-                   "date": datetime.date.today().isoformat(), "git_sha": git_sha(),
-                   "command": "python " + " ".join(sys.argv), "versions": {"numpy": np.__version__}, "rows": rows},
-                  f, indent=2)
+    write_results(a.out, rows, ("numpy",), device=cpu_name(", one thread"))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ so its CPU seconds per GB bound the tool's throughput however many workers it ha
 """
 
 import argparse
-import datetime
+import contextlib
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -97,49 +96,36 @@ def main() -> None:
     p.add_argument("--workers", default="1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "preprocess.json"))
     a = p.parse_args()
-    from common import git_sha
+    from common import cpu_name, worktree, write_results
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        before = None if a.before == "none" else os.path.abspath(a.before_tree or os.path.join(tmp, "before"))
-        if before and not a.before_tree:
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", before, a.before], check=True)
-        try:
-            corpus = _corpus(tmp, a.mb)
-            for kind in ("jsonl", "txt"):
-                gb = os.path.getsize(corpus[kind]) / 1e9
-                for workers in map(int, a.workers.split(",")):
-                    ours = _run(ROOT, corpus, kind, workers, os.path.join(tmp, "ours"))
-                    anchor = _run(before, corpus, kind, workers, os.path.join(tmp, "anchor")) if before else None
-                    for ext in (".bin", ".idx") if before else ():
-                        with open(os.path.join(tmp, "ours" + ext), "rb") as x, open(os.path.join(tmp, "anchor" + ext), "rb") as y:
-                            assert x.read() == y.read(), f"the datasets differ ({ext})"
-                    rows.append({
-                        "name": f"preprocess_data .{kind}", "shape": f"{gb * 1e3:.0f}MB-workers{workers}",
-                        "ours_ms": round(ours["wall_s"] * 1e3), "anchor": f"the tool at {a.before}" if before else None,
-                        "anchor_ms": round(anchor["wall_s"] * 1e3) if before else None,
-                        "speedup": round(anchor["wall_s"] / ours["wall_s"], 3) if before else None,
-                        "mb_per_s": round(gb * 1e3 / ours["wall_s"], 2),
-                        "tool_process_cpu_s_per_gb": round(ours["tool_cpu_s"] / gb, 2),
-                        "anchor_tool_process_cpu_s_per_gb": round(anchor["tool_cpu_s"] / gb, 2) if before else None,
-                        "workers_cpu_s_per_gb": round(ours["workers_cpu_s"] / gb, 2),
-                        "anchor_workers_cpu_s_per_gb": round(anchor["workers_cpu_s"] / gb, 2) if before else None,
-                        "notes": "one run each" + (", the datasets asserted byte for byte equal" if before else "")
-                                 + "; tool_process: the tool's own process (reading, cutting, writing; at workers 1 "
-                                   "it tokenizes too); workers: its worker processes"})
-                    print(rows[-1], flush=True)
-        finally:
-            if before and not a.before_tree:
-                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], check=False)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    import tokenizers
-
-    with open(a.out, "w") as f:
-        json.dump({"device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-                   "date": datetime.date.today().isoformat(), "git_sha": git_sha(),
-                   "command": "python " + " ".join(sys.argv), "versions": {"tokenizers": tokenizers.__version__},
-                   "rows": rows}, f, indent=2)
-
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        before = None if a.before == "none" else (os.path.abspath(a.before_tree) if a.before_tree else
+                                                  stack.enter_context(worktree(a.before, os.path.join(tmp, "before"))))
+        corpus = _corpus(tmp, a.mb)
+        for kind in ("jsonl", "txt"):
+            gb = os.path.getsize(corpus[kind]) / 1e9
+            for workers in map(int, a.workers.split(",")):
+                ours = _run(ROOT, corpus, kind, workers, os.path.join(tmp, "ours"))
+                anchor = _run(before, corpus, kind, workers, os.path.join(tmp, "anchor")) if before else None
+                for ext in (".bin", ".idx") if before else ():
+                    with open(os.path.join(tmp, "ours" + ext), "rb") as x, open(os.path.join(tmp, "anchor" + ext), "rb") as y:
+                        assert x.read() == y.read(), f"the datasets differ ({ext})"
+                rows.append({
+                    "name": f"preprocess_data .{kind}", "shape": f"{gb * 1e3:.0f}MB-workers{workers}",
+                    "ours_ms": round(ours["wall_s"] * 1e3), "anchor": f"the tool at {a.before}" if before else None,
+                    "anchor_ms": round(anchor["wall_s"] * 1e3) if before else None,
+                    "speedup": round(anchor["wall_s"] / ours["wall_s"], 3) if before else None,
+                    "mb_per_s": round(gb * 1e3 / ours["wall_s"], 2),
+                    "tool_process_cpu_s_per_gb": round(ours["tool_cpu_s"] / gb, 2),
+                    "anchor_tool_process_cpu_s_per_gb": round(anchor["tool_cpu_s"] / gb, 2) if before else None,
+                    "workers_cpu_s_per_gb": round(ours["workers_cpu_s"] / gb, 2),
+                    "anchor_workers_cpu_s_per_gb": round(anchor["workers_cpu_s"] / gb, 2) if before else None,
+                    "notes": "one run each" + (", the datasets asserted byte for byte equal" if before else "")
+                             + "; tool_process: the tool's own process (reading, cutting, writing; at workers 1 "
+                               "it tokenizes too); workers: its worker processes"})
+                print(rows[-1], flush=True)
+    write_results(a.out, rows, ("tokenizers",), device=cpu_name())
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--driver":

@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe_hybrid.training.data import (  # noqa: E402
-    STAT_KEYS, _blank_file, _data_files, file_documents, is_stdlib, jsonl_pieces, load_documents, load_tokenizer)
+    STAT_KEYS, _blank_file, _data_files, add_counts, batches, file_documents, is_stdlib, jsonl_pieces, load_documents,
+    load_tokenizer)
 from megatron_moe_hybrid.training.indexed import IndexedWriter, dtype_for, encode_task, worker_init  # noqa: E402
 
 BATCH = 512  # documents per task of a worker, of a .txt file (or stdlib)
@@ -56,15 +57,13 @@ def _tasks(sources: list[str], options: dict, dtype) -> Iterator[tuple]:
             continue
         # a file block by block (BLOCK_BYTES), never whole: the same documents as reading it whole
         pieces = [load_documents(source, **options)] if is_stdlib(source) else file_documents(source, **options)
-        for docs, stats in pieces:
-            for i in range(0, max(len(docs), 1), BATCH):
-                yield "docs", docs[i : i + BATCH], stats if i == 0 else {}, dtype
+        for docs, stats in batches(pieces, BATCH):
+            yield "docs", docs, stats, dtype
 
 
 def _write(result, writer: IndexedWriter, skipped: dict, documents: int, tokens: int) -> tuple[int, int]:
     stats, lengths, ids = result
-    for key, count in stats.items():
-        skipped[key] += count
+    add_counts(skipped, stats)
     writer.add_documents(lengths, ids)
     return documents + len(lengths), tokens + ids.size
 

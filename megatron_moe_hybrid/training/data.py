@@ -425,9 +425,14 @@ def load_documents(data_path: str, **options) -> tuple[list, dict[str, int]]:
     stats = _new_stats(_TextOptions(**options))
     for piece, counts in document_pieces(data_path, **options):
         docs.extend(piece)
-        for key, count in counts.items():
-            stats[key] += count
+        add_counts(stats, counts)
     return docs, stats
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    """A piece's skip counts added to the totals."""
+    for key, count in counts.items():
+        into[key] = into.get(key, 0) + count
 
 
 def _new_stats(opts: "_TextOptions") -> dict[str, int]:
@@ -464,8 +469,7 @@ def document_pieces(data_path: str, block_bytes: int | None = None,
             continue
         before = dict(stats)
         for docs, counts in file_documents(path, block_bytes, **options):
-            for key, count in counts.items():
-                stats[key] += count
+            add_counts(stats, counts)
             text = text or any(_has_text(doc) for doc in docs)
             yield docs, counts
         skipped = {k: stats[k] - before[k] for k in STAT_KEYS if stats[k] != before[k]}
@@ -1387,8 +1391,9 @@ def best_fit_pieces(ends: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.n
 ENCODE_BATCH = 1024  # documents tokenized at a time when a run tokenizes its text
 
 
-def _batches(pieces: Iterator[tuple[list, dict]], size: int) -> Iterator[tuple[list, dict]]:
-    """document_pieces' pieces cut into at most size documents each (the counts with the first)."""
+def batches(pieces: Iterator[tuple[list, dict]], size: int) -> Iterator[tuple[list, dict]]:
+    """(documents, counts) pieces cut into at most size documents each (the counts with the first);
+    a piece with none stays one (its counts)."""
     for docs, counts in pieces:
         for i in range(0, max(len(docs), 1), size):
             yield docs[i : i + size], counts if i == 0 else {}
@@ -1451,9 +1456,8 @@ def _cached_token_ids(
                 stats = _new_stats(opts)
                 total = 0  # tokens written
                 last = -1  # the last token written (a record's last piece may end with the eos)
-                for docs, counts in _batches(document_pieces(data_path, **asdict(opts)), ENCODE_BATCH):
-                    for key, count in counts.items():
-                        stats[key] = stats.get(key, 0) + count
+                for docs, counts in batches(document_pieces(data_path, **asdict(opts)), ENCODE_BATCH):
+                    add_counts(stats, counts)
                     ids: list[int] = []
                     trained: list[int] = []
                     ends: list[int] = []

@@ -118,9 +118,8 @@ def read_indexed(prefix: str, ends_path: Path | None = None) -> IndexedTokens:
 
     With ends_path the ends are written there once (raw int64, atomically; the caller holds its
     lock and names it by the files' sizes and times) and memory-mapped, so that the ranks of a host
-    share one copy and read the index once. Whole, as this reader made them until 2026-12-06, 100M
-    documents took each rank 222 s and 11 GB; a slice at a time into the file, 8.3 s and 2.2 GB
-    (mostly the index's pages, which the system can drop), then 0.5 ms a rank (this 2-core machine)."""
+    share one copy and read the index once (benchmarks/results/cpu/data_at_scale.json, 20M
+    documents: 2.1 s once, then 1.2 ms a rank, where reading them whole took every rank 22.3 s)."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     size = idx.stat().st_size
     with open(idx, "rb") as f:
@@ -148,7 +147,7 @@ def read_indexed(prefix: str, ends_path: Path | None = None) -> IndexedTokens:
         if ends_path is None:
             ends = np.concatenate([np.zeros(0, np.int64), *pieces])
         else:
-            atomic_write(ends_path, lambda f: [f.write(piece.astype("<i8", copy=False).tobytes()) for piece in pieces])
+            atomic_write(ends_path, lambda f: f.writelines(piece.astype("<i8", copy=False).tobytes() for piece in pieces))
             ends = _ends_file(ends_path)
     num_tokens = int(ends[-1]) if len(ends) else 0  # the last document ends at the last sequence's end
     if bin_.stat().st_size != num_tokens * dtype.itemsize:
@@ -182,16 +181,15 @@ class IndexedWriter:
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() > self._limit):
             raise ValueError(f"token ids {ids.min()}..{ids.max()} do not fit {self.dtype.name}")
-        self._bin.write(ids.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(int(ids.size))
+        self.add_documents(np.array([ids.size]), ids.astype(self.dtype, copy=False))
 
     def add_documents(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
         """Documents one after another: their lengths [documents] and token ids [sum(lengths)],
         already of the writer's dtype (encode_task's), in one write."""
         if tokens.dtype != self.dtype or int(np.sum(lengths, dtype=np.int64)) != tokens.size:
             raise ValueError(f"add_documents takes {self.dtype.name} ids, as many as the lengths add up to")
-        self._bin.write(tokens.tobytes(order="C"))
-        self._lengths.extend(np.asarray(lengths, dtype=np.int32).tolist())
+        self._bin.write(np.ascontiguousarray(tokens).tobytes())
+        self._lengths.frombytes(np.asarray(lengths, dtype=np.int32).tobytes())
 
     def close(self) -> None:
         self._bin.flush()
@@ -199,8 +197,8 @@ class IndexedWriter:
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         n = len(lengths)
-        fd, idx_tmp = temp_beside(self.prefix, ".idx.tmp")
-        with os.fdopen(fd, "wb") as f:  # a slice at a time: no int64 temporaries of the corpus's size
+
+        def write_index(f) -> None:  # a slice at a time: no int64 temporaries of the corpus's size
             f.write(HEADER + struct.pack("<QBQQ", VERSION, _CODES[self.dtype], n, n + 1))
             f.write(lengths.tobytes())
             offset = 0
@@ -210,6 +208,10 @@ class IndexedWriter:
                 offset = int(ends[-1])
             for a in range(0, n + 1, _SLICE):
                 f.write(np.arange(a, min(a + _SLICE, n + 1), dtype=np.int64).tobytes())
+
+        fd, idx_tmp = temp_beside(self.prefix, ".idx.tmp")  # written whole before either file appears
+        with os.fdopen(fd, "wb") as f:
+            write_index(f)
             f.flush()
             os.fsync(f.fileno())
         publish(self._bin_tmp, self.prefix + ".bin")
