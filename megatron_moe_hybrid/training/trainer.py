@@ -779,34 +779,51 @@ class Trainer:
         return path
 
     def save_adapter(self) -> str:
-        """Gathers every rank's adapter tensors to rank 0: adapter/adapter_model.safetensors."""
+        """adapter/adapter_model.safetensors (and adapter_config.json): each rank writes the
+        adapter tensors it owns (the checkpoint's share, checkpoint._walk_model) into a part file,
+        and rank 0 joins the parts into the one file a tensor at a time, so that no rank holds more
+        than one tensor (per-expert adapters of hundreds of experts are tens of GB)."""
         import shutil
 
-        from safetensors.torch import save_file
+        from megatron_moe_hybrid.training import checkpoint as ckpt
 
-        from megatron_moe_hybrid.training.checkpoint import model_tensors_to_save
-
-        local = {k: v for k, v in model_tensors_to_save(self.model, trainable_only=True).items()}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
         final = os.path.join(self.output_dir, "adapter")
+        tmp = final + ".tmp"
+        parts = os.path.join(tmp, "parts")
         if self.rank == 0:
-            tensors = {k: v for part in gathered for k, v in part.items()}
-            tmp = final + ".tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
-            lo = self.config.lora
-            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                json.dump({"r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
-                           "rslora": lo.rslora, "expert_adapter": lo.expert_adapter,
-                           "num_experts": self.config.moe.num_experts,
-                           "targets": lo.targets, "target_modules": lo.target_modules,
-                           "modules": self.lora_paths,
-                           "base_checkpoint": self.config.training.init_from}, f, indent=1)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            os.makedirs(parts)
         dist.barrier()
+        error = None
+        try:
+            ckpt.write_tensors(os.path.join(parts, f"rank{self.rank:05d}.safetensors"),
+                               ckpt._walk_model(self.model, trainable_only=True), checksums=False)
+        except OSError as e:
+            error = ckpt._describe_os_error(e, parts)
+        error = ckpt._first_error(error)
+        if error is None and self.rank == 0:
+            try:
+                ckpt.join_safetensors(sorted(os.path.join(parts, f) for f in os.listdir(parts)),
+                                      os.path.join(tmp, "adapter_model.safetensors"))
+                shutil.rmtree(parts)
+                lo = self.config.lora
+                with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                    json.dump({"r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
+                               "rslora": lo.rslora, "expert_adapter": lo.expert_adapter,
+                               "num_experts": self.config.moe.num_experts,
+                               "targets": lo.targets, "target_modules": lo.target_modules,
+                               "modules": self.lora_paths,
+                               "base_checkpoint": self.config.training.init_from}, f, indent=1)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            except OSError as e:
+                error = ckpt._describe_os_error(e, tmp)
+        error = ckpt._first_error(error)
+        if error is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise TrainingStopped(f"training stopped at step {self.step}: writing the adapter failed: {error}; "
+                                  f"the checkpoint {self.last_checkpoint or '(none)'} holds it")
         return final
 
     def fit(self) -> RunResult:

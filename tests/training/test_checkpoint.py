@@ -144,3 +144,245 @@ def test_inspect_tool_summarises_and_names_bad_files(tmp_path, capsys):
         f.write(b"\xff" * 16)  # corrupt the header
     assert tool.main([path]) == 1
     assert fname in capsys.readouterr().err
+
+
+# Saves at scale: every rank writes its share, a tensor at a time --------------------------
+
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.float8_e4m3fn]
+
+
+def _random(dtype, shape, g):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_streamed_safetensors_file_reads_back_as_written(tmp_path, checksums):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(), (0,), (5,), (3, 7), (2, 0, 4), (4, 3, 5)]
+    tensors = {f"t{i}.{str(d)[6:]}": _random(d, shapes[(i + j) % len(shapes)], g)
+               for j, d in enumerate(DTYPES) for i in range(2)}
+    path = str(tmp_path / "x.safetensors")
+    w = ckpt.SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], checksums=checksums)
+    for n, t in tensors.items():
+        w.add(n, t)
+    size = w.close()
+    assert size == os.path.getsize(path)
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for n, t in tensors.items():
+        assert back[n].dtype == t.dtype and back[n].shape == t.shape, n
+        assert torch.equal(back[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    assert meta == ({n: ckpt._crc32(t) for n, t in tensors.items()} if checksums else {})
+
+
+def test_streamed_safetensors_refuses_what_its_header_does_not_say(tmp_path):
+    specs = [("a", torch.float32, (2, 3)), ("b", torch.bfloat16, (4,))]
+    w = ckpt.SafetensorsWriter(str(tmp_path / "x.safetensors"), specs)
+    with pytest.raises(ValueError, match="tensor b given where the header has a next"):
+        w.add("b", torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"tensor a is torch.float32 \(3, 2\), the header says torch.float32 \(2, 3\)"):
+        w.add("a", torch.zeros(3, 2))
+    w.add("a", torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="1 tensor\\(s\\) of the header never written, the first b"):
+        w.close()
+    w.abort()
+    with pytest.raises(ValueError, match="complex64, which safetensors cannot hold"):
+        ckpt.SafetensorsWriter(str(tmp_path / "y.safetensors"), [("c", torch.complex64, (1,))])
+
+
+def test_joined_files_hold_every_tensor_once(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(4)
+    a = {"z": torch.randn(3, generator=g), "m": torch.randn(2, 2, generator=g).bfloat16()}
+    b = {"a": torch.arange(5)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    size = ckpt.join_safetensors([str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")],
+                                 str(tmp_path / "j.safetensors"))
+    assert size == os.path.getsize(tmp_path / "j.safetensors")
+    back = load_file(str(tmp_path / "j.safetensors"))
+    assert list(back) == ["a", "m", "z"] and all(torch.equal(back[k], {**a, **b}[k]) for k in back)
+    save_file({"m": torch.zeros(1)}, str(tmp_path / "c.safetensors"))
+    with pytest.raises(ValueError, match="c.safetensors: tensor m is in another of the files too"):
+        ckpt.join_safetensors([str(tmp_path / "a.safetensors"), str(tmp_path / "c.safetensors")],
+                              str(tmp_path / "k.safetensors"))
+
+
+def test_a_save_holds_one_tensor_in_host_memory_at_a_time(tmp_path, monkeypatch):
+    """Every host copy is gone before the next is made: a rank's share of a large model is
+    written as it is copied, never gathered whole in host memory."""
+    import weakref
+
+    model = build(0)
+    made, most = [], [0]
+    copy = ckpt._host_copy
+
+    def counted(t):
+        most[0] = max(most[0], sum(r() is not None for r in made))
+        out = copy(t)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(ckpt, "_host_copy", counted)
+    path = ckpt.save_checkpoint(str(tmp_path), 1, model, {"step": 1}, {})
+    assert len(made) > 50 and most[0] == 0, (len(made), most[0])
+    monkeypatch.undo()
+    other = build(1)
+    ckpt.load_model_weights(path, other)
+    for (n, x), (_, y) in zip(model.state_dict().items(), other.state_dict().items()):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), n
+
+
+def _spread_save_worker(rank, world, src, out):
+    """Loads the one-process checkpoint under EP=2 x expert-dp 2, replicated and FSDP2-sharded,
+    and saves each from the four ranks."""
+    import yaml
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
+
+    init_megatron(rank, world, ep=2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    paths, read = {}, {}
+    for fsdp in (False, True):
+        config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": 2,
+                                        "parallel.fsdp": fsdp, "model.num_layers": 4, "moe.dispatcher": "alltoall"})
+        torch.manual_seed(100 + rank)  # other weights on every rank: the checkpoint brings them
+        model = build_model(config)
+        if fsdp:
+            apply_fsdp(model, config)
+        read[fsdp] = _counting_reads(lambda: ckpt.load_model_weights(src, model))
+        paths[fsdp] = ckpt.save_checkpoint(os.path.join(out, str(fsdp)), 2, model, {"step": 2}, {})
+    # a corrupt dense tensor: under FSDP2 one rank checks its checksum, and every rank raises
+    bad = os.path.join(out, "bad")
+    if rank == 0:
+        import shutil
+
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(src, bad)
+        fname = next(f for f in os.listdir(bad) if f.endswith(".safetensors"))
+        with safe_open(os.path.join(bad, fname), framework="pt") as h:
+            crcs = h.metadata()
+        tensors = load_file(os.path.join(bad, fname))
+        tensors["output_layer.weight"][1, 2] += 1.0
+        save_file(tensors, os.path.join(bad, fname), metadata=crcs)
+        _resize_meta(bad)
+    torch.distributed.barrier()
+    try:
+        ckpt.load_model_weights(bad, model)
+        raised = None
+    except ckpt.CheckpointError as e:
+        raised = str(e)
+    return paths, read, raised
+
+
+def _counting_reads(fn) -> int:
+    """Bytes of tensor data fn read through the checkpoint module's safe_open."""
+    opened = ckpt.safe_open
+    count = [0]
+
+    class Slice:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getitem__(self, index):
+            t = self.inner[index]
+            count[0] += t.numel() * t.element_size()
+            return t
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self.inner = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get_tensor(self, key):
+            t = self.inner.get_tensor(key)
+            count[0] += t.numel() * t.element_size()
+            return t
+
+        def get_slice(self, key):
+            return Slice(self.inner.get_slice(key))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ckpt.safe_open = Counted
+    try:
+        fn()
+    finally:
+        ckpt.safe_open = opened
+    return count[0]
+
+
+@pytest.mark.distributed
+def test_four_ranks_write_a_quarter_each_and_the_checkpoint_equals_one_process(tmp_path):
+    """EP=2 x expert-dp 2, replicated and FSDP2: each rank writes its file (dense tensors to the
+    rank with the fewest bytes, replicated experts in turns, FSDP2's expert shards by their
+    holders), no tensor twice, and the tensors equal the one-process checkpoint's bitwise; a load
+    under FSDP2 reads about a quarter of the checkpoint on each rank."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from megatron_moe_hybrid.testing import spawn
+
+    model = build(0)
+    src = ckpt.save_checkpoint(str(tmp_path / "one"), 1, model, {"step": 1}, {})
+    whole = load_file(os.path.join(src, next(f for f in os.listdir(src) if f.endswith(".safetensors"))))
+    biggest = max(t.numel() * t.element_size() for t in whole.values())
+    results = spawn(_spread_save_worker, 4, src, str(tmp_path / "four"))
+    nbytes = {k: t.numel() * t.element_size() for k, t in whole.items()}
+    total, experts = sum(nbytes.values()), sum(v for k, v in nbytes.items() if ".expert" in k)
+    # the loads: replicated, each rank reads its EP rank's experts (half) and every dense tensor;
+    # under FSDP2 its shard's experts (a quarter), its rows of the dense ones, and whole the dense
+    # ones whose checksum it checks (a quarter of them, up to one tensor)
+    assert [r[1][False] for r in results] == [experts // 2 + total - experts] * 4
+    for r in results:
+        assert r[1][True] <= experts / 4 + 2 * (total - experts) / 4 + biggest, (r[1][True], total, experts)
+        assert "tensor output_layer.weight is corrupt (checksum mismatch)" in r[2], r[2]
+    for fsdp, path in results[0][0].items():
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        assert sorted(f.rpartition("-r")[2] for f in files) == [f"{r:05d}.safetensors" for r in range(4)], files
+        seen: dict = {}
+        sizes = {}
+        for f in files:
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                keys = list(h.keys())
+            assert not set(keys) & set(seen), (fsdp, sorted(set(keys) & set(seen))[:3])
+            seen.update(dict.fromkeys(keys, f))
+            sizes[f] = sum(whole[k].numel() * whole[k].element_size() for k in keys)
+            for k, t in load_file(os.path.join(path, f)).items():
+                assert torch.equal(t, whole[k]), (fsdp, k)
+        assert seen.keys() == whole.keys(), fsdp
+        assert max(sizes.values()) <= sum(sizes.values()) / 4 + biggest, (fsdp, sizes, biggest)
+        other = build(1)
+        ckpt.load_model_weights(path, other)
+        for (n, x), (_, y) in zip(model.state_dict().items(), other.state_dict().items()):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y), (fsdp, n)

@@ -121,7 +121,7 @@ def _worker_killed_in_save(rank, world, raw, ov, point):
         return wrapper
 
     if point == "model":
-        ckpt.save_file = kill_on_second(ckpt.save_file)
+        ckpt.write_tensors = kill_on_second(ckpt.write_tensors)
     elif point == "state":
         ckpt.torch.save = kill_on_second(torch.save)
     elif point == "meta":
@@ -237,21 +237,21 @@ def test_resume_falls_back_to_previous_checkpoint_when_asked(corpus, cache_dir, 
 
 def _enospc_on_call(n):
     calls = {"n": 0}
-    original = ckpt.save_file
+    original = ckpt.write_tensors
 
-    def save_file(*args, **kwargs):
+    def write_tensors(path, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == n:
-            raise OSError(errno.ENOSPC, "No space left on device", args[1])
-        return original(*args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return original(path, *args, **kwargs)
 
-    return save_file
+    return write_tensors
 
 
 def test_full_disk_keeps_previous_checkpoint(saved, monkeypatch):
     path, model = saved
     output_dir = os.path.dirname(os.path.dirname(path))
-    monkeypatch.setattr(ckpt, "save_file", _enospc_on_call(1))
+    monkeypatch.setattr(ckpt, "write_tensors", _enospc_on_call(1))
     with pytest.raises(ckpt.CheckpointSaveError) as info:
         ckpt.save_checkpoint(output_dir, 2, model, {"step": 2}, {})
     message = str(info.value)
@@ -263,7 +263,7 @@ def test_full_disk_keeps_previous_checkpoint(saved, monkeypatch):
 
 def _worker_full_disk(rank, world, raw, ov, failing_rank):
     if rank == failing_rank:
-        ckpt.save_file = _enospc_on_call(2)
+        ckpt.write_tensors = _enospc_on_call(2)
     return _run_catching(rank, world, raw, ov)
 
 
