@@ -1,15 +1,18 @@
 """A trainer checkpoint's save on the CPU, ours against the code at an earlier revision (its own
-checkout, a git worktree) in the same run: 4 gloo processes, expert parallel 2 x expert-data
-parallel 2, FSDP2 on (and with --replicated, off), a model of about 2 GB of fp32 weights. Each
-rank reports the save's wall time, the host memory it added above what the rank held before
-(its peak resident set, reset just before the save, less its resident set then) and the bytes of
-the model file it wrote; the two checkpoints' tensors are asserted bitwise equal.
+checkout, a git worktree, or --before-tree) in the same run: --world gloo processes (default 4),
+expert parallel --ep (2) x expert-data parallel the rest, FSDP2 on (and with --replicated, off),
+a model of about 2 GB of fp32 weights by default. Each rank reports the save's wall time, the
+host memory it added above what it held before (its peak resident set, reset just before the
+save, less its resident set then) and the bytes of the model file it wrote, then the same for
+loading that checkpoint back (as a resume does) with the bytes of tensor data it read; the two
+checkpoints' tensors are asserted bitwise equal.
 
-    python benchmarks/checkpoint_at_scale.py [--before 9ff926e] [--hidden 1024] [--experts 32]
-        [--out benchmarks/results/cpu/checkpoint_at_scale.json]
+    python benchmarks/checkpoint_at_scale.py [--before 9ff926e] [--before-tree DIR] [--world 4] [--ep 2]
+        [--hidden 1024] [--experts 32] [--out benchmarks/results/cpu/checkpoint_at_scale.json]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +22,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-WORLD = 4
 
 
 def _status(field: str) -> int:
@@ -30,7 +32,7 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _worker(rank: int, world: int, out: str, overrides: dict) -> dict:
+def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
     import gc
 
     import torch
@@ -42,10 +44,10 @@ def _worker(rank: int, world: int, out: str, overrides: dict) -> dict:
     from megatron_moe_hybrid.testing import init_megatron
     from megatron_moe_hybrid.training import checkpoint as ckpt
 
-    init_megatron(rank, world, ep=2)
+    init_megatron(rank, world, ep=ep)
     with open(os.path.join(os.getcwd(), "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
-    config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": 2,
+    config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": ep,
                                     "moe.dispatcher": "alltoall", **overrides})
     torch.manual_seed(0)  # the same weights in both trees (each EP rank draws its experts alike)
     model = build_model(config)
@@ -61,20 +63,78 @@ def _worker(rank: int, world: int, out: str, overrides: dict) -> dict:
     start = time.perf_counter()
     path = ckpt.save_checkpoint(out, 1, model, {"step": 1}, {})
     wall = time.perf_counter() - start
+    added = _status("VmHWM") - before
     mine = [f for f in os.listdir(path) if f.startswith("model-") and f.endswith(f"-r{rank:05d}.safetensors")]
-    return {"wall_s": wall, "added_peak_bytes": _status("VmHWM") - before, "path": path,
-            "model_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in mine)}
+    # the load a resume does, of the checkpoint just written
+    gc.collect()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    dist.barrier()
+    start = time.perf_counter()
+    read = _counting_reads(ckpt, lambda: ckpt.load_model_weights(path, model))
+    return {"wall_s": wall, "added_peak_bytes": added, "path": path,
+            "model_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in mine),
+            "load_wall_s": time.perf_counter() - start, "load_added_peak_bytes": _status("VmHWM") - before,
+            "load_read_bytes": read}
 
 
-def _driver(out: str, overrides: str) -> None:
-    """Saves from WORLD spawned ranks and prints each rank's figures (the --driver mode)."""
+def _counting_reads(ckpt, fn) -> int:
+    """Bytes of tensor data fn read through the checkpoint module's safe_open (whole tensors and slices)."""
+    opened = ckpt.safe_open
+    count = [0]
+
+    def counted(t):
+        count[0] += t.numel() * t.element_size()
+        return t
+
+    class Slice:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getitem__(self, index):
+            return counted(self.inner[index])
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.inner = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get_tensor(self, key):
+            return counted(self.inner.get_tensor(key))
+
+        def get_slice(self, key):
+            return Slice(self.inner.get_slice(key))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ckpt.safe_open = File
+    try:
+        fn()
+    finally:
+        ckpt.safe_open = opened
+    return count[0]
+
+
+def _driver(out: str, world: str, ep: str, overrides: str) -> None:
+    """Saves from `world` spawned ranks and prints each rank's figures (the --driver mode)."""
     from megatron_moe_hybrid.testing import spawn
 
-    print(json.dumps(spawn(_worker, WORLD, out, json.loads(overrides), timeout=3600)))
+    print(json.dumps(spawn(_worker, int(world), out, int(ep), json.loads(overrides), timeout=3600)))
 
 
-def _save(tree: str, out: str, overrides: dict) -> list[dict]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--driver", out, json.dumps(overrides)]
+def _save(tree: str, out: str, world: int, ep: int, overrides: dict) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--driver", out, str(world), str(ep), json.dumps(overrides)]
     done = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=3600)
     if done.returncode:
@@ -105,8 +165,12 @@ def _assert_same_tensors(a: str, b: str) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--driver", nargs=2, metavar=("OUT", "OVERRIDES"), help=argparse.SUPPRESS)
+    p.add_argument("--driver", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--before", default="9ff926e", help="the revision whose code is the anchor")
+    p.add_argument("--before-tree", default=None, help="a checkout of --before to use (git archive's files) "
+                   "instead of a worktree (where there is no git repository)")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--ep", type=int, default=2)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--ffn", type=int, default=1024)
@@ -122,21 +186,27 @@ def main() -> None:
     model = {"model.hidden_size": a.hidden, "model.vocab_size": a.vocab, "moe.num_experts": a.experts,
              "moe.ffn_hidden_size": a.ffn, "moe.shared_expert_ffn_hidden_size": a.ffn}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, worktree(a.before, os.path.join(tmp, "before")) as before:
-        so = [f for f in os.listdir(os.path.join(ROOT, "megatron_moe_hybrid")) if f.startswith("_C.")]
-        for f in so:  # the built extension (an in-place build is not in git)
-            os.symlink(os.path.join(ROOT, "megatron_moe_hybrid", f), os.path.join(before, "megatron_moe_hybrid", f))
+    world, ep = a.world, a.ep
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        if a.before_tree:
+            before = os.path.abspath(a.before_tree)
+        else:
+            before = stack.enter_context(worktree(a.before, os.path.join(tmp, "before")))
+            for f in os.listdir(os.path.join(ROOT, "megatron_moe_hybrid")):
+                if f.startswith("_C."):  # the built extension (an in-place build is not in git)
+                    os.symlink(os.path.join(ROOT, "megatron_moe_hybrid", f), os.path.join(before, "megatron_moe_hybrid", f))
         for fsdp in (True, False) if a.replicated else (True,):
             overrides = {**model, "parallel.fsdp": fsdp}
-            ours = _save(ROOT, os.path.join(tmp, f"ours-{fsdp}"), overrides)
-            anchor = _save(before, os.path.join(tmp, f"before-{fsdp}"), overrides)
+            ours = _save(ROOT, os.path.join(tmp, f"ours-{fsdp}"), world, ep, overrides)
+            anchor = _save(before, os.path.join(tmp, f"before-{fsdp}"), world, ep, overrides)
             count = _assert_same_tensors(ours[0]["path"], anchor[0]["path"])
             total = sum(r["model_bytes"] for r in ours)
-            layout = f"W{WORLD}-EP2-EDP2-{'FSDP2' if fsdp else 'replicated'}"
+            layout = f"W{world}-EP{ep}-EDP{world // ep}-{'FSDP2' if fsdp else 'replicated'}"
             shape = f"{layout}-H{a.hidden}-E{a.experts}-F{a.ffn}-V{a.vocab}-fp32-{total / 1e9:.2f}GB"
             common = {"anchor": f"save_checkpoint at {a.before}", "target_speedup": None, "tensors": count,
                       "notes": "one save each, the two checkpoints' tensors asserted bitwise equal; the ranks "
-                               f"share this machine's cores; per rank [{', '.join(str(r) for r in range(WORLD))}]"}
+                               f"share this machine's {os.cpu_count()} cores; *_per_rank: ranks 0-{world - 1}"}
             rows.append({"name": "checkpoint save: most host memory a rank added", "shape": shape,
                          "ours_bytes": max(r["added_peak_bytes"] for r in ours),
                          "anchor_bytes": max(r["added_peak_bytes"] for r in anchor),
@@ -151,9 +221,23 @@ def main() -> None:
             rows.append({"name": "checkpoint save: wall time (slowest rank)", "shape": shape,
                          "ours_ms": round(ours_s * 1e3, 1), "anchor_ms": round(anchor_s * 1e3, 1),
                          "speedup": round(anchor_s / ours_s, 2), **common})
-            for r in rows[-3:]:
+            rows.append({"name": "checkpoint load (a resume's weights): most bytes one rank read", "shape": shape,
+                         "ours_bytes": max(r["load_read_bytes"] for r in ours),
+                         "anchor_bytes": max(r["load_read_bytes"] for r in anchor), "total_bytes": total,
+                         "ours_per_rank": [r["load_read_bytes"] for r in ours],
+                         "anchor_per_rank": [r["load_read_bytes"] for r in anchor], **common})
+            rows.append({"name": "checkpoint load: most host memory a rank added", "shape": shape,
+                         "ours_bytes": max(r["load_added_peak_bytes"] for r in ours),
+                         "anchor_bytes": max(r["load_added_peak_bytes"] for r in anchor),
+                         "ours_per_rank": [r["load_added_peak_bytes"] for r in ours],
+                         "anchor_per_rank": [r["load_added_peak_bytes"] for r in anchor], **common})
+            ours_s, anchor_s = max(r["load_wall_s"] for r in ours), max(r["load_wall_s"] for r in anchor)
+            rows.append({"name": "checkpoint load: wall time (slowest rank)", "shape": shape,
+                         "ours_ms": round(ours_s * 1e3, 1), "anchor_ms": round(anchor_s * 1e3, 1),
+                         "speedup": round(anchor_s / ours_s, 2), **common})
+            for r in rows[-6:]:
                 print(json.dumps(r), flush=True)
-    write_results(a.out, rows, ("torch", "safetensors"), device=cpu_name(f", {WORLD} processes"))
+    write_results(a.out, rows, ("torch", "safetensors"), device=cpu_name(f", {world} processes"))
 
 
 if __name__ == "__main__":

@@ -460,8 +460,13 @@ def test_cp_layer_equals_single_process(megatron):
                     assert_close_to_scale(got["grads"][key], grad, 1e-10, f"{name} grad {key}")
 
 
-def _saved_shapes_worker(rank, world, T, topk, stage):
-    """Shapes autograd keeps from one CP sparse forward (with the indexer loss)."""
+def _saved_shapes_worker(rank, world, T, topk, stages):
+    """{stage: the shapes autograd keeps from one CP forward (with the indexer loss)} (one group
+    for every stage: a spawn costs more than the forwards)."""
+    return {stage: _saved_shapes(rank, world, T, topk, stage) for stage in stages}
+
+
+def _saved_shapes(rank, world, T, topk, stage):
     torch.manual_seed(rank)
     layout = CPLayout(T, world, rank, "zigzag", dist.group.WORLD)
     Tl, H, G, D, HI, DI = layout.local_len, 4, 1, 8, 2, 8
@@ -487,10 +492,10 @@ def test_sparse_stage_saves_only_local_rows():
     """The gathered [B, T, ...] keys are transient: what autograd keeps for the backward is
     O(local tokens x top-k), so memory per rank stays linear in the local length."""
     T, topk = 96, 5
-    for shapes in spawn(_saved_shapes_worker, 2, T, topk, "sparse"):
+    results = spawn(_saved_shapes_worker, 2, T, topk, ["sparse", "dense_warmup"])
+    for shapes in (r["sparse"] for r in results):
         assert shapes
         for shape in shapes:
             assert T not in shape, shape  # B = G = 1: any global-length tensor has a dim of T
     # the check sees a gathered tensor when one is kept: the dense warm-up keeps the keys
-    dense = spawn(_saved_shapes_worker, 2, T, topk, "dense_warmup")
-    assert all(any(T in shape for shape in shapes) for shapes in dense)
+    assert all(any(T in shape for shape in r["dense_warmup"]) for r in results)
