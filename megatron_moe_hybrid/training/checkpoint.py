@@ -18,8 +18,7 @@ FSDP2, to the rank whose shard holds them), and a rank streams its share into it
 at a time (SafetensorsWriter), so that no rank holds more than one tensor in host memory and the
 bytes spread over all ranks. Under FSDP2 a dense tensor is gathered whole for its writer (a
 collective over the mesh that shards it, so every rank walks the same names in the same order)
-and a load cuts this rank's shard out of the whole tensor: checkpoints move freely between FSDP
-and plain runs.
+and a load reads this rank's rows of it: checkpoints move freely between FSDP and plain runs.
 """
 
 import errno
@@ -125,12 +124,15 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tu
                 out += [(f"{name}.expert{ep_rank * e_local + first + i}", local.dtype, tuple(local.shape[1:]), True,
                          lambda row=local[i]: _host_copy(row)) for i in range(local.shape[0])]  # fmt: skip
                 continue
-            whole: list = []  # a DTensor in another layout: gathered by the first entry's get()
+            whole: list = []  # a DTensor in another layout: gathered by the first entry's get(), let go by the last
 
-            def row(i: int, mine: bool, t=tensor, whole=whole) -> Optional[torch.Tensor]:
+            def row(i: int, mine: bool, t=tensor, whole=whole, last=e_local - 1) -> Optional[torch.Tensor]:
                 if not whole:
                     whole.append(t.full_tensor() if isinstance(t, DTensor) else t)
-                return _host_copy(whole[0][i]) if mine else None
+                copy = _host_copy(whole[0][i]) if mine else None
+                if i == last:
+                    whole.clear()
+                return copy
 
             for i in range(e_local):
                 mine = turn % expert_dp == expert_dp_rank
