@@ -48,7 +48,8 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
     with open(os.path.join(os.getcwd(), "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
     config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": ep,
-                                    "moe.dispatcher": "alltoall", **overrides})
+                                    "moe.dispatcher": "alltoall", "training.global_batch_size": 2 * world,
+                                    **overrides})
     torch.manual_seed(0)  # the same weights in both trees (each EP rank draws its experts alike)
     model = build_model(config)
     if config.parallel.fsdp:
@@ -131,7 +132,8 @@ def _driver(out: str, world: str, ep: str, overrides: str) -> None:
 
 def _save(tree: str, out: str, world: int, ep: int, overrides: dict) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--driver", out, str(world), str(ep), json.dumps(overrides)]
-    done = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1"),
+    path = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])  # the tree's package first
+    done = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"{cmd} in {tree} failed:\n{done.stderr[-3000:]}")
