@@ -1,7 +1,7 @@
 """The CPU benchmarks that time ours against our own code at an earlier revision (a git worktree)
 run end to end on small data and write their rows: benchmarks/preprocess.py (it asserts that both
-tools write the same dataset, byte for byte) and benchmarks/data_at_scale.py (the same document
-ends and token cache)."""
+tools write the same dataset, byte for byte), benchmarks/data_at_scale.py (the same document
+ends and token cache) and benchmarks/checkpoint_at_scale.py (the same checkpoint tensors)."""
 
 import json
 import os
@@ -17,6 +17,11 @@ RUNS = {
     "data_at_scale": (["--documents", "3000", "--text-mb", "1"],
                       ["an indexed dataset opened (its document ends)", "a run's own tokenizing of .jsonl (the token cache)"],
                       "ours_peak_rss_bytes"),
+    "checkpoint_at_scale": (["--hidden", "64", "--experts", "8", "--ffn", "96", "--vocab", "1024"],
+                            ["checkpoint save: most host memory a rank added", "checkpoint save: most model bytes one rank wrote",
+                             "checkpoint save: wall time (slowest rank)",
+                             "checkpoint load (a resume's weights): most bytes one rank read",
+                             "checkpoint load: wall time (slowest rank)"], None),
 }
 
 
@@ -33,4 +38,6 @@ def test_the_benchmark_writes_its_rows(tmp_path, script):
     result = json.loads(out.read_text())
     assert result["device"].startswith("CPU (")
     assert [r["name"] for r in result["rows"]] == names
-    assert all(r["ours_ms"] > 0 and r["anchor_ms"] > 0 and r[measured] > 0 for r in result["rows"])
+    for r in result["rows"]:
+        unit = "ms" if "ours_ms" in r else "bytes"  # a time, or an amount of memory or data
+        assert r[f"ours_{unit}"] > 0 and r[f"anchor_{unit}"] > 0 and (measured is None or r[measured] > 0), r
