@@ -386,3 +386,45 @@ def test_four_ranks_write_a_quarter_each_and_the_checkpoint_equals_one_process(t
         for (n, x), (_, y) in zip(model.state_dict().items(), other.state_dict().items()):
             if isinstance(x, torch.Tensor):
                 assert torch.equal(x, y), (fsdp, n)
+
+
+def _gpu_fsdp_worker(rank, world, src, out):
+    """The one-process checkpoint loaded into an FSDP2 model on the GPU (a mesh of one rank: every
+    tensor a DTensor sharded along dim 0, read by rows), then saved from it."""
+    import yaml
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
+
+    init_megatron(rank, world)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, "parallel.fsdp": True, "model.num_layers": 4})
+    torch.manual_seed(7)
+    model = build_model(config).cuda()
+    apply_fsdp(model, config)
+    assert all(isinstance(t, torch.distributed.tensor.DTensor) for t in model.parameters())
+    ckpt.load_model_weights(src, model)
+    return ckpt.save_checkpoint(out, 2, model, {"step": 2}, {})
+
+
+@pytest.mark.gpu
+def test_an_fsdp_checkpoint_on_the_gpu_equals_the_cpu_one(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_moe_hybrid.testing import spawn
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    src = ckpt.save_checkpoint(str(tmp_path / "cpu"), 1, build(0), {"step": 1}, {})
+    (path,) = spawn(_gpu_fsdp_worker, 1, src, str(tmp_path / "gpu"), backend="nccl")
+
+    def tensors(p):
+        return {k: v for f in sorted(os.listdir(p)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(p, f)).items()}
+
+    want, got = tensors(src), tensors(path)
+    assert want.keys() == got.keys() and any(".expert7" in k for k in got)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
