@@ -77,7 +77,8 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
 
 
 def _counting_reads(ckpt, fn) -> int:
-    """Bytes of tensor data fn read through the checkpoint module's safe_open (whole tensors and slices)."""
+    """Bytes of tensor data fn read through the checkpoint module's safe_open (whole tensors and
+    slices): ckpt, that module of the tree that runs (tests/training/test_checkpoint.py uses it too)."""
     opened = ckpt.safe_open
     count = [0]
 
@@ -161,6 +162,20 @@ def _assert_same_tensors(a: str, b: str) -> int:
     return len(ia)
 
 
+def _bytes_row(name: str, shape: str, key: str, ours: list, anchor: list, common: dict, **extra) -> dict:
+    """A row of the worst rank's bytes (and every rank's) of ours and the anchor."""
+    return {"name": name, "shape": shape, "ours_bytes": max(r[key] for r in ours),
+            "anchor_bytes": max(r[key] for r in anchor), **extra, "ours_per_rank": [r[key] for r in ours],
+            "anchor_per_rank": [r[key] for r in anchor], **common}
+
+
+def _time_row(name: str, shape: str, key: str, ours: list, anchor: list, common: dict) -> dict:
+    """A row of the slowest rank's seconds of ours and the anchor."""
+    ours_s, anchor_s = max(r[key] for r in ours), max(r[key] for r in anchor)
+    return {"name": name, "shape": shape, "ours_ms": round(ours_s * 1e3, 1), "anchor_ms": round(anchor_s * 1e3, 1),
+            "speedup": round(anchor_s / ours_s, 2), **common}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--driver", nargs=4, help=argparse.SUPPRESS)
@@ -205,29 +220,15 @@ def main() -> None:
             common = {"anchor": f"save_checkpoint at {a.before}", "target_speedup": None, "tensors": count,
                       "notes": "one save each, the two checkpoints' tensors asserted bitwise equal; the ranks "
                                f"share this machine's {os.cpu_count()} cores; *_per_rank: ranks 0-{world - 1}"}
-            rows.append({"name": "checkpoint save: most host memory a rank added", "shape": shape,
-                         "ours_bytes": max(r["added_peak_bytes"] for r in ours),
-                         "anchor_bytes": max(r["added_peak_bytes"] for r in anchor),
-                         "ours_per_rank": [r["added_peak_bytes"] for r in ours],
-                         "anchor_per_rank": [r["added_peak_bytes"] for r in anchor], **common})
-            rows.append({"name": "checkpoint save: most model bytes one rank wrote", "shape": shape,
-                         "ours_bytes": max(r["model_bytes"] for r in ours),
-                         "anchor_bytes": max(r["model_bytes"] for r in anchor), "total_bytes": total,
-                         "ours_per_rank": [r["model_bytes"] for r in ours],
-                         "anchor_per_rank": [r["model_bytes"] for r in anchor], **common})
-            ours_s, anchor_s = max(r["wall_s"] for r in ours), max(r["wall_s"] for r in anchor)
-            rows.append({"name": "checkpoint save: wall time (slowest rank)", "shape": shape,
-                         "ours_ms": round(ours_s * 1e3, 1), "anchor_ms": round(anchor_s * 1e3, 1),
-                         "speedup": round(anchor_s / ours_s, 2), **common})
-            rows.append({"name": "checkpoint load (a resume's weights): most bytes one rank read", "shape": shape,
-                         "ours_bytes": max(r["load_read_bytes"] for r in ours),
-                         "anchor_bytes": max(r["load_read_bytes"] for r in anchor), "total_bytes": total,
-                         "ours_per_rank": [r["load_read_bytes"] for r in ours],
-                         "anchor_per_rank": [r["load_read_bytes"] for r in anchor], **common})
-            ours_s, anchor_s = max(r["load_wall_s"] for r in ours), max(r["load_wall_s"] for r in anchor)
-            rows.append({"name": "checkpoint load: wall time (slowest rank)", "shape": shape,
-                         "ours_ms": round(ours_s * 1e3, 1), "anchor_ms": round(anchor_s * 1e3, 1),
-                         "speedup": round(anchor_s / ours_s, 2), **common})
+            rows += [
+                _bytes_row("checkpoint save: most host memory a rank added", shape, "added_peak_bytes", ours, anchor, common),
+                _bytes_row("checkpoint save: most model bytes one rank wrote", shape, "model_bytes", ours, anchor, common,
+                           total_bytes=total),
+                _time_row("checkpoint save: wall time (slowest rank)", shape, "wall_s", ours, anchor, common),
+                _bytes_row("checkpoint load (a resume's weights): most bytes one rank read", shape, "load_read_bytes",
+                           ours, anchor, common, total_bytes=total),
+                _time_row("checkpoint load: wall time (slowest rank)", shape, "load_wall_s", ours, anchor, common),
+            ]
             for r in rows[-5:]:
                 print(json.dumps(r), flush=True)
     write_results(a.out, rows, ("torch", "safetensors"), device=cpu_name(f", {world} processes"))

@@ -55,6 +55,11 @@ SLOW_TESTS = {
     "tests/training/test_train.py::test_a_lora_run_started_by_train_is_a_finetune",  # 18 s
     # 27 s: the model-level twin stays (test_a_packed_micro_batch_equals_each_record_alone)
     "tests/training/test_prompt_response.py::test_an_isolated_training_step_is_the_packed_reference",
+    # 33 s: an S layer under CP=2 stays in test_cp2_model_equals_cp1[packed]
+    "tests/parallel/test_cp_sparse_attention.py::test_cp_layer_equals_single_process",
+    # 45-70 s with its fixture: a DCP checkpoint into FSDP2 shards; test_checkpoint's four ranks load
+    # FSDP2 shards by rows, test_convert_checkpoint's DCP reshards under EP=2
+    "tests/parallel/test_fsdp.py::test_lora_from_a_dist_checkpoint_under_fsdp",
 } | {  # the linear attention's Triton kernels in the interpreter: one variant of each test stays
     f"tests/ops/test_linear_attention_triton.py::{name}"
     for name in [

@@ -291,6 +291,30 @@ def test_full_disk_on_one_rank_stops_all_ranks_cleanly(corpus, cache_dir, tmp_pa
     assert names == ["step_00000002", "step_00000006"]  # step 4's save hit the full disk
 
 
+def _worker_adapter_full_disk(rank, world, raw, ov):
+    ckpt.write_tensors = _enospc_on_call(2)  # 1: the run's last checkpoint, 2: the adapter's part
+    try:
+        _run(raw, ov, mode="finetune")
+        return "ok", None
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_the_adapter_stops_naming_the_checkpoint(corpus, cache_dir, tmp_path, raw_config):
+    base = str(tmp_path / "base")
+    raw, ov = raw_config(corpus, cache_dir, base, **{"training.train_steps": 1})
+    assert spawn(_run_catching, 1, raw, ov)[0][0] == "ok"
+    out = str(tmp_path / "lora")
+    raw, ov = raw_config(corpus, cache_dir, out, **{"training.train_steps": 1, "lora.enabled": True,
+                                                    "training.init_from": base,
+                                                    "training.tokenizer_model": os.path.join(base, "tokenizer.model")})
+    status, message = spawn(_worker_adapter_full_disk, 1, raw, ov)[0]
+    assert status == "TrainingStopped", message
+    assert "writing the adapter failed" in message and "disk full" in message and "step_00000001" in message, message
+    assert not os.path.exists(os.path.join(out, "adapter")) and not os.path.exists(os.path.join(out, "adapter.tmp"))
+
+
 # 5. Non-finite loss or gradients ----------------------------------------------------------
 
 
