@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,19 +36,14 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
 
     import torch
     import torch.distributed as dist
-    import yaml
 
-    from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.models import build_model
-    from megatron_moe_hybrid.testing import init_megatron
+    from megatron_moe_hybrid.testing import init_megatron, tiny_config
     from megatron_moe_hybrid.training import checkpoint as ckpt
 
     init_megatron(rank, world, ep=ep)
-    with open(os.path.join(os.getcwd(), "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": ep,
-                                    "moe.dispatcher": "alltoall", "training.global_batch_size": 2 * world,
-                                    **overrides})
+    config = tiny_config(**{"parallel.world_size": world, "parallel.expert_model_parallel_size": ep,
+                            "moe.dispatcher": "alltoall", "training.global_batch_size": 2 * world, **overrides})
     torch.manual_seed(0)  # the same weights in both trees (each EP rank draws its experts alike)
     model = build_model(config)
     if config.parallel.fsdp:
@@ -132,13 +126,9 @@ def _driver(out: str, world: str, ep: str, overrides: str) -> None:
 
 
 def _save(tree: str, out: str, world: int, ep: int, overrides: dict) -> list[dict]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--driver", out, str(world), str(ep), json.dumps(overrides)]
-    path = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])  # the tree's package first
-    done = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        raise RuntimeError(f"{cmd} in {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from common import run_in_tree
+
+    return run_in_tree(tree, [os.path.abspath(__file__), "--driver", out, str(world), str(ep), json.dumps(overrides)])
 
 
 def _assert_same_tensors(a: str, b: str) -> int:
@@ -194,7 +184,7 @@ def main() -> None:
     if a.driver:
         _driver(*a.driver)
         return
-    from common import cpu_name, worktree, write_results
+    from common import anchor_tree, cpu_name, write_results
 
     model = {"model.hidden_size": a.hidden, "model.vocab_size": a.vocab, "moe.num_experts": a.experts,
              "moe.ffn_hidden_size": a.ffn, "moe.shared_expert_ffn_hidden_size": a.ffn}
@@ -202,13 +192,7 @@ def main() -> None:
     world, ep = a.world, a.ep
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
-        if a.before_tree:
-            before = os.path.abspath(a.before_tree)
-        else:
-            before = stack.enter_context(worktree(a.before, os.path.join(tmp, "before")))
-            for f in os.listdir(os.path.join(ROOT, "megatron_moe_hybrid")):
-                if f.startswith("_C."):  # the built extension (an in-place build is not in git)
-                    os.symlink(os.path.join(ROOT, "megatron_moe_hybrid", f), os.path.join(before, "megatron_moe_hybrid", f))
+        before = anchor_tree(stack, a.before, a.before_tree, tmp)
         for fsdp in (True, False) if a.replicated else (True,):
             overrides = {**model, "parallel.fsdp": fsdp}
             ours = _save(ROOT, os.path.join(tmp, f"ours-{fsdp}"), world, ep, overrides)

@@ -109,10 +109,34 @@ def cpu_name(note: str = "") -> str:
 @contextlib.contextmanager
 def worktree(revision: str, where: str):
     """A checkout of revision at where (a git worktree of this repository), removed at the end:
-    the anchor of a benchmark that times ours against our own earlier code in the same run."""
+    the anchor of a benchmark that times ours against our own earlier code in the same run. The
+    built extension (megatron_moe_hybrid/_C.*, an in-place build that git does not hold) is linked in."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", where, revision], check=True)
+    package = os.path.join(root, "megatron_moe_hybrid")
+    for f in os.listdir(package):
+        if f.startswith("_C."):
+            os.symlink(os.path.join(package, f), os.path.join(where, "megatron_moe_hybrid", f))
     try:
         yield where
     finally:
         subprocess.run(["git", "-C", root, "worktree", "remove", "--force", where], check=False)
+
+
+def anchor_tree(stack: contextlib.ExitStack, revision: str, tree: str | None, tmp: str) -> str:
+    """The anchor's checkout: tree (git archive's files of revision, where there is no repository,
+    as on the device machine) or a worktree of revision under tmp, removed when stack closes."""
+    if tree:
+        return os.path.abspath(tree)
+    return stack.enter_context(worktree(revision, os.path.join(tmp, "before")))
+
+
+def run_in_tree(tree: str, args: list[str], timeout: float = 3600) -> dict:
+    """Runs `python *args` in tree with tree's package first on the path (the caller's path after
+    it, where other packages may live) and returns the JSON of the last line it printed."""
+    path = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, *args], cwd=tree, env=dict(os.environ, PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"{args} in {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -9,11 +9,11 @@ memory; the indexed dataset's ends and the token caches are asserted equal.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,12 +61,9 @@ def _indexed(prefix: str, documents: int) -> None:
 
 
 def _open(tree: str, kind: str, path: str, tokenizer: str, cache: str, out: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--driver", kind, path, tokenizer, cache, out]
-    done = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True,
-                          timeout=3600)
-    if done.returncode:
-        raise RuntimeError(f"{cmd} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from common import run_in_tree
+
+    return run_in_tree(tree, [os.path.abspath(__file__), "--driver", kind, path, tokenizer, cache, out])
 
 
 def main() -> None:
@@ -74,13 +71,16 @@ def main() -> None:
     p.add_argument("--documents", type=int, default=20_000_000)
     p.add_argument("--text-mb", type=int, default=100)
     p.add_argument("--before", default="310fa0f", help="the revision whose code is the anchor")
+    p.add_argument("--before-tree", default=None, help="a checkout of --before to use (git archive's files) "
+                   "instead of a worktree made here")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "data_at_scale.json"))
     a = p.parse_args()
-    from common import cpu_name, worktree, write_results
+    from common import anchor_tree, cpu_name, write_results
     from preprocess import _corpus
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, worktree(a.before, os.path.join(tmp, "before")) as before:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        before = anchor_tree(stack, a.before, a.before_tree, tmp)
         _indexed(os.path.join(tmp, "d"), a.documents)
         corpus = _corpus(tmp, a.text_mb)
         for kind, path, shape in (("indexed", os.path.join(tmp, "d"), f"indexed-{a.documents}-documents"),

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,14 +73,11 @@ def _corpus(root: str, mb: int) -> dict[str, str]:
 
 
 def _run(tree: str, corpus: dict, kind: str, workers: int, out: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--driver", os.path.join(tree, "tools", "preprocess_data.py"),
-           "--", "--input", corpus[kind], "--tokenizer", corpus["tokenizer"], "--output", out,
-           "--workers", str(workers)]
-    env = dict(os.environ, PYTHONPATH=tree)
-    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        raise RuntimeError(f"{cmd} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    from common import run_in_tree
+
+    result = run_in_tree(tree, [os.path.abspath(__file__), "--driver", os.path.join(tree, "tools", "preprocess_data.py"),
+                                "--", "--input", corpus[kind], "--tokenizer", corpus["tokenizer"], "--output", out,
+                                "--workers", str(workers)])
     assert result["rc"] == 0, result
     return result
 
@@ -96,12 +92,11 @@ def main() -> None:
     p.add_argument("--workers", default="1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "preprocess.json"))
     a = p.parse_args()
-    from common import cpu_name, worktree, write_results
+    from common import anchor_tree, cpu_name, write_results
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        before = None if a.before == "none" else (os.path.abspath(a.before_tree) if a.before_tree else
-                                                  stack.enter_context(worktree(a.before, os.path.join(tmp, "before"))))
+        before = None if a.before == "none" else anchor_tree(stack, a.before, a.before_tree, tmp)
         corpus = _corpus(tmp, a.mb)
         for kind in ("jsonl", "txt"):
             gb = os.path.getsize(corpus[kind]) / 1e9

@@ -21,6 +21,7 @@ collective over the mesh that shards it, so every rank walks the same names in t
 and a load reads this rank's rows of it: checkpoints move freely between FSDP and plain runs.
 """
 
+import contextlib
 import errno
 import pickle
 import json
@@ -30,6 +31,7 @@ import shutil
 import zlib
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -94,6 +96,14 @@ def _rows_of_shard(t: DTensor) -> Optional[int]:
     return first
 
 
+def _least_loaded(load: list[int], ranks, tensor: torch.Tensor) -> int:
+    """Of ranks, the one given the fewest bytes so far (the lowest on a tie), given tensor's bytes:
+    every rank makes the same choice from the same sequence of tensors."""
+    rank = min(ranks, key=lambda r: (load[r], r))
+    load[rank] += tensor.numel() * tensor.element_size()
+    return rank
+
+
 def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple]:
     """The checkpoint's tensors in one order that every rank shares: [(global name, dtype, shape,
     mine, get)], mine: whether this rank writes it; get(): its host copy where mine, else None.
@@ -140,9 +150,7 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tu
                 out.append((f"{name}.expert{ep_rank * e_local + i}", tensor.dtype, tuple(tensor.shape[1:]), mine,
                             lambda i=i, mine=mine, row=row: row(i, mine)))  # fmt: skip
             continue
-        ranks = _mesh_ranks(tensor) if isinstance(tensor, DTensor) else range(world)
-        owner = min(ranks, key=lambda r: (load[r], r))
-        load[owner] += tensor.numel() * tensor.element_size()
+        owner = _least_loaded(load, _mesh_ranks(tensor) if isinstance(tensor, DTensor) else range(world), tensor)
 
         def get(t=tensor, mine=owner == rank) -> Optional[torch.Tensor]:
             whole = t.full_tensor() if isinstance(t, DTensor) else t  # every rank of the mesh takes part
@@ -213,10 +221,9 @@ class SafetensorsWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{self.path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, the header "
                              f"says {dtype} {tuple(shape)}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         if self.checksums:
-            self.crcs[name] = f"{zlib.crc32(data):08x}"
-        self.file.write(memoryview(data))
+            self.crcs[name] = _crc32(tensor)
+        self.file.write(memoryview(_bytes_of(tensor)))
         self.next += 1
 
     def close(self) -> int:
@@ -236,25 +243,26 @@ class SafetensorsWriter:
     def abort(self) -> None:
         self.file.close()
 
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is not None:  # left by an error: the file stays incomplete (its directory is temporary)
+            self.abort()
+
 
 def write_tensors(path: str, entries: list[tuple], checksums: bool = True) -> Optional[int]:
     """Writes the tensors of _walk_model's entries that this rank owns into a safetensors file at
     path, one at a time, calling every entry's get() in order (the collectives of the others);
     the file's size, or None where this rank owns none (and no file is made)."""
-    writer = None
-    if any(mine for _, _, _, mine, _ in entries):
-        writer = SafetensorsWriter(path, [(n, d, s) for n, d, s, mine, _ in entries if mine], checksums=checksums)
-    try:
+    specs = [(name, dtype, shape) for name, dtype, shape, mine, _ in entries if mine]
+    with SafetensorsWriter(path, specs, checksums=checksums) if specs else contextlib.nullcontext() as writer:
         for name, _, _, mine, get in entries:
             t = get()
             if mine:
                 writer.add(name, t)
             del t
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    return writer.close() if writer is not None else None
+        return writer.close() if specs else None
 
 
 def join_safetensors(sources: list[str], dest: str, checksums: bool = False) -> int:
@@ -270,14 +278,10 @@ def join_safetensors(sources: list[str], dest: str, checksums: bool = False) -> 
             piece = h.get_slice(key)
             where[key] = (h, dtypes[piece.get_dtype()], tuple(piece.get_shape()))
     names = sorted(where)
-    writer = SafetensorsWriter(dest, [(n, where[n][1], where[n][2]) for n in names], checksums=checksums)
-    try:
+    with SafetensorsWriter(dest, [(n, where[n][1], where[n][2]) for n in names], checksums=checksums) as writer:
         for n in names:
             writer.add(n, where[n][0].get_tensor(n))
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.close()
+        return writer.close()
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -311,8 +315,13 @@ class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed on some rank; nothing partial is left behind."""
 
 
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as stored, on the host (a view of a contiguous host tensor, no copy)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def _crc32(t: torch.Tensor) -> str:
-    return f"{zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy()):08x}"
+    return f"{zlib.crc32(_bytes_of(t)):08x}"
 
 
 def _fsync(path: str) -> None:
@@ -592,10 +601,9 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     def stored_shape(key: str) -> tuple:
         return tuple(handle(key).get_slice(key).get_shape())
 
-    def check_shape(name: str, shape: tuple, key: str) -> None:
-        if shape != tuple(tensor.shape):
-            raise CheckpointError(f"{path}: tensor {name} has shape {shape} in {available[key]}, the model expects "
-                                  f"{tuple(tensor.shape)}")
+    def check_shape(name: str, shape: tuple, key: str, want: tuple) -> None:
+        if shape != want:
+            raise CheckpointError(f"{path}: tensor {name} has shape {shape} in {available[key]}, the model expects {want}")
 
     with torch.no_grad():
         for name, tensor in state.items():
@@ -612,8 +620,9 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
                 else:
                     missing.append(name)
                     continue
-                shapes = {stored_shape(k) for k in keys}
-                check_shape(name, (e_local, *next(iter(shapes))) if len(shapes) == 1 else (e_local, shapes), keys[0])
+                shapes = {stored_shape(k) for k in keys}  # one shape, or the stack's is none
+                check_shape(name, (e_local, *shapes.pop()) if len(shapes) == 1 else (e_local, shapes), keys[0],
+                            tuple(tensor.shape))
                 rows = range(e_local) if first is None else range(first, first + tensor.to_local().shape[0])
                 parts = [read(keys[i]) for i in rows]  # whole experts: each checked by its reader
                 if any(part is None for part in parts):
@@ -621,14 +630,12 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
                 value = torch.stack(parts) if parts else tensor.to_local().new_empty(tensor.to_local().shape)
             elif name in available or unwrapped(name) in available:
                 key = name if name in available else unwrapped(name)
-                check_shape(name, stored_shape(key), key)
+                check_shape(name, stored_shape(key), key, tuple(tensor.shape))
                 if first is None:
                     value = read(key)
                 else:  # one rank of the mesh reads it whole to check its checksum, the others their rows
                     count = tensor.to_local().shape[0]
-                    checker = min(_mesh_ranks(tensor), key=lambda r: (load[r], r))
-                    load[checker] += tensor.numel() * tensor.element_size()
-                    if checker == rank:
+                    if _least_loaded(load, _mesh_ranks(tensor), tensor) == rank:
                         whole = read(key)
                         value = None if whole is None else whole[first : first + count]
                     else:

@@ -197,8 +197,8 @@ class IndexedWriter:
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         n = len(lengths)
-
-        def write_index(f) -> None:  # a slice at a time: no int64 temporaries of the corpus's size
+        fd, idx_tmp = temp_beside(self.prefix, ".idx.tmp")  # written whole before either file appears
+        with os.fdopen(fd, "wb") as f:  # a slice at a time: no int64 temporaries of the corpus's size
             f.write(HEADER + struct.pack("<QBQQ", VERSION, _CODES[self.dtype], n, n + 1))
             f.write(lengths.tobytes())
             offset = 0
@@ -208,10 +208,6 @@ class IndexedWriter:
                 offset = int(ends[-1])
             for a in range(0, n + 1, _SLICE):
                 f.write(np.arange(a, min(a + _SLICE, n + 1), dtype=np.int64).tobytes())
-
-        fd, idx_tmp = temp_beside(self.prefix, ".idx.tmp")  # written whole before either file appears
-        with os.fdopen(fd, "wb") as f:
-            write_index(f)
             f.flush()
             os.fsync(f.fileno())
         publish(self._bin_tmp, self.prefix + ".bin")

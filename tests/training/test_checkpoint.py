@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megatron_moe_hybrid.testing import init_megatron, teardown
+from megatron_moe_hybrid.testing import init_megatron, teardown, tiny_config
 from megatron_moe_hybrid.training import checkpoint as ckpt
 
 
@@ -17,17 +17,10 @@ def megatron_state():
 
 
 def build(seed=0):
-    import yaml
-
-    from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.models import build_model
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    config = config_from_dict(raw, {"parallel.world_size": 1, "model.num_layers": 4})
     torch.manual_seed(seed)
-    return build_model(config)
+    return build_model(tiny_config(**{"model.num_layers": 4}))
 
 
 def test_save_load_round_trip_and_expert_names(tmp_path):
@@ -249,20 +242,14 @@ def test_a_save_holds_one_tensor_in_host_memory_at_a_time(tmp_path, monkeypatch)
 def _spread_save_worker(rank, world, src, out):
     """Loads the one-process checkpoint under EP=2 x expert-dp 2, replicated and FSDP2-sharded,
     and saves each from the four ranks."""
-    import yaml
-
-    from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.models import build_model
     from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
     init_megatron(rank, world, ep=2)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
     paths, read = {}, {}
     for fsdp in (False, True):
-        config = config_from_dict(raw, {"parallel.world_size": world, "parallel.expert_model_parallel_size": 2,
-                                        "parallel.fsdp": fsdp, "model.num_layers": 4, "moe.dispatcher": "alltoall"})
+        config = tiny_config(**{"parallel.world_size": world, "parallel.expert_model_parallel_size": 2,
+                                "parallel.fsdp": fsdp, "model.num_layers": 4, "moe.dispatcher": "alltoall"})
         torch.manual_seed(100 + rank)  # other weights on every rank: the checkpoint brings them
         model = build_model(config)
         if fsdp:
@@ -356,17 +343,11 @@ def test_four_ranks_write_a_quarter_each_and_the_checkpoint_equals_one_process(t
 def _gpu_fsdp_worker(rank, world, src, out):
     """The one-process checkpoint loaded into an FSDP2 model on the GPU (a mesh of one rank: every
     tensor a DTensor sharded along dim 0, read by rows), then saved from it."""
-    import yaml
-
-    from megatron_moe_hybrid.config import config_from_dict
     from megatron_moe_hybrid.models import build_model
     from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
     init_megatron(rank, world)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "examples", "configs", "tiny.yaml")) as f:
-        raw = yaml.safe_load(f)
-    config = config_from_dict(raw, {"parallel.world_size": 1, "parallel.fsdp": True, "model.num_layers": 4})
+    config = tiny_config(**{"parallel.fsdp": True, "model.num_layers": 4})
     torch.manual_seed(7)
     model = build_model(config).cuda()
     apply_fsdp(model, config)
