@@ -22,7 +22,7 @@ for step in $steps; do
     moe) run moe 120 tests/ops/test_fused_permute.py tests/layers/test_moe_gpu.py tests/ops/test_grouped_gemm_triton.py \
            tests/layers/test_moe_router.py tests/ops/test_moe_static_dispatch.py tests/ops/test_moe_router_triton.py \
            tests/ops/test_moe_swiglu.py tests/ops/test_fast_launch_gpu.py ;;
-    model) run model 300 tests/layers/test_lora.py tests/training/test_train_gpu.py tests/models/test_model_context_parallel.py \
+    model) run model 300 tests/layers/test_lora.py tests/training/test_train_gpu.py tests/models/test_model_context_parallel.py tests/training/test_checkpoint.py \
              tests/parallel/test_offload.py ;;
     linear) run linear 300 tests/ops/test_linear_attention_triton.py tests/ops/test_linear_attention_recurrent.py \
               tests/ops/test_linear_attention_norms.py tests/ops/test_short_conv.py ;;

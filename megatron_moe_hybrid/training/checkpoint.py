@@ -16,7 +16,7 @@ Every rank writes a share of the weights (_walk_model): each dense tensor goes t
 the fewest bytes so far, experts to the expert-data-parallel replicas in turns (or, sharded by
 FSDP2, to the rank whose shard holds them), and a rank streams its share into its file a tensor
 at a time (SafetensorsWriter), so that no rank holds more than one tensor in host memory and the
-bytes spread over all ranks. Under FSDP2 a dense tensor is gathered whole for its writer (a
+bytes spread over all ranks. Under FSDP2 a dense tensor is gathered to its writer alone (a
 collective over the mesh that shards it, so every rank walks the same names in the same order)
 and a load reads this rank's rows of it: checkpoints move freely between FSDP and plain runs.
 """
@@ -109,7 +109,7 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tu
     mine, get)], mine: whether this rank writes it; get(): its host copy where mine, else None.
 
     Every get() must be called, in order, on every rank: an FSDP2-sharded dense tensor is gathered
-    whole over its mesh (a collective) and written by one rank of it, the one given the fewest
+    over its mesh (a collective) to the one rank of it that writes it, the one given the fewest
     bytes so far, so that a save's bytes spread over the ranks instead of all falling on rank 0.
     Routed experts are one entry per global expert (`<name>.expert<g>`): sharded by FSDP2 along
     the experts, each rank writes the whole experts of its own shard (no gather); replicated over
@@ -152,12 +152,37 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tu
             continue
         owner = _least_loaded(load, _mesh_ranks(tensor) if isinstance(tensor, DTensor) else range(world), tensor)
 
-        def get(t=tensor, mine=owner == rank) -> Optional[torch.Tensor]:
-            whole = t.full_tensor() if isinstance(t, DTensor) else t  # every rank of the mesh takes part
-            return _host_copy(whole) if mine else None
+        def get(t=tensor, owner=owner) -> Optional[torch.Tensor]:
+            if isinstance(t, DTensor):  # every rank of the mesh takes part
+                return _gather_to(t, owner)
+            return _host_copy(t) if owner == rank else None
 
         out.append((name, tensor.dtype, tuple(tensor.shape), owner == rank, get))
     return out
+
+
+def _gather_to(t: DTensor, owner: int) -> Optional[torch.Tensor]:
+    """t whole in host memory on the global rank owner, None on the other ranks of its mesh (all of
+    which must call this). FSDP2's layout is gathered to the owner alone: the other ranks send their
+    rows and hold no more than them, and the owner holds the tensor once on its device (a CPU
+    tensor is not copied again). Any other layout is gathered whole on every rank (full_tensor)."""
+    if _rows_of_shard(t) is None or t.shape[0] == 0:
+        whole = t.full_tensor()
+        return _host_copy(whole) if owner == _rank() else None
+    local = t.to_local()
+    m = t.device_mesh.size()
+    each = -(-t.shape[0] // m)
+    if local.shape[0] < each or not local.is_contiguous():  # gather takes equal, contiguous pieces
+        padded = local.new_zeros((each, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        local = padded
+    if owner != _rank():
+        dist.gather(local, None, dst=owner, group=t.device_mesh.get_group())
+        return None
+    buffer = local.new_empty((each * m, *local.shape[1:]))
+    dist.gather(local, list(buffer.chunk(m)), dst=owner, group=t.device_mesh.get_group())
+    whole = buffer[: t.shape[0]]  # contiguous: the padding rows are only ever at the end
+    return whole if whole.device.type == "cpu" else _host_copy(whole)
 
 
 def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -255,7 +255,15 @@ def _spread_save_worker(rank, world, src, out):
         if fsdp:
             apply_fsdp(model, config)
         read[fsdp] = _counting_reads(lambda: ckpt.load_model_weights(src, model))
-        paths[fsdp] = ckpt.save_checkpoint(os.path.join(out, str(fsdp)), 2, model, {"step": 2}, {})
+        gathered_whole = []  # under FSDP2 no rank gathers a tensor whole: each goes to its writer alone
+        full_tensor = torch.distributed.tensor.DTensor.full_tensor
+        torch.distributed.tensor.DTensor.full_tensor = lambda t, *a, **k: gathered_whole.append(t.shape) or full_tensor(
+            t, *a, **k)
+        try:
+            paths[fsdp] = ckpt.save_checkpoint(os.path.join(out, str(fsdp)), 2, model, {"step": 2}, {})
+        finally:
+            torch.distributed.tensor.DTensor.full_tensor = full_tensor
+        assert not gathered_whole, gathered_whole[:3]
     # a corrupt dense tensor: under FSDP2 one rank checks its checksum, and every rank raises
     bad = os.path.join(out, "bad")
     if rank == 0:
