@@ -811,7 +811,7 @@ class OursReader:
     """Tensors of one checkpoint of ours by global name (experts as `<name>.expert<g>`), CRC-checked."""
 
     def __init__(self, ckpt_dir: str):
-        from megatron_moe_hybrid.training.checkpoint import resolve_checkpoint, verify_files
+        from megatron_moe_hybrid.training.checkpoint import OPTIMIZER_PREFIX, resolve_checkpoint, verify_files
 
         self.dir = resolve_checkpoint(ckpt_dir)
         self.meta = verify_files(self.dir)
@@ -819,7 +819,7 @@ class OursReader:
         self.crc: dict[str, str] = {}
         self._handles: dict[str, object] = {}
         for fname in sorted(self.meta.get("files", {})):
-            if fname.endswith(".safetensors"):
+            if fname.endswith(".safetensors") and not fname.startswith(OPTIMIZER_PREFIX):  # the weights only
                 with safe_open(os.path.join(self.dir, fname), framework="pt") as handle:
                     self.crc.update(handle.metadata() or {})
                     self.file_of.update({k: fname for k in handle.keys()})

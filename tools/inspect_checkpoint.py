@@ -16,7 +16,7 @@ import sys
 
 from safetensors import safe_open
 
-from megatron_moe_hybrid.training.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from megatron_moe_hybrid.training.checkpoint import OPTIMIZER_PREFIX, CheckpointError, read_meta, resolve_checkpoint
 
 _EXPERT = re.compile(r"\.expert(\d+)$")
 
@@ -49,18 +49,21 @@ def summarise(path: str) -> dict:
     path = resolve_checkpoint(path)
     meta = read_meta(path)
     shapes: dict[str, tuple] = {}
+    moments: dict[str, tuple] = {}  # the optimizer's, in their own files
     for fname in sorted(os.listdir(path)):
         if not fname.endswith(".safetensors"):
             continue
+        into = moments if fname.startswith(OPTIMIZER_PREFIX) else shapes
         try:
             with safe_open(os.path.join(path, fname), framework="pt") as f:
                 for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
+                    into[key] = tuple(f.get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{os.path.join(path, fname)}: cannot read ({e})") from e
     return _counts({"path": path, "step": meta["step"], "mode": meta.get("mode"), "world_size": meta["world_size"],
                     "expert_model_parallel_size": meta["expert_model_parallel_size"],
-                    "model": meta.get("config", {}).get("model", {}), "shapes": shapes})  # fmt: skip
+                    "model": meta.get("config", {}).get("model", {}), "shapes": shapes,
+                    "num_optimizer_tensors": len(moments)})  # fmt: skip
 
 
 def _counts(s: dict) -> dict:
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
         print(f"model: {m.get('num_layers')} layers pattern {m.get('pattern')}, hidden {m.get('hidden_size')}, vocab {m.get('vocab_size')}")
     print(f"tensors: {s['num_tensors']}, parameters: {s['num_params']:,} "
           f"({s['num_expert_params']:,} in {s['num_experts']} routed experts per layer)")
+    if s.get("num_optimizer_tensors"):
+        print(f"optimizer moments: {s['num_optimizer_tensors']} tensors (a resume under another layout reshards them)")
     if s["num_lora_params"]:
         print(f"LoRA adapters: {s['num_lora_params']:,} parameters (the rest is the frozen base)")
     if args.tensors:

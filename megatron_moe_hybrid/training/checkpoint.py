@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 CKPT_DIR = "checkpoints"
+OPTIMIZER_PREFIX = "optim-"  # the optimizer's moments: optim-ep<e>-r<r>.safetensors, beside the model's files
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
@@ -104,9 +105,20 @@ def _least_loaded(load: list[int], ranks, tensor: torch.Tensor) -> int:
     return rank
 
 
-def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple]:
+def _walk_model(model: torch.nn.Module, trainable_only: bool = False, load: Optional[list[int]] = None) -> list[tuple]:
+    """The model's tensors as _walk gives them (trainable_only: the parameters that train)."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    items = [(name, tensor, name) for name, tensor in model.state_dict().items()
+             if isinstance(tensor, torch.Tensor) and not (trainable_only and name not in trainable)]  # fmt: skip
+    return _walk(items, {n: p.num_local_experts for n, p in _expert_params(model).items()}, load)
+
+
+def _walk(items: list[tuple], experts: dict[str, int], load: Optional[list[int]] = None) -> list[tuple]:
     """The checkpoint's tensors in one order that every rank shares: [(global name, dtype, shape,
     mine, get)], mine: whether this rank writes it; get(): its host copy where mine, else None.
+    items: [(name, tensor, parameter name)], in an order every rank shares; experts: the routed
+    experts' parameter names -> their local experts (tensors [local experts, ...]); load: the
+    bytes given to each rank so far (by an earlier walk of the same save), updated.
 
     Every get() must be called, in order, on every rank: an FSDP2-sharded dense tensor is gathered
     over its mesh (a collective) to the one rank of it that writes it, the one given the fewest
@@ -118,16 +130,12 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False) -> list[tu
     world = dist.get_world_size() if dist.is_initialized() else 1
     ep_rank, _, expert_dp_rank = _ep_info()
     expert_dp = _expert_dp_size()
-    experts = _expert_params(model)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    load = [0] * world  # bytes given to each rank so far
+    load = [0] * world if load is None else load  # bytes given to each rank so far
     turn = 0  # replicated experts: whose turn among the expert-dp replicas
     out: list[tuple] = []
-    for name, tensor in model.state_dict().items():
-        if not isinstance(tensor, torch.Tensor) or (trainable_only and name not in trainable):
-            continue
-        if name in experts:
-            e_local = experts[name].num_local_experts
+    for name, tensor, param in items:
+        if param in experts:
+            e_local = experts[param]
             first = _rows_of_shard(tensor) if isinstance(tensor, DTensor) else None
             if first is not None:  # FSDP2 over expert-dp: this rank's rows are whole experts
                 local = tensor.to_local()
@@ -183,6 +191,77 @@ def _gather_to(t: DTensor, owner: int) -> Optional[torch.Tensor]:
     dist.gather(local, list(buffer.chunk(m)), dst=owner, group=t.device_mesh.get_group())
     whole = buffer[: t.shape[0]]  # contiguous: the padding rows are only ever at the end
     return whole if whole.device.type == "cpu" else _host_copy(whole)
+
+
+def _is_moment(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def optimizer_scalars(state_dict: dict) -> dict:
+    """An optimizer state_dict without its moments (each parameter's state tensors of one or more
+    dims, e.g. AdamW's exp_avg and exp_avg_sq): what a rank's state file keeps when save_checkpoint
+    writes the moments into the optimizer files (its optimizer=)."""
+    state = {k: {n: v for n, v in s.items() if not _is_moment(v)} for k, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
+def holds_moments(state_dict: dict) -> bool:
+    """Whether an optimizer state_dict (of a rank's state file) holds the moments themselves, as
+    checkpoints written before the optimizer files did: those resume only in their own layout."""
+    return any(_is_moment(v) for s in state_dict["state"].values() for v in s.values())
+
+
+def _optimizer_items(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple]:
+    """The optimizer's moments as _walk's items: (`optimizer.<key>.<parameter name>`, the moment,
+    the parameter's name); a moment has its parameter's shape and sharding, so it is written (and
+    read back) as its parameter is. Every rank walks the same names: a parameter that never stepped
+    on some rank (no gradient there) has zero moments there."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    here = [(names[id(p)], key, str(v.dtype).removeprefix("torch."))
+            for p in params for key, v in optimizer.state.get(p, {}).items() if _is_moment(v)]  # fmt: skip
+    everyone = set(here) if not dist.is_initialized() else {x for part in _gather(here) for x in part}
+    items = []
+    for p in params:
+        name = names[id(p)]
+        for _, key, dtype in sorted(x for x in everyone if x[0] == name):
+            value = optimizer.state.get(p, {}).get(key)
+            if value is None:
+                value = torch.zeros_like(p, dtype=getattr(torch, dtype))
+            items.append((f"optimizer.{key}.{name}", value, name))
+    return items
+
+
+def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Loads an optimizer whose moments a checkpoint holds in its optimizer files, whatever the
+    layout (world size, expert parallel, FSDP2 or not) that wrote them: state_dict (the rank's
+    state file's, optimizer_scalars) gives the param groups and the step counts, and each moment
+    is read as its parameter's weights are (this rank's rows, this EP rank's experts), into a
+    tensor of the parameter's shape and sharding in the optimizer's state dtype (its state_dtype,
+    else the parameter's). A collective where the model is sharded."""
+    optimizer.load_state_dict(state_dict)
+    stored = _Stored(path, optimizer=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys = sorted({k.split(".", 2)[1] for k in stored.available})
+    items, targets = [], []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):  # never stepped: it starts from zero moments, as it would have
+                continue
+            dtype = getattr(optimizer, "state_dtype", None) or p.dtype
+            for key in keys:
+                target = torch.zeros_like(p, dtype=dtype)
+                items.append((f"optimizer.{key}.{names[id(p)]}", target, names[id(p)]))
+                targets.append((p, key, target))
+    experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
+    missing = _load_tensors(stored, items, experts)
+    stored.raise_corrupt(sharded=any(isinstance(p, DTensor) for p in model.parameters()))
+    if missing or (targets and not keys):
+        raise CheckpointError(f"{stored.path}: the optimizer files lack the moments of "
+                              f"{(missing or [n for n, _, _ in items] or ['every parameter'])[:5]}")
+    with torch.no_grad():
+        for p, key, target in targets:
+            optimizer.state[p][key] = target
 
 
 def model_tensors_to_save(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -279,15 +358,28 @@ class SafetensorsWriter:
 def write_tensors(path: str, entries: list[tuple], checksums: bool = True) -> Optional[int]:
     """Writes the tensors of _walk_model's entries that this rank owns into a safetensors file at
     path, one at a time, calling every entry's get() in order (the collectives of the others);
-    the file's size, or None where this rank owns none (and no file is made)."""
+    the file's size, or None where this rank owns none (and no file is made). An OSError (a full
+    disk) is raised once every get() has been called, so that no other rank waits in a gather."""
     specs = [(name, dtype, shape) for name, dtype, shape, mine, _ in entries if mine]
-    with SafetensorsWriter(path, specs, checksums=checksums) if specs else contextlib.nullcontext() as writer:
+    error: Optional[OSError] = None
+    writer = None
+    if specs:
+        try:
+            writer = SafetensorsWriter(path, specs, checksums=checksums)
+        except OSError as e:
+            error = e
+    with writer if writer is not None else contextlib.nullcontext():  # aborts the file on an exception
         for name, _, _, mine, get in entries:
             t = get()
-            if mine:
-                writer.add(name, t)
+            if mine and error is None:
+                try:
+                    writer.add(name, t)
+                except OSError as e:
+                    error = e
             del t
-        return writer.close() if specs else None
+        if error is not None:
+            raise error
+        return writer.close() if writer is not None else None
 
 
 def join_safetensors(sources: list[str], dest: str, checksums: bool = False) -> int:
@@ -354,16 +446,29 @@ def _fsync(path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _write_rank_files(tmp: str, model, rank_state, trainable_only: bool) -> dict[str, int]:
+def _write_rank_files(tmp: str, model, rank_state, trainable_only: bool, optimizer=None) -> dict[str, int]:
     """This rank's files; returns {file name: size in bytes}."""
     rank = _rank()
     ep_rank, _, _ = _ep_info()
     written = {}
-    name = f"model-ep{ep_rank:05d}-r{rank:05d}.safetensors"
-    # A CRC per tensor (in the safetensors header) lets a load name the corrupt tensor.
-    size = write_tensors(os.path.join(tmp, name), _walk_model(model, trainable_only))
-    if size is not None:
-        written[name] = size
+    load = [0] * (dist.get_world_size() if dist.is_initialized() else 1)  # both walks spread over the ranks
+    walks = [("model-", _walk_model(model, trainable_only, load))]
+    if optimizer is not None:
+        experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
+        walks.append((OPTIMIZER_PREFIX, _walk(_optimizer_items(model, optimizer), experts, load)))
+    error: Optional[OSError] = None
+    for prefix, walk in walks:
+        name = f"{prefix}ep{ep_rank:05d}-r{rank:05d}.safetensors"
+        try:  # after a failed file, the next walk's collectives still run
+            # A CRC per tensor (in the safetensors header) lets a load name the corrupt tensor.
+            size = write_tensors(os.path.join(tmp, name), walk)
+        except OSError as e:
+            error = error or e
+            continue
+        if size is not None:
+            written[name] = size
+    if error is not None:
+        raise error
     path = os.path.join(tmp, f"state-rank{rank:05d}.pt")
     torch.save(rank_state, path)
     _fsync(path)
@@ -379,8 +484,13 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int = 2,
     trainable_only: bool = False,
+    optimizer: Optional[torch.optim.Optimizer] = None,
 ) -> str:
     """Collective: every rank calls it. Returns the final directory.
+
+    optimizer: its moments are written beside the weights (optim-*.safetensors, each moment as its
+    parameter), so that load_optimizer_state reshards them; rank_state then holds
+    optimizer_scalars(optimizer.state_dict()) and the checkpoint resumes under any layout.
 
     If any rank fails to write (a full disk, a permission error), every rank raises
     CheckpointSaveError, the partial directory is removed and older checkpoints stay.
@@ -403,7 +513,7 @@ def save_checkpoint(
     sizes: dict[str, int] = {}
     if error is None:
         try:
-            sizes = _write_rank_files(tmp, model, rank_state, trainable_only)
+            sizes = _write_rank_files(tmp, model, rank_state, trainable_only, optimizer)
         except OSError as e:
             error = _describe_os_error(e, tmp)
         error = _first_error(error)
@@ -414,7 +524,7 @@ def save_checkpoint(
             _, ep_size, _ = _ep_info()
             files = {k: v for part in all_sizes for k, v in part.items()}
             meta = dict(meta, step=step, world_size=world, expert_model_parallel_size=ep_size,
-                        files=dict(sorted(files.items())))
+                        files=dict(sorted(files.items())), optimizer_files=optimizer is not None)
             _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
             if os.path.exists(final):  # re-saving the same step replaces it whole
                 shutil.rmtree(final)
@@ -572,6 +682,119 @@ def copy_whole(tensor: torch.Tensor, value: torch.Tensor) -> None:
     tensor.copy_(value)
 
 
+class _Stored:
+    """The tensors of one checkpoint directory's files (model files, or with optimizer=True the
+    optimizer-moment files): which file holds each key and its checksum; files opened on first use.
+    read() collects checksum failures in corrupt instead of raising (see raise_corrupt)."""
+
+    def __init__(self, path: str, optimizer: bool = False):
+        self.path = resolve_checkpoint(path)
+        meta = verify_files(self.path)
+        self.available: dict[str, str] = {}
+        self.crcs: dict[str, str] = {}
+        self.handles: dict[str, Any] = {}
+        self.corrupt: list[str] = []
+        for fname in sorted(meta.get("files") or os.listdir(self.path)):
+            if not fname.endswith(".safetensors") or fname.startswith(OPTIMIZER_PREFIX) != optimizer:
+                continue
+            try:
+                with safe_open(os.path.join(self.path, fname), framework="pt") as f:
+                    self.crcs.update(f.metadata() or {})
+                    for key in f.keys():
+                        self.available[key] = fname
+            except Exception as e:  # safetensors raises its own types on a corrupt header
+                raise CheckpointError(f"{os.path.join(self.path, fname)}: unreadable safetensors file ({e})") from e
+
+    def handle(self, key: str):
+        fname = self.available[key]
+        if fname not in self.handles:
+            self.handles[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+        return self.handles[fname]
+
+    def read(self, key: str) -> Optional[torch.Tensor]:
+        tensor = self.handle(key).get_tensor(key)
+        if key in self.crcs and _crc32(tensor) != self.crcs[key]:
+            self.corrupt.append(f"{os.path.join(self.path, self.available[key])}: tensor {key} is corrupt (checksum "
+                                "mismatch); load an older checkpoint (training.on_corrupt_checkpoint: previous)")
+            return None
+        return tensor
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.handle(key).get_slice(key).get_shape())
+
+    def raise_corrupt(self, sharded: bool) -> None:
+        """Raises the first checksum failure; sharded: on every rank (only the rank that checked a
+        sharded tensor saw it fail), a collective."""
+        error = self.corrupt[0] if self.corrupt else None
+        if sharded:
+            error = _first_error(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+
+def _load_tensors(stored: _Stored, items: list[tuple], experts: dict[str, int], unwrapped=lambda name: name) -> list[str]:
+    """Copies this rank's share of each stored tensor into items' tensors: [(name, tensor, parameter
+    name)], experts: as _walk's. A plain tensor takes the whole stored tensor; an FSDP2 DTensor only
+    this rank's rows (one rank of its mesh reads it whole to check its checksum); routed experts
+    this EP rank's (and under FSDP2 this shard's) global experts. A name is also found as
+    unwrapped(name). Returns the names not found; raises on a shape that differs."""
+    ep_rank, _, _ = _ep_info()
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    load = [0] * world  # bytes each rank has read whole to check a sharded tensor's checksum
+    available, read = stored.available, stored.read
+    missing = []
+
+    def check_shape(name: str, shape: tuple, key: str, want: tuple) -> None:
+        if shape != want:
+            raise CheckpointError(f"{stored.path}: tensor {name} has shape {shape} in {available[key]}, "
+                                  f"the model expects {want}")
+
+    with torch.no_grad():
+        for name, tensor, param in items:
+            # FSDP2's shard of rows: this rank reads those rows only
+            first = _rows_of_shard(tensor) if isinstance(tensor, DTensor) else None
+            if param in experts:
+                e_local = experts[param]
+                for stored_as in (name, unwrapped(name)):
+                    keys = [f"{stored_as}.expert{ep_rank * e_local + i}" for i in range(e_local)]
+                    if all(k in available for k in keys):
+                        break
+                else:
+                    missing.append(name)
+                    continue
+                shapes = {stored.shape(k) for k in keys}  # one shape, or the stack's is none
+                check_shape(name, (e_local, *shapes.pop()) if len(shapes) == 1 else (e_local, shapes), keys[0],
+                            tuple(tensor.shape))
+                rows = range(e_local) if first is None else range(first, first + tensor.to_local().shape[0])
+                parts = [read(keys[i]) for i in rows]  # whole experts: each checked by its reader
+                if any(part is None for part in parts):
+                    continue
+                value = torch.stack(parts) if parts else tensor.to_local().new_empty(tensor.to_local().shape)
+            elif name in available or unwrapped(name) in available:
+                key = name if name in available else unwrapped(name)
+                check_shape(name, stored.shape(key), key, tuple(tensor.shape))
+                if first is None:
+                    value = read(key)
+                else:  # one rank of the mesh reads it whole to check its checksum, the others their rows
+                    count = tensor.to_local().shape[0]
+                    if _least_loaded(load, _mesh_ranks(tensor), tensor) == rank:
+                        whole = read(key)
+                        value = None if whole is None else whole[first : first + count]
+                    else:
+                        value = stored.handle(key).get_slice(key)[first : first + count]
+            else:
+                missing.append(name)
+                continue
+            if value is None:
+                continue
+            if first is None:
+                copy_whole(tensor, value)
+            else:
+                tensor.to_local().copy_(value.to(tensor.dtype))
+    return missing
+
+
 def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -> list[str]:
     """Loads this rank's share of the weights; returns the names of model tensors not found.
 
@@ -585,122 +808,40 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     dist_dir = find_dist_checkpoint(path)
     if dist_dir is not None:
         return load_dist_checkpoint(dist_dir, model, strict=strict)
-    path = resolve_checkpoint(path)
-    meta = verify_files(path)
-    ep_rank, _, _ = _ep_info()
-    available: dict[str, str] = {}
-    crcs: dict[str, str] = {}
-    for fname in sorted(meta.get("files") or os.listdir(path)):
-        if fname.endswith(".safetensors"):
-            try:
-                with safe_open(os.path.join(path, fname), framework="pt") as f:
-                    crcs.update(f.metadata() or {})
-                    for key in f.keys():
-                        available[key] = fname
-            except Exception as e:  # safetensors raises its own types on a corrupt header
-                raise CheckpointError(f"{os.path.join(path, fname)}: unreadable safetensors file ({e})") from e
-    experts = _expert_params(model)
+    stored = _Stored(path)
     state = model.state_dict()
-    missing = []
-    handles: dict[str, Any] = {}
-    unwrapped = _unwrapped_name(model)
-    rank = _rank()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    load = [0] * world  # bytes each rank has read whole to check a sharded tensor's checksum
-    corrupt: list[str] = []  # checksum failures, agreed on by every rank before any raises
-
-    def handle(key: str):
-        fname = available[key]
-        if fname not in handles:
-            handles[fname] = safe_open(os.path.join(path, fname), framework="pt")
-        return handles[fname]
-
-    def read(key: str) -> Optional[torch.Tensor]:
-        tensor = handle(key).get_tensor(key)
-        if key in crcs and _crc32(tensor) != crcs[key]:
-            corrupt.append(f"{os.path.join(path, available[key])}: tensor {key} is corrupt (checksum mismatch); "
-                           "load an older checkpoint (training.on_corrupt_checkpoint: previous)")
-            return None
-        return tensor
-
-    def stored_shape(key: str) -> tuple:
-        return tuple(handle(key).get_slice(key).get_shape())
-
-    def check_shape(name: str, shape: tuple, key: str, want: tuple) -> None:
-        if shape != want:
-            raise CheckpointError(f"{path}: tensor {name} has shape {shape} in {available[key]}, the model expects {want}")
-
-    with torch.no_grad():
-        for name, tensor in state.items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            # FSDP2's shard of rows: this rank reads those rows only
-            first = _rows_of_shard(tensor) if isinstance(tensor, DTensor) else None
-            if name in experts:
-                e_local = experts[name].num_local_experts
-                for stored_as in (name, unwrapped(name)):
-                    keys = [f"{stored_as}.expert{ep_rank * e_local + i}" for i in range(e_local)]
-                    if all(k in available for k in keys):
-                        break
-                else:
-                    missing.append(name)
-                    continue
-                shapes = {stored_shape(k) for k in keys}  # one shape, or the stack's is none
-                check_shape(name, (e_local, *shapes.pop()) if len(shapes) == 1 else (e_local, shapes), keys[0],
-                            tuple(tensor.shape))
-                rows = range(e_local) if first is None else range(first, first + tensor.to_local().shape[0])
-                parts = [read(keys[i]) for i in rows]  # whole experts: each checked by its reader
-                if any(part is None for part in parts):
-                    continue
-                value = torch.stack(parts) if parts else tensor.to_local().new_empty(tensor.to_local().shape)
-            elif name in available or unwrapped(name) in available:
-                key = name if name in available else unwrapped(name)
-                check_shape(name, stored_shape(key), key, tuple(tensor.shape))
-                if first is None:
-                    value = read(key)
-                else:  # one rank of the mesh reads it whole to check its checksum, the others their rows
-                    count = tensor.to_local().shape[0]
-                    if _least_loaded(load, _mesh_ranks(tensor), tensor) == rank:
-                        whole = read(key)
-                        value = None if whole is None else whole[first : first + count]
-                    else:
-                        value = handle(key).get_slice(key)[first : first + count]
-            else:
-                missing.append(name)
-                continue
-            if value is None:
-                continue
-            if first is None:
-                copy_whole(tensor, value)
-            else:
-                tensor.to_local().copy_(value.to(tensor.dtype))
-    sharded = any(isinstance(t, DTensor) for t in state.values())
-    error = corrupt[0] if corrupt else None
-    if sharded:  # only the checking rank saw a sharded tensor's checksum fail
-        error = _first_error(error)
-    if error is not None:
-        raise CheckpointError(error)
+    items = [(name, tensor, name) for name, tensor in state.items() if isinstance(tensor, torch.Tensor)]
+    experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
+    missing = _load_tensors(stored, items, experts, _unwrapped_name(model))
+    stored.raise_corrupt(sharded=any(isinstance(t, DTensor) for t in state.values()))
     if strict and missing:
-        raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(f"{stored.path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return missing
 
 
 def load_rank_state(path: str) -> dict[str, Any]:
+    """This rank's state file. Under another layout than the one that saved (world size, expert
+    parallel), which only a checkpoint with optimizer files allows (save_checkpoint's optimizer=),
+    that of rank (this rank mod the saved world size): the step and the optimizer's scalars are
+    the same on every rank, and the RNG stream is that saved rank's; state["resharded_from"] then
+    names the saved layout."""
     path = resolve_checkpoint(path)
     meta = verify_files(path)
     world = dist.get_world_size() if dist.is_initialized() else 1
     _, ep_size, _ = _ep_info()
-    if meta["world_size"] != world or meta["expert_model_parallel_size"] != ep_size:
+    saved = f"world size {meta['world_size']} and expert parallel {meta['expert_model_parallel_size']}"
+    same = meta["world_size"] == world and meta["expert_model_parallel_size"] == ep_size
+    if not same and not meta.get("optimizer_files"):
         raise CheckpointError(
-            f"{path}: saved with world size {meta['world_size']} and expert parallel "
-            f"{meta['expert_model_parallel_size']}, resumed with {world} and {ep_size}; resume "
-            "with the same layout, or start a new run from its weights with training.init_from"
+            f"{path}: saved with {saved}, resumed with {world} and {ep_size}, and each of its ranks "
+            "keeps its optimizer moments in its own state file (a checkpoint of an earlier version); "
+            "resume with the same layout, or start a new run from its weights with training.init_from"
         )
-    state_path = os.path.join(path, f"state-rank{_rank():05d}.pt")
+    state_path = os.path.join(path, f"state-rank{_rank() % meta['world_size']:05d}.pt")
     if not os.path.isfile(state_path):
         raise CheckpointError(f"{state_path}: missing")
     try:
-        return torch.load(state_path, map_location="cpu", weights_only=True)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # never executed: torch's weights_only unpickler refused it
         raise CheckpointError(
             f"{state_path}: refused to load: it holds Python objects other than tensors and plain "
@@ -708,3 +849,6 @@ def load_rank_state(path: str) -> dict[str, Any]:
         ) from e
     except Exception as e:
         raise CheckpointError(f"{state_path}: unreadable ({type(e).__name__}: {e})") from e
+    if not same:
+        state["resharded_from"] = saved
+    return state

@@ -23,6 +23,8 @@ class BF16StateAdamW(torch.optim.Optimizer):
     weights, FSDP2 DTensor shards alike). state_dict / load_state_dict are torch's: a checkpoint
     holds the bf16 moments."""
 
+    state_dtype = torch.bfloat16  # of the moments (checkpoint.load_optimizer_state reads them in it)
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas}")

@@ -437,7 +437,9 @@ class Trainer:
                     message += (f" (a checkpoint of another model in {self.output_dir!r} cannot continue this run; "
                                 "use a new training.output_dir, training.resume none, or that run's config)")
                 raise _start_error("training.resume", ckpt.CheckpointError(message), every_rank=True)
-            _print0(f"resumed from {path} at step {self.step}")
+            _print0(f"resumed from {path} at step {self.step}" + (
+                f" (saved with {self.resharded_from}: its weights and optimizer moments resharded to this layout)"
+                if self.resharded_from else ""))
             self.last_checkpoint = path
             if self.rank == 0:  # drop metrics of steps after the checkpoint
                 self._truncate_metrics(self.step)
@@ -455,11 +457,15 @@ class Trainer:
                 raise ckpt.CheckpointError(f"{path}: missing trainable tensors {sorted(trainable & set(missing))[:5]}")
         else:
             ckpt.load_model_weights(path, self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.config.parallel.fsdp:
-            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_from_local
+        if ckpt.holds_moments(state["optimizer"]):  # an earlier version's checkpoint, in its own layout
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.config.parallel.fsdp:
+                from megatron_moe_hybrid.parallel.fsdp import optimizer_state_from_local
 
-            optimizer_state_from_local(self.optimizer)
+                optimizer_state_from_local(self.optimizer)
+        else:
+            ckpt.load_optimizer_state(path, self.model, self.optimizer, state["optimizer"])
+        self.resharded_from = state.get("resharded_from")
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         torch.set_rng_state(state["rng"])
@@ -751,7 +757,9 @@ class Trainer:
     def save(self) -> Optional[str]:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
-        optimizer_state = self.optimizer.state_dict()
+        # The moments go beside the weights (each read back as its parameter, under any layout);
+        # the state file keeps the step counts and param groups.
+        optimizer_state = ckpt.optimizer_scalars(self.optimizer.state_dict())
         if self.config.parallel.fsdp:  # DTensors are not weights_only-loadable: keep local shards
             from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
 
@@ -768,7 +776,7 @@ class Trainer:
         try:
             path = ckpt.save_checkpoint(
                 self.output_dir, self.step, self.model, state, meta, keep=self.config.training.keep_checkpoints,
-                trainable_only=self._adapters_only(),
+                trainable_only=self._adapters_only(), optimizer=self.optimizer,
             )
         except ckpt.CheckpointSaveError as e:
             if self.config.training.on_save_error == "stop":

@@ -115,6 +115,29 @@ def test_full_training_with_resume_equals_single_process(world, ep, single_full,
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("before,after", [pytest.param((2, 2), (1, 1), id="W2-EP2-FSDP-to-W1"),
+                                          pytest.param((1, 1), (2, 2), id="W1-to-W2-EP2-FSDP", marks=pytest.mark.slow)])
+def test_resume_under_another_layout_equals_single_process(before, after, single_full, corpus, cache_dir, tmp_path,
+                                                           raw_config, capfd):
+    """A run stopped after 2 steps resumes under another world size, expert parallel and FSDP2:
+    the weights and the Adam moments are resharded (the last update uses the moments), the step
+    counts and data position carried over, and the run equals the single-process one."""
+    out = str(tmp_path / "run")
+    raw, ov = raw_config(corpus, cache_dir, out, **FULL, **_layout(*before), **{"training.exit_after_steps": 2})
+    first = spawn(_train, before[0], raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, out, **FULL, **_layout(*after))
+    second = spawn(_train, after[0], raw, ov)
+    assert f"saved with world size {before[0]} and expert parallel {before[1]}: its weights and optimizer " \
+           "moments resharded" in capfd.readouterr().out
+    assert len(first[0]["losses"]) == 2 and len(second[0]["losses"]) == 1
+    _assert_losses_close(single_full["losses"], first[0]["losses"] + second[0]["losses"])
+    _assert_grad_norms_close(single_full["checkpoint"], second[0]["checkpoint"])
+    ref, got = _tensors(single_full["checkpoint"]), _tensors(second[0]["checkpoint"])
+    assert any(k.startswith("optimizer.exp_avg_sq.") for k in got)  # the moments are compared too
+    _assert_tensors_close(ref, got)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_bf16_optimizer_state_with_resume_equals_single_process(corpus, cache_dir, tmp_path, raw_config):
     """training.optimizer_state_dtype bf16 over FSDP2 + EP=2 (DTensor moments, saved as local
@@ -139,9 +162,8 @@ def test_bf16_optimizer_state_with_resume_equals_single_process(corpus, cache_di
         off += int((diff > TOL).sum())
         total += diff.numel()
     assert off <= 1e-4 * total, (off, total)
-    # the saved moments are this rank's bf16 shards: half the bytes of fp32 state
-    state = torch.load(os.path.join(first[0]["checkpoint"], "state-rank00000.pt"), weights_only=False)["optimizer"]
-    moments = [v for s in state["state"].values() for k, v in s.items() if k.startswith("exp_avg")]
+    # the saved moments are bf16 (half the bytes of fp32 state), beside the weights
+    moments = [v for k, v in _tensors(first[0]["checkpoint"]).items() if k.startswith("optimizer.exp_avg")]
     assert moments and all(v.dtype == torch.bfloat16 for v in moments)
 
 

@@ -91,6 +91,43 @@ def _resize_meta(path):
         json.dump(meta, f)
 
 
+def _set_meta(path, **fields):
+    import json
+
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    meta.update(fields)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_another_layout_resumes_only_with_optimizer_files(tmp_path):
+    """A checkpoint whose moments are in each rank's state file (as earlier versions wrote) keeps
+    its layout; one with optimizer files gives another layout the state of rank (rank mod its
+    world size) and says it reshards. The moments loaded from the files equal the optimizer's."""
+    model = build(0)
+    optimizer = _stepped_adam(model)
+    earlier = ckpt.save_checkpoint(str(tmp_path / "earlier"), 1, model, {"step": 1, "optimizer": optimizer.state_dict()}, {})
+    assert ckpt.holds_moments(ckpt.load_rank_state(earlier)["optimizer"])
+    _set_meta(earlier, world_size=2)  # as if 2 ranks had saved it
+    with pytest.raises(ckpt.CheckpointError, match="saved with world size 2 and expert parallel 1, resumed with 1 and "
+                       "1, and each of its ranks keeps its optimizer moments in its own state file"):
+        ckpt.load_rank_state(earlier)
+    scalars = ckpt.optimizer_scalars(optimizer.state_dict())
+    assert not ckpt.holds_moments(scalars) and all(set(s) == {"step"} for s in scalars["state"].values())
+    path = ckpt.save_checkpoint(str(tmp_path / "files"), 1, model, {"step": 1, "optimizer": scalars}, {}, optimizer=optimizer)
+    _set_meta(path, world_size=2)
+    state = ckpt.load_rank_state(path)
+    assert state["resharded_from"] == "world size 2 and expert parallel 1" and state["step"] == 1
+    other = build(1)
+    again = torch.optim.AdamW(other.parameters())
+    ckpt.load_optimizer_state(path, other, again, state["optimizer"])
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert set(again.state[q]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in again.state[q]:
+            assert torch.equal(again.state[q][key], optimizer.state[p][key]), key
+
+
 def test_state_is_never_unpickled(tmp_path):
     model = build(0)
     path = ckpt.save_checkpoint(str(tmp_path), 1, model, {"step": 1}, {})
@@ -255,12 +292,20 @@ def _spread_save_worker(rank, world, src, out):
         if fsdp:
             apply_fsdp(model, config)
         read[fsdp] = _counting_reads(lambda: ckpt.load_model_weights(src, model))
+        optimizer = torch.optim.AdamW(model.parameters())  # the one-process moments, resharded
+        state = ckpt.load_rank_state(src)
+        ckpt.load_optimizer_state(src, model, optimizer, state["optimizer"])
+        assert state["resharded_from"] == "world size 1 and expert parallel 1"
         gathered_whole = []  # under FSDP2 no rank gathers a tensor whole: each goes to its writer alone
         full_tensor = torch.distributed.tensor.DTensor.full_tensor
         torch.distributed.tensor.DTensor.full_tensor = lambda t, *a, **k: gathered_whole.append(t.shape) or full_tensor(
             t, *a, **k)
         try:
-            paths[fsdp] = ckpt.save_checkpoint(os.path.join(out, str(fsdp)), 2, model, {"step": 2}, {})
+            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
+
+            rank_state = {"step": 2, "optimizer": optimizer_state_to_local(ckpt.optimizer_scalars(optimizer.state_dict()))}
+            paths[fsdp] = ckpt.save_checkpoint(os.path.join(out, str(fsdp)), 2, model, rank_state, {},
+                                               optimizer=optimizer)
         finally:
             torch.distributed.tensor.DTensor.full_tensor = full_tensor
         assert not gathered_whole, gathered_whole[:3]
@@ -273,7 +318,7 @@ def _spread_save_worker(rank, world, src, out):
         from safetensors.torch import load_file, save_file
 
         shutil.copytree(src, bad)
-        fname = next(f for f in os.listdir(bad) if f.endswith(".safetensors"))
+        fname = "model-ep00000-r00000.safetensors"
         with safe_open(os.path.join(bad, fname), framework="pt") as h:
             crcs = h.metadata()
         tensors = load_file(os.path.join(bad, fname))
@@ -301,20 +346,35 @@ def _counting_reads(fn) -> int:
     return bench._counting_reads(ckpt, fn)
 
 
+def _stepped_adam(model) -> torch.optim.AdamW:
+    """AdamW over model after one step on random gradients: moments that differ per element."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return optimizer
+
+
 @pytest.mark.distributed
 def test_four_ranks_write_a_quarter_each_and_the_checkpoint_equals_one_process(tmp_path):
     """EP=2 x expert-dp 2, replicated and FSDP2: each rank writes its file (dense tensors to the
     rank with the fewest bytes, replicated experts in turns, FSDP2's expert shards by their
     holders), no tensor twice, and the tensors equal the one-process checkpoint's bitwise; a load
-    under FSDP2 reads about a quarter of the checkpoint on each rank."""
+    under FSDP2 reads about a quarter of the checkpoint on each rank. The optimizer's moments
+    reshard the same way, from one process to the four ranks and back."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from megatron_moe_hybrid.testing import spawn
 
     model = build(0)
-    src = ckpt.save_checkpoint(str(tmp_path / "one"), 1, model, {"step": 1}, {})
-    whole = load_file(os.path.join(src, next(f for f in os.listdir(src) if f.endswith(".safetensors"))))
+    optimizer = _stepped_adam(model)
+    src = ckpt.save_checkpoint(str(tmp_path / "one"), 1, model,
+                               {"step": 1, "optimizer": ckpt.optimizer_scalars(optimizer.state_dict())}, {},
+                               optimizer=optimizer)
+    whole = load_file(os.path.join(src, "model-ep00000-r00000.safetensors"))
+    moments = load_file(os.path.join(src, "optim-ep00000-r00000.safetensors"))
+    assert len(moments) == 2 * len(whole)  # AdamW's two moments of each tensor
     biggest = max(t.numel() * t.element_size() for t in whole.values())
     results = spawn(_spread_save_worker, 4, src, str(tmp_path / "four"))
     nbytes = {k: t.numel() * t.element_size() for k, t in whole.items()}
@@ -327,7 +387,29 @@ def test_four_ranks_write_a_quarter_each_and_the_checkpoint_equals_one_process(t
         assert r[1][True] <= experts / 4 + 2 * (total - experts) / 4 + biggest, (r[1][True], total, experts)
         assert "tensor output_layer.weight is corrupt (checksum mismatch)" in r[2], r[2]
     for fsdp, path in results[0][0].items():
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        # the moments, loaded under EP2 x expert-dp 2 and saved again, are the one-process ones
+        # bitwise, each written once; loaded back in one process, the optimizer's state
+        files = sorted(f for f in os.listdir(path) if f.startswith(ckpt.OPTIMIZER_PREFIX))
+        seen, by_rank = {}, {}
+        for f in files:
+            part = load_file(os.path.join(path, f))
+            assert not part.keys() & seen.keys()
+            seen.update(part)
+            by_rank[f.rpartition("-r")[2]] = sum(t.numel() * t.element_size() for t in part.values())
+        for f in os.listdir(path):  # weights and moments together spread over the ranks
+            if f.startswith("model-"):
+                by_rank[f.rpartition("-r")[2]] = by_rank.get(f.rpartition("-r")[2], 0) + os.path.getsize(
+                    os.path.join(path, f))
+        assert max(by_rank.values()) <= sum(by_rank.values()) / 4 + biggest, (fsdp, by_rank, biggest)
+        assert seen.keys() == moments.keys() and all(torch.equal(seen[k], moments[k]) for k in moments), fsdp
+        params = list(model.parameters())
+        again_model = build(1)
+        again = torch.optim.AdamW(again_model.parameters())
+        ckpt.load_optimizer_state(path, again_model, again, ckpt.load_rank_state(path)["optimizer"])
+        for p, q in zip(params, again_model.parameters()):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(optimizer.state[p][key], again.state[q][key]), (fsdp, key)
+        files = sorted(f for f in os.listdir(path) if f.startswith("model-"))
         assert sorted(f.rpartition("-r")[2] for f in files) == [f"{r:05d}.safetensors" for r in range(4)], files
         seen: dict = {}
         sizes = {}

@@ -121,7 +121,9 @@ def _worker_killed_in_save(rank, world, raw, ov, point):
         return wrapper
 
     if point == "model":
-        ckpt.write_tensors = kill_on_second(ckpt.write_tensors)
+        ckpt.write_tensors = kill_on_second(
+            ckpt.write_tensors, lambda path, *a, **k: os.path.basename(path).startswith("model-")
+        )
     elif point == "state":
         ckpt.torch.save = kill_on_second(torch.save)
     elif point == "meta":
@@ -240,6 +242,8 @@ def _enospc_on_call(n):
     original = ckpt.write_tensors
 
     def write_tensors(path, *args, **kwargs):
+        if os.path.basename(path).startswith(ckpt.OPTIMIZER_PREFIX):  # counts the model's files (and adapter parts)
+            return original(path, *args, **kwargs)
         calls["n"] += 1
         if calls["n"] == n:
             raise OSError(errno.ENOSPC, "No space left on device", path)
