@@ -8,7 +8,7 @@ of loading that checkpoint back (as a resume does) and the bytes of tensor data 
 two checkpoints' tensors are asserted bitwise equal.
 
     python benchmarks/checkpoint_at_scale.py [--before 9ff926e] [--before-tree DIR] [--world 4] [--ep 2]
-        [--hidden 1024] [--experts 32] [--out benchmarks/results/cpu/checkpoint_at_scale.json]
+        [--hidden 1024] [--experts 32] [--replicated] [--optimizer] [--out benchmarks/results/cpu/checkpoint_at_scale.json]
 """
 
 import argparse
@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
     from megatron_moe_hybrid.training import checkpoint as ckpt
 
     init_megatron(rank, world, ep=ep)
+    with_optimizer = overrides.pop("bench.optimizer", False)
     config = tiny_config(**{"parallel.world_size": world, "parallel.expert_model_parallel_size": ep,
                             "moe.dispatcher": "alltoall", "training.global_batch_size": 2 * world, **overrides})
     torch.manual_seed(0)  # the same weights in both trees (each EP rank draws its experts alike)
@@ -50,23 +51,59 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
         from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, config)
+    rank_state, save_kwargs, optimizer = {"step": 1}, {}, None
+    if with_optimizer:  # AdamW after one step: its moments are saved as the trainer saves them
+        optimizer = torch.optim.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer.step()
+        for p in model.parameters():
+            p.grad = None
+        import inspect
+
+        ours = "optimizer" in inspect.signature(ckpt.save_checkpoint).parameters  # else the anchor's way
+        state = ckpt.optimizer_scalars(optimizer.state_dict()) if ours else optimizer.state_dict()
+        if config.parallel.fsdp:
+            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
+
+            state = optimizer_state_to_local(state)
+        rank_state = {"step": 1, "optimizer": state}
+        save_kwargs = {"optimizer": optimizer} if ours else {}
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak resident set (VmHWM) to the current one
     dist.barrier()
     start = time.perf_counter()
-    path = ckpt.save_checkpoint(out, 1, model, {"step": 1}, {})
+    path = ckpt.save_checkpoint(out, 1, model, rank_state, {}, **save_kwargs)
     wall = time.perf_counter() - start
     added = _status("VmHWM") - before
     mine = [f for f in os.listdir(path) if f.startswith("model-") and f.endswith(f"-r{rank:05d}.safetensors")]
+    state_file = os.path.join(path, f"state-rank{rank:05d}.pt")
+    written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                  if f.endswith(f"-r{rank:05d}.safetensors")) + os.path.getsize(state_file)  # fmt: skip
     # the load a resume does, of the checkpoint just written (its resident set is not compared:
     # the files it reads are memory-mapped, so their pages count in it however little it keeps)
     dist.barrier()
     start = time.perf_counter()
-    read = _counting_reads(ckpt, lambda: ckpt.load_model_weights(path, model))
+
+    def resume():
+        ckpt.load_model_weights(path, model)
+        if optimizer is None:
+            return
+        state = ckpt.load_rank_state(path)["optimizer"]
+        if save_kwargs:
+            ckpt.load_optimizer_state(path, model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
+            if config.parallel.fsdp:
+                from megatron_moe_hybrid.parallel.fsdp import optimizer_state_from_local
+
+                optimizer_state_from_local(optimizer)
+
+    read = _counting_reads(ckpt, resume) + (os.path.getsize(state_file) if optimizer is not None else 0)
     return {"wall_s": wall, "added_peak_bytes": added, "path": path,
-            "model_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in mine),
+            "model_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in mine), "written_bytes": written,
             "load_wall_s": time.perf_counter() - start, "load_read_bytes": read}
 
 
@@ -139,7 +176,7 @@ def _assert_same_tensors(a: str, b: str) -> int:
     def index(path):
         out = {}
         for f in os.listdir(path):
-            if f.endswith(".safetensors"):
+            if f.startswith("model-") and f.endswith(".safetensors"):
                 with safe_open(os.path.join(path, f), framework="pt") as h:
                     out.update(dict.fromkeys(h.keys(), os.path.join(path, f)))
         return out
@@ -179,6 +216,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--replicated", action="store_true", help="also without FSDP2 (experts replicated over expert-dp)")
+    p.add_argument("--optimizer", action="store_true", help="with AdamW's moments, saved and loaded as the trainer does")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "checkpoint_at_scale.json"))
     a = p.parse_args()
     if a.driver:
@@ -194,7 +232,7 @@ def main() -> None:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         before = anchor_tree(stack, a.before, a.before_tree, tmp)
         for fsdp in (True, False) if a.replicated else (True,):
-            overrides = {**model, "parallel.fsdp": fsdp}
+            overrides = {**model, "parallel.fsdp": fsdp, **({"bench.optimizer": True} if a.optimizer else {})}
             ours = _save(ROOT, os.path.join(tmp, f"ours-{fsdp}"), world, ep, overrides)
             anchor = _save(before, os.path.join(tmp, f"before-{fsdp}"), world, ep, overrides)
             count = _assert_same_tensors(ours[0]["path"], anchor[0]["path"])
@@ -204,16 +242,28 @@ def main() -> None:
             common = {"anchor": f"save_checkpoint at {a.before}", "target_speedup": None, "tensors": count,
                       "notes": "one save each, the two checkpoints' tensors asserted bitwise equal; the ranks "
                                f"share this machine's {os.cpu_count()} cores; *_per_rank: ranks 0-{world - 1}"}
+            if a.optimizer:
+                shape += "-AdamW"
+                common["notes"] = common["notes"].replace("tensors asserted", "weights asserted") + (
+                    "; with AdamW's moments after one step, saved as each trainer saves them (ours: beside the "
+                    "weights, each moment once; the anchor: each rank's state file, torch.save) and loaded back "
+                    "with the weights (bytes read include the state file)")
             rows += [
                 _bytes_row("checkpoint save: most host memory a rank added", shape, "added_peak_bytes", ours, anchor, common),
                 _bytes_row("checkpoint save: most model bytes one rank wrote", shape, "model_bytes", ours, anchor, common,
                            total_bytes=total),
                 _time_row("checkpoint save: wall time (slowest rank)", shape, "wall_s", ours, anchor, common),
-                _bytes_row("checkpoint load (a resume's weights): most bytes one rank read", shape, "load_read_bytes",
+                _bytes_row(f"checkpoint load (a resume's weights{' and optimizer' if a.optimizer else ''}): most bytes "
+                           "one rank read", shape, "load_read_bytes",
                            ours, anchor, common, total_bytes=total),
                 _time_row("checkpoint load: wall time (slowest rank)", shape, "load_wall_s", ours, anchor, common),
             ]
-            for r in rows[-5:]:
+            if a.optimizer:
+                rows.append(_bytes_row("checkpoint save: most bytes one rank wrote (all its files)", shape,
+                                       "written_bytes", ours, anchor, common,
+                                       total_bytes=sum(r["written_bytes"] for r in ours),
+                                       anchor_total_bytes=sum(r["written_bytes"] for r in anchor)))
+            for r in rows[-6 if a.optimizer else -5:]:
                 print(json.dumps(r), flush=True)
     write_results(a.out, rows, ("torch", "safetensors"), device=cpu_name(f", {world} processes"))
 

@@ -250,7 +250,7 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
                 continue
             dtype = getattr(optimizer, "state_dtype", None) or p.dtype
             for key in keys:
-                target = torch.zeros_like(p, dtype=dtype)
+                target = torch.empty_like(p, dtype=dtype)  # every element is read (or the load raises)
                 items.append((f"optimizer.{key}.{names[id(p)]}", target, names[id(p)]))
                 targets.append((p, key, target))
     experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
