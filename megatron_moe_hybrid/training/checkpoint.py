@@ -4,13 +4,17 @@ Layout of one checkpoint, <output_dir>/checkpoints/step_00000020/:
     meta.json                         written last: step, world layout, config, the file list
     model-ep00000-r00000.safetensors  the weights rank 0 wrote, whole tensors under global names;
     ...                               routed experts one tensor per *global* expert (`<name>.expert<g>`)
-    state-rank00000.pt                optimizer / scheduler / data position / RNG of one rank,
+    optim-ep00000-r00000.safetensors  the optimizer moments rank 0 wrote, `optimizer.<key>.<name>`,
+    ...                               each as its parameter (experts per global expert)
+    state-rank00000.pt                step counts / param groups / data position / RNG of one rank,
                                       loaded with torch.load(weights_only=True)
 
 All ranks write into `.tmp-step_...`, rank 0 writes meta.json and renames the directory:
-a checkpoint without meta.json, or a `.tmp-` one, is incomplete and never loaded. Model
-weights load under any expert-parallel size (each rank picks its experts by global id, from
-whichever file holds them); optimizer state needs the layout it was saved with.
+a checkpoint without meta.json, or a `.tmp-` one, is incomplete and never loaded. Weights and
+moments load under any world size, expert-parallel size and FSDP2 or not (each rank picks its
+experts by global id, from whichever file holds them, and its rows of the rest); a rank of
+another layout takes the state file of rank (its rank mod the saved world size). A checkpoint of
+an earlier version keeps its moments in the state files and resumes only in its own layout.
 
 Every rank writes a share of the weights (_walk_model): each dense tensor goes to the rank given
 the fewest bytes so far, experts to the expert-data-parallel replicas in turns (or, sharded by
@@ -767,10 +771,17 @@ def _load_tensors(stored: _Stored, items: list[tuple], experts: dict[str, int], 
                 check_shape(name, (e_local, *shapes.pop()) if len(shapes) == 1 else (e_local, shapes), keys[0],
                             tuple(tensor.shape))
                 rows = range(e_local) if first is None else range(first, first + tensor.to_local().shape[0])
-                parts = [read(keys[i]) for i in rows]  # whole experts: each checked by its reader
+                if first is not None or not isinstance(tensor, DTensor):  # each expert into its row: no stack
+                    local = tensor.to_local() if first is not None else tensor
+                    for j, i in enumerate(rows):
+                        part = read(keys[i])  # a whole expert, checked by its reader
+                        if part is not None:
+                            local[j].copy_(part)
+                    continue
+                parts = [read(keys[i]) for i in rows]
                 if any(part is None for part in parts):
                     continue
-                value = torch.stack(parts) if parts else tensor.to_local().new_empty(tensor.to_local().shape)
+                value = torch.stack(parts)
             elif name in available or unwrapped(name) in available:
                 key = name if name in available else unwrapped(name)
                 check_shape(name, stored.shape(key), key, tuple(tensor.shape))
