@@ -247,22 +247,24 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
     stored = _Stored(path, optimizer=True)
     names = {id(p): n for n, p in model.named_parameters()}
     keys = sorted({k.split(".", 2)[1] for k in stored.available})
+    # a parameter that never stepped starts from zero moments, as it would have
+    stepped = [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]
+    if stepped and not keys:
+        raise CheckpointError(f"{stored.path}: the state files hold the step counts of {len(stepped)} parameters "
+                              "and the optimizer files no moments")
     items, targets = [], []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state.get(p):  # never stepped: it starts from zero moments, as it would have
-                continue
-            dtype = getattr(optimizer, "state_dtype", None) or p.dtype
-            for key in keys:
-                target = torch.empty_like(p, dtype=dtype)  # every element is read (or the load raises)
-                items.append((f"optimizer.{key}.{names[id(p)]}", target, names[id(p)]))
-                targets.append((p, key, target))
+    for p in stepped:
+        dtype = getattr(optimizer, "state_dtype", None) or p.dtype
+        for key in keys:
+            target = torch.empty_like(p, dtype=dtype)  # every element is read (or the load raises)
+            items.append((f"optimizer.{key}.{names[id(p)]}", target, names[id(p)]))
+            targets.append((p, key, target))
     experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
     missing = _load_tensors(stored, items, experts)
     stored.raise_corrupt(sharded=any(isinstance(p, DTensor) for p in model.parameters()))
-    if missing or (targets and not keys):
-        raise CheckpointError(f"{stored.path}: the optimizer files lack the moments of "
-                              f"{(missing or [n for n, _, _ in items] or ['every parameter'])[:5]}")
+    if missing:
+        raise CheckpointError(f"{stored.path}: the optimizer files lack the moments {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for p, key, target in targets:
             optimizer.state[p][key] = target

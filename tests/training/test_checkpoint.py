@@ -126,6 +126,17 @@ def test_another_layout_resumes_only_with_optimizer_files(tmp_path):
         assert set(again.state[q]) == {"step", "exp_avg", "exp_avg_sq"}
         for key in again.state[q]:
             assert torch.equal(again.state[q][key], optimizer.state[p][key]), key
+    # a moment gone from the optimizer file is named
+    from safetensors.torch import load_file, save_file
+
+    fname = os.path.join(path, "optim-ep00000-r00000.safetensors")
+    tensors = load_file(fname)
+    gone = sorted(tensors)[0]
+    del tensors[gone]
+    save_file(tensors, fname)
+    _resize_meta(path)
+    with pytest.raises(ckpt.CheckpointError, match=f"the optimizer files lack the moments \\['{gone}'\\]"):
+        ckpt.load_optimizer_state(path, other, torch.optim.AdamW(other.parameters()), state["optimizer"])
 
 
 def test_state_is_never_unpickled(tmp_path):
