@@ -27,6 +27,21 @@ def test_spans_by_hand():
     assert spans.tolist() == [[0, 2], [2, 4], [4, 6]] and cut == 0
 
 
+def test_spans_made_a_slice_at_a_time_equal_the_whole(monkeypatch):
+    """fit_spans turns the ends into Python ints a slice at a time: any slice size gives the
+    spans made in one piece (the open sample carries over)."""
+    from megatron_moe_hybrid.training import data
+
+    rng = np.random.default_rng(0)
+    for s in (4, 9, 31):
+        ends = np.cumsum(rng.integers(1, 3 * s, size=300))
+        whole = fit_spans(ends, s)
+        for size in (1, 2, 3, 7, 299):
+            monkeypatch.setattr(data, "_FIT_SLICE", size)
+            spans, cut = fit_spans(ends, s)
+            assert spans.dtype == np.int64 and spans.tolist() == whole[0].tolist() and cut == whole[1], (s, size)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_spans_keep_every_record_that_fits_whole(seed):
     rng = np.random.default_rng(seed)
