@@ -61,14 +61,13 @@ def _worker(rank: int, world: int, out: str, ep: int, overrides: dict) -> dict:
             p.grad = None
         import inspect
 
-        ours = "optimizer" in inspect.signature(ckpt.save_checkpoint).parameters  # else the anchor's way
-        state = ckpt.optimizer_scalars(optimizer.state_dict()) if ours else optimizer.state_dict()
-        if config.parallel.fsdp:
+        if "optimizer" in inspect.signature(ckpt.save_checkpoint).parameters:  # ours: moments beside the weights
+            save_kwargs = {"optimizer": optimizer}
+        else:  # the anchor's trainer: each rank's whole optimizer state (its local shards) in its state file
             from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
 
-            state = optimizer_state_to_local(state)
-        rank_state = {"step": 1, "optimizer": state}
-        save_kwargs = {"optimizer": optimizer} if ours else {}
+            state = optimizer.state_dict()
+            rank_state["optimizer"] = optimizer_state_to_local(state) if config.parallel.fsdp else state
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

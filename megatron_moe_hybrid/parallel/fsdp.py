@@ -91,17 +91,9 @@ def is_sharded(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def optimizer_state_to_local(state: dict) -> dict:
-    """An optimizer state_dict with every DTensor replaced by this rank's shard (weights_only-loadable)."""
-    out = dict(state)
-    out["state"] = {
-        k: {n: v.to_local() if is_sharded(v) else v for n, v in s.items()} for k, s in state["state"].items()
-    }
-    return out
-
-
 def optimizer_state_from_local(optimizer: torch.optim.Optimizer) -> None:
-    """After load_state_dict of local shards: wraps the state of sharded params back as DTensors."""
+    """After load_state_dict of local shards (a checkpoint of an earlier version, whose state files
+    hold each rank's moments): wraps the state of sharded params back as DTensors."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not is_sharded(param):

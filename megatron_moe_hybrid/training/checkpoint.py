@@ -77,6 +77,11 @@ def _expert_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if hasattr(p, "num_local_experts")}
 
 
+def _local_experts(model: torch.nn.Module) -> dict[str, int]:
+    """The routed experts' parameter names -> their local experts (as _walk and _load_tensors take them)."""
+    return {n: p.num_local_experts for n, p in _expert_params(model).items()}
+
+
 def _expert_dp_size() -> int:
     from megatron.core import parallel_state as ps
 
@@ -114,7 +119,7 @@ def _walk_model(model: torch.nn.Module, trainable_only: bool = False, load: Opti
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     items = [(name, tensor, name) for name, tensor in model.state_dict().items()
              if isinstance(tensor, torch.Tensor) and not (trainable_only and name not in trainable)]  # fmt: skip
-    return _walk(items, {n: p.num_local_experts for n, p in _expert_params(model).items()}, load)
+    return _walk(items, _local_experts(model), load)
 
 
 def _walk(items: list[tuple], experts: dict[str, int], load: Optional[list[int]] = None) -> list[tuple]:
@@ -203,9 +208,10 @@ def _is_moment(value) -> bool:
 
 def optimizer_scalars(state_dict: dict) -> dict:
     """An optimizer state_dict without its moments (each parameter's state tensors of one or more
-    dims, e.g. AdamW's exp_avg and exp_avg_sq): what a rank's state file keeps when save_checkpoint
-    writes the moments into the optimizer files (its optimizer=)."""
-    state = {k: {n: v for n, v in s.items() if not _is_moment(v)} for k, s in state_dict["state"].items()}
+    dims, e.g. AdamW's exp_avg and exp_avg_sq), a DTensor's scalar as its local value
+    (weights_only-loadable): what save_checkpoint(optimizer=) puts in each rank's state file."""
+    state = {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items() if not _is_moment(v)}
+             for k, s in state_dict["state"].items()}  # fmt: skip
     return {**state_dict, "state": state}
 
 
@@ -224,11 +230,13 @@ def _optimizer_items(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     params = [p for group in optimizer.param_groups for p in group["params"]]
     here = [(names[id(p)], key, str(v.dtype).removeprefix("torch."))
             for p in params for key, v in optimizer.state.get(p, {}).items() if _is_moment(v)]  # fmt: skip
-    everyone = set(here) if not dist.is_initialized() else {x for part in _gather(here) for x in part}
+    moments: dict[str, set] = {}  # parameter name -> {(key, dtype)} of every rank
+    for name, key, dtype in here if not dist.is_initialized() else [x for part in _gather(here) for x in part]:
+        moments.setdefault(name, set()).add((key, dtype))
     items = []
     for p in params:
         name = names[id(p)]
-        for _, key, dtype in sorted(x for x in everyone if x[0] == name):
+        for key, dtype in sorted(moments.get(name, ())):
             value = optimizer.state.get(p, {}).get(key)
             if value is None:
                 value = torch.zeros_like(p, dtype=getattr(torch, dtype))
@@ -259,8 +267,7 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
             target = torch.empty_like(p, dtype=dtype)  # every element is read (or the load raises)
             items.append((f"optimizer.{key}.{names[id(p)]}", target, names[id(p)]))
             targets.append((p, key, target))
-    experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
-    missing = _load_tensors(stored, items, experts)
+    missing = _load_tensors(stored, items, _local_experts(model))
     stored.raise_corrupt(sharded=any(isinstance(p, DTensor) for p in model.parameters()))
     if missing:
         raise CheckpointError(f"{stored.path}: the optimizer files lack the moments {missing[:5]}"
@@ -331,9 +338,10 @@ class SafetensorsWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{self.path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, the header "
                              f"says {dtype} {tuple(shape)}")
+        data = _bytes_of(tensor)
         if self.checksums:
-            self.crcs[name] = _crc32(tensor)
-        self.file.write(memoryview(_bytes_of(tensor)))
+            self.crcs[name] = _crc32(data)
+        self.file.write(memoryview(data))
         self.next += 1
 
     def close(self) -> int:
@@ -443,8 +451,9 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _crc32(t: torch.Tensor) -> str:
-    return f"{zlib.crc32(_bytes_of(t)):08x}"
+def _crc32(t) -> str:
+    """The checksum of a tensor's bytes (or of bytes already taken by _bytes_of)."""
+    return f"{zlib.crc32(t if isinstance(t, np.ndarray) else _bytes_of(t)):08x}"
 
 
 def _fsync(path: str) -> None:
@@ -460,8 +469,7 @@ def _write_rank_files(tmp: str, model, rank_state, trainable_only: bool, optimiz
     load = [0] * (dist.get_world_size() if dist.is_initialized() else 1)  # both walks spread over the ranks
     walks = [("model-", _walk_model(model, trainable_only, load))]
     if optimizer is not None:
-        experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
-        walks.append((OPTIMIZER_PREFIX, _walk(_optimizer_items(model, optimizer), experts, load)))
+        walks.append((OPTIMIZER_PREFIX, _walk(_optimizer_items(model, optimizer), _local_experts(model), load)))
     error: Optional[OSError] = None
     for prefix, walk in walks:
         name = f"{prefix}ep{ep_rank:05d}-r{rank:05d}.safetensors"
@@ -495,8 +503,8 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the final directory.
 
     optimizer: its moments are written beside the weights (optim-*.safetensors, each moment as its
-    parameter), so that load_optimizer_state reshards them; rank_state then holds
-    optimizer_scalars(optimizer.state_dict()) and the checkpoint resumes under any layout.
+    parameter), so that load_optimizer_state reshards them, and its step counts and param groups
+    into rank_state["optimizer"] (optimizer_scalars): the checkpoint resumes under any layout.
 
     If any rank fails to write (a full disk, a permission error), every rank raises
     CheckpointSaveError, the partial directory is removed and older checkpoints stay.
@@ -505,6 +513,8 @@ def save_checkpoint(
     name = f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
     rank = _rank()
+    if optimizer is not None:
+        rank_state = {**rank_state, "optimizer": optimizer_scalars(optimizer.state_dict())}
     error: Optional[str] = None
     if rank == 0:
         try:
@@ -824,8 +834,7 @@ def load_model_weights(path: str, model: torch.nn.Module, strict: bool = True) -
     stored = _Stored(path)
     state = model.state_dict()
     items = [(name, tensor, name) for name, tensor in state.items() if isinstance(tensor, torch.Tensor)]
-    experts = {n: p.num_local_experts for n, p in _expert_params(model).items()}
-    missing = _load_tensors(stored, items, experts, _unwrapped_name(model))
+    missing = _load_tensors(stored, items, _local_experts(model), _unwrapped_name(model))
     stored.raise_corrupt(sharded=any(isinstance(t, DTensor) for t in state.values()))
     if strict and missing:
         raise CheckpointError(f"{stored.path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

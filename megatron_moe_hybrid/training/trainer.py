@@ -421,7 +421,7 @@ class Trainer:
         for i, path in enumerate(candidates):
             error = None
             try:
-                self._load(path)
+                resharded_from = self._load(path)
             except ckpt.CheckpointError as e:
                 error = str(e)
             # Every rank must resume from the same checkpoint: agree on the first failure.
@@ -438,14 +438,16 @@ class Trainer:
                                 "use a new training.output_dir, training.resume none, or that run's config)")
                 raise _start_error("training.resume", ckpt.CheckpointError(message), every_rank=True)
             _print0(f"resumed from {path} at step {self.step}" + (
-                f" (saved with {self.resharded_from}: its weights and optimizer moments resharded to this layout)"
-                if self.resharded_from else ""))
+                f" (saved with {resharded_from}: its weights and optimizer moments resharded to this layout)"
+                if resharded_from else ""))
             self.last_checkpoint = path
             if self.rank == 0:  # drop metrics of steps after the checkpoint
                 self._truncate_metrics(self.step)
             return
 
-    def _load(self, path: str) -> None:
+    def _load(self, path: str) -> Optional[str]:
+        """Loads the checkpoint at path; returns the layout that saved it where it was another
+        (load_rank_state's resharded_from), else None."""
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
         state = ckpt.load_rank_state(path)  # checks the layout before touching the model
@@ -465,12 +467,12 @@ class Trainer:
                 optimizer_state_from_local(self.optimizer)
         else:
             ckpt.load_optimizer_state(path, self.model, self.optimizer, state["optimizer"])
-        self.resharded_from = state.get("resharded_from")
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return state.get("resharded_from")
 
     def _load_data(self) -> None:
         """The tokenizer, the training samples and, with training.eval_data_path, the held-out ones."""
@@ -757,15 +759,9 @@ class Trainer:
     def save(self) -> Optional[str]:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
-        # The moments go beside the weights (each read back as its parameter, under any layout);
-        # the state file keeps the step counts and param groups.
-        optimizer_state = ckpt.optimizer_scalars(self.optimizer.state_dict())
-        if self.config.parallel.fsdp:  # DTensors are not weights_only-loadable: keep local shards
-            from megatron_moe_hybrid.parallel.fsdp import optimizer_state_to_local
-
-            optimizer_state = optimizer_state_to_local(optimizer_state)
+        # save_checkpoint writes the optimizer's moments beside the weights (each read back as its
+        # parameter, under any layout) and its step counts and param groups into the state file
         state = {
-            "optimizer": optimizer_state,
             "step": self.step,
             "skipped": self.skipped,
             "rng": torch.get_rng_state(),
