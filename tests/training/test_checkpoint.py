@@ -101,7 +101,7 @@ def _set_meta(path, **fields):
         json.dump(meta, f)
 
 
-def test_another_layout_resumes_only_with_optimizer_files(tmp_path):
+def test_another_layout_resumes_only_with_optimizer_files(tmp_path, monkeypatch):
     """A checkpoint whose moments are in each rank's state file (as earlier versions wrote) keeps
     its layout; one with optimizer files gives another layout the state of rank (rank mod its
     world size) and says it reshards. The moments loaded from the files equal the optimizer's."""
@@ -120,6 +120,11 @@ def test_another_layout_resumes_only_with_optimizer_files(tmp_path):
     state = ckpt.load_rank_state(path)
     assert state["resharded_from"] == "world size 2 and expert parallel 1" and state["step"] == 1
     assert state["optimizer"] == scalars  # the state file holds the step counts and param groups
+    # rank 3 of the new layout takes saved rank 1's state file (3 mod 2): its RNG stream
+    torch.save({"step": 1, "optimizer": scalars, "rng": torch.tensor([1])}, os.path.join(path, "state-rank00001.pt"))
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_rank", lambda: 3)
+        assert ckpt.load_rank_state(path)["rng"].tolist() == [1]
     other = build(1)
     again = torch.optim.AdamW(other.parameters())
     ckpt.load_optimizer_state(path, other, again, state["optimizer"])
