@@ -16,7 +16,7 @@ run() {  # group, limit in seconds, test files
 }
 for step in $steps; do
   case $step in
-    sparse) run sparse 150 tests/ops/test_sparse_attention_triton.py tests/ops/test_sparse_indexer_triton.py \
+    sparse) run sparse 180 tests/ops/test_sparse_attention_triton.py tests/ops/test_sparse_indexer_triton.py tests/ops/test_causal_attention_gpu.py \
               tests/layers/test_mla_absorbed.py ;;
     loss) run loss 90 tests/ops/test_cross_entropy_triton.py tests/ops/test_cublaslt.py ;;
     moe) run moe 120 tests/ops/test_fused_permute.py tests/layers/test_moe_gpu.py tests/ops/test_grouped_gemm_triton.py \

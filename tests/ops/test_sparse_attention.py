@@ -550,18 +550,65 @@ def test_causal_attention_sdpa_equals_reference(H, G):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_causal_attention_refuses_what_sdpa_cannot_run():
+@pytest.mark.parametrize("H,G,lengths", [(4, 4, [5, 0, 17, 1, 14]), (4, 2, [37]), (6, 1, [0, 9, 28, 0])])
+def test_causal_attention_packed_sdpa_equals_reference(H, G, lengths):
+    """Packed sequences through SDPA, one sequence at a time (what CUDA runs where the varlen
+    kernel cannot), equal the reference's masked dense attention, forward and every gradient:
+    each sequence attends within itself, empty sequences included."""
     from megatron_moe_hybrid.ops.sparse_attention import causal_attention
+
+    gen = torch.Generator().manual_seed(H * 10 + G + len(lengths))
+    T, D = sum(lengths), 16
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    q, k, v = (torch.randn(1, T, n, D, generator=gen, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
+    go = torch.randn(1, T, H, D, generator=gen, dtype=torch.float64)
+    outs = []
+    for backend in ("torch", "sdpa"):
+        o = causal_attention(q, k, v, cu_seqlens=cu, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v), go)))
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    if len(lengths) == 1:  # one whole sequence is the unpacked causal attention
+        torch.testing.assert_close(outs[1][0], causal_attention(q, k, v, backend="sdpa"), rtol=0, atol=0)
+
+
+def test_causal_attention_refuses_what_its_backends_cannot_run():
+    from megatron_moe_hybrid.ops.sparse_attention import causal_attention, varlen_unsupported
 
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match="backend"):
         causal_attention(q, q, q, backend="flash")
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8]), backend="sdpa")
     with pytest.raises(ValueError, match="S=6"):
         causal_attention(q, q[:, :6], q[:, :6], backend="sdpa")
-    # auto keeps CPU tensors and packed batches on the reference
+    q2 = q.expand(2, -1, -1, -1)
+    with pytest.raises(ValueError, match="B == 1"):
+        causal_attention(q2, q2, q2, cu_seqlens=torch.tensor([0, 3, 8]), backend="sdpa")
+    with pytest.raises(ValueError, match="end at the token count 8"):
+        causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 7]), backend="sdpa")
+    # varlen (torch's flash kernel) takes 16-bit CUDA tensors of one head dim: a refusal says why
+    with pytest.raises(ValueError, match="varlen.*(CUDA|varlen_attn)"):
+        causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8]), backend="varlen")
+    assert "CUDA" in varlen_unsupported(q, q, q) or "varlen_attn" in varlen_unsupported(q, q, q)
+    # auto keeps CPU tensors, packed or not, on the reference
     torch.testing.assert_close(
         causal_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8])),
         sa.dense_attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 8]))[0],
     )
+
+
+def test_auto_loops_over_packed_sequences_only_where_few_and_long():
+    """auto's choice between SDPA per packed sequence and the varlen kernel (same attention,
+    different speed), at the shapes of benchmarks/packed_attention.py: a few long records of
+    Qwen3-Next's heads loop, 65 short chat records and small heads take varlen."""
+    from megatron_moe_hybrid.ops.sparse_attention import _sequence_loop_pays
+
+    def offsets(lengths):
+        return torch.tensor([0, *lengths]).cumsum(0).tolist()
+
+    long_records = offsets([4096, 8192, 4096, 6000, 2000, 8192, 192])  # 32k tokens, 7 records
+    assert _sequence_loop_pays(long_records, 16 * 256)
+    assert not _sequence_loop_pays(long_records, 2 * 64)  # too little work per launch
+    assert not _sequence_loop_pays(offsets([252] * 65), 16 * 128)
+    assert not _sequence_loop_pays(offsets([1] * 10), 16 * 256)
+    # empty sequences cost the loop nothing
+    assert _sequence_loop_pays(offsets([0, 8192, 0, 0, 8192]), 16 * 256) == _sequence_loop_pays(offsets([8192] * 2), 16 * 256)

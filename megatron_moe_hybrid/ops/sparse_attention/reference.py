@@ -60,10 +60,9 @@ def _check_topk(topk: int) -> None:
     )
 
 
-def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
-    """[T] int64 sequence id of each token, or None when nothing is packed."""
-    if cu_seqlens is None:
-        return None
+def check_cu_seqlens(cu_seqlens: Tensor, B: int, T: int) -> list[int]:
+    """The offsets of a packed batch (B == 1) of T tokens, checked, as host ints (read once per
+    tensor: do not modify the list)."""
     _check(B == 1, f"cu_seqlens needs the packed layout B == 1, got B={B}; concatenate the batch")
     _check(
         cu_seqlens.dim() == 1
@@ -78,6 +77,14 @@ def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
         offsets[0] == 0 and offsets[-1] == T and all(a <= b for a, b in pairwise(offsets)),
         f"cu_seqlens must start at 0, end at the token count {T} and never decrease, got {offsets}",
     )
+    return offsets
+
+
+def _segment_ids(cu_seqlens: Tensor | None, B: int, T: int) -> Tensor | None:
+    """[T] int64 sequence id of each token, or None when nothing is packed."""
+    if cu_seqlens is None:
+        return None
+    check_cu_seqlens(cu_seqlens, B, T)
     cu = cu_seqlens.to(torch.int64)
     # right=True puts a token that starts a sequence after empty ones into the non-empty one.
     return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
