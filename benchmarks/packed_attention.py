@@ -15,7 +15,9 @@ the inputs):
   causal mask and k, v repeated to the query heads (torch's documented way to pack without varlen).
 Shapes: Qwen3-Next's full attention (16 query heads on 2 kv groups, D 256) at 8k and 32k tokens
 of records of a few hundred to a few thousand tokens, and 16k tokens of short chat records.
-FLOPs count each sequence's causal half: forward 4 H D sum(L^2) / 2, backward 2.5 times it.
+The last shape is the sparse layer's dense warm-up under CP=8 at 128k tokens: one rank's two
+zigzag pieces (q_ranges) over every key.
+FLOPs count the query-key pairs the causal masks keep: forward 4 H D pairs, backward 2.5 times it.
 """
 
 import argparse
@@ -33,11 +35,13 @@ from common import time_and_peak, write_results  # noqa: E402
 from megatron_moe_hybrid.ops import sparse_attention as sa  # noqa: E402
 from megatron_moe_hybrid.testing import rel_rms  # noqa: E402
 
-SHAPES = {  # name: (H, G, D, T, shortest, longest record)
-    "qwen3next-T8192": (16, 2, 256, 8192, 256, 4096),
-    "qwen3next-T32768": (16, 2, 256, 32768, 512, 8192),
-    "chat-T16384-short": (16, 2, 128, 16384, 16, 512),
-    "h8d128-T32768": (8, 1, 128, 32768, 1024, 8192),
+SHAPES = {  # name: (H, G, D, T keys, shortest, longest record (None: one sequence), this rank's query runs or None)
+    "qwen3next-T8192": (16, 2, 256, 8192, 256, 4096, None),
+    "qwen3next-T32768": (16, 2, 256, 32768, 512, 8192, None),
+    "chat-T16384-short": (16, 2, 128, 16384, 16, 512, None),
+    "h8d128-T32768": (8, 1, 128, 32768, 1024, 8192, None),
+    # the sparse layer's dense warm-up under CP=8 at 128k (zigzag): rank 0's pieces 0 and 15 of 16
+    "cp8-rank0-T131072": (16, 2, 128, 131072, None, None, [(0, 8192), (122880, 131072)]),
 }
 
 
@@ -50,12 +54,15 @@ def lengths_for(T, shortest, longest, seed):
     return [n for n in out if n > 0]
 
 
-def masked_sdpa(q, k, v, seg):
-    """Whole-row SDPA with a block-diagonal causal bool mask [T, T], k/v repeated to H heads."""
+def block_causal_mask(seg, q_pos):
+    """[T, S] bool: a query reads the keys of its own sequence up to its position."""
+    pos = torch.arange(seg.numel(), device=seg.device)
+    return (seg[q_pos][:, None] == seg[None, :]) & (q_pos[:, None] >= pos[None, :])
+
+
+def masked_sdpa(q, k, v, mask):
+    """Whole-row SDPA with a block-diagonal causal bool mask (built once), k/v repeated to H heads."""
     R = q.shape[2] // k.shape[2]
-    T = q.shape[1]
-    pos = torch.arange(T, device=q.device)
-    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
     o = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(R, 2).transpose(1, 2), v.repeat_interleave(R, 2).transpose(1, 2),
         attn_mask=mask,
@@ -74,28 +81,37 @@ def main():
     free = torch.cuda.mem_get_info()[0]
     rows = []
     for name in args.shapes.split(","):
-        H, G, D, T, shortest, longest = SHAPES[name]
-        lengths = lengths_for(T, shortest, longest, seed=T + D)
-        cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
+        H, G, D, S, shortest, longest, runs = SHAPES[name]
+        lengths = [S] if shortest is None else lengths_for(S, shortest, longest, seed=S + D)
+        cu = None if shortest is None else torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
         seg = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+        q_runs = runs or [(0, S)]
+        q_pos = torch.cat([torch.arange(a, b, device="cuda") for a, b in q_runs])
+        T = q_pos.numel()
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(1, T, n, D, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (H, G, G))
+        q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(1, S, G, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         go = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
-        flops_fwd = 4 * H * D * sum(n * n for n in lengths) / 2
-        shape = f"B1-T{T}-H{H}-G{G}-D{D}, {len(lengths)} records of {min(lengths)}-{max(lengths)} tokens"
+        pieces = sa._pieces(q_runs, None if cu is None else cu.tolist(), S)
+        pairs = sum((hi - lo) * (hi - st) - (hi - lo) ** 2 / 2 for _, run in pieces for lo, hi, st in run)
+        flops_fwd = 4 * H * D * pairs
+        shape = (f"B1-T{S}-H{H}-G{G}-D{D}, {len(lengths)} records of {min(lengths)}-{max(lengths)} tokens" if runs is None
+                 else f"B1-S{S}-H{H}-G{G}-D{D}, {T} queries at {runs} (one sequence)")  # fmt: skip
+        kw = dict(cu_seqlens=cu, q_ranges=runs)
+        mask = block_causal_mask(seg, q_pos)
 
         forms = {
-            "auto": lambda a, b, c: sa.causal_attention(a, b, c, cu_seqlens=cu),
-            "varlen": lambda a, b, c: sa.causal_attention(a, b, c, cu_seqlens=cu, backend="varlen"),
-            "sdpa per sequence": lambda a, b, c: sa.causal_attention(a, b, c, cu_seqlens=cu, backend="sdpa"),
-            "SDPA, block-diagonal mask": lambda a, b, c: masked_sdpa(a, b, c, seg),
-            "reference (before)": lambda a, b, c: sa.causal_attention(a, b, c, cu_seqlens=cu, backend="torch"),
+            "auto": lambda a, b, c: sa.causal_attention(a, b, c, **kw),
+            "varlen": lambda a, b, c: sa.causal_attention(a, b, c, backend="varlen", **kw),
+            "sdpa per sequence": lambda a, b, c: sa.causal_attention(a, b, c, backend="sdpa", **kw),
+            "SDPA, block-diagonal mask": lambda a, b, c: masked_sdpa(a, b, c, mask),
+            "reference (before)": lambda a, b, c: sa.causal_attention(a, b, c, backend="torch", **kw),
         }
         results, outs = {}, {}
         for form, fn in forms.items():
             # the reference holds fp32 scores and probabilities [T, H, T] (and their gradients)
-            if form.startswith("reference") and 4 * T * T * H * 4 > 0.8 * free:
+            if form.startswith("reference") and 4 * T * S * H * 4 > 0.8 * free:
                 results[form] = None
                 continue
             try:
@@ -120,8 +136,7 @@ def main():
             if form != "varlen":
                 results[form]["rel_rms_o_dq_dk_dv_vs_varlen"] = [round(rel_rms(a.float(), b.float()), 5) for a, b in zip(got, base)]
 
-        offsets = cu.tolist()
-        results["auto"]["took"] = "sdpa per sequence" if sa._sequence_loop_pays(offsets, H * D) else "varlen"
+        results["auto"]["took"] = "sdpa per sequence" if sa._sequence_loop_pays(pieces, H * D) else "varlen"
         ours, sdpa, varlen = results["auto"], results["sdpa per sequence"], results["varlen"]
         for anchor in ("reference (before)", "SDPA, block-diagonal mask"):
             a = results[anchor]
@@ -137,8 +152,9 @@ def main():
                 "forms": results,
                 "notes": None if timed else (
                     f"the anchor did not run: {a}" if a else "the anchor was not run: its fp32 scores, probabilities and "
-                    f"their gradients ({4 * 4 * T * T * H / 2**30:.0f} GiB) exceed this card's free memory"),
+                    f"their gradients ({4 * 4 * T * S * H / 2**30:.0f} GiB) exceed this card's free memory"),
             })  # fmt: skip
+        del mask
         write_results(out_path, rows)
         print(f"{name}: auto ({ours['took']}) {ours['fwd+bwd_ms']} ms, varlen {varlen['fwd+bwd_ms']} ms, "
               f"sdpa per sequence {sdpa['fwd+bwd_ms']} ms", flush=True)

@@ -17,7 +17,8 @@ autograd keeps is the [B, Tl, K] selected rows, linear in the local length (a te
 the saved shapes); the reference indexer scores block_size queries at a time ([B,
 block_size, HI, T]), the Triton one (auto on bf16/fp16 CUDA tensors) memory-bounded query
 chunks without the per-head logits. The dense warm-up is dense attention by definition: it
-keeps the gathered keys and its reference builds [B, Tl, T]. The KL loss runs in query
+keeps the gathered keys; on CUDA it runs flash kernels over this rank's pieces
+(ops.causal_attention with q_ranges), on the CPU the reference, which builds [B, Tl, H, T]. The KL loss runs in query
 chunks under checkpointing (ops.chunked_indexer_kl_loss), so it holds no [B, Tl, T] target.
 
 Indexer KL loss: indexer_kl_loss is a mean over the valid queries (those with a key and a
@@ -131,7 +132,11 @@ def cp_sparse_attention_core(
         o, lse = ops.sparse_attention(q, k_all, v_all, indices, backend=backend)
     else:
         indices = lse = None
-        o, _ = ops.dense_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_positions=q_pos)
+        # this rank's pieces of the sequence as runs of queries among all keys: flash kernels on
+        # CUDA (memory linear in the length), the reference's [B, Tl, H, T] scores on the CPU
+        runs = [layout.piece_range(p) for p in layout.rank_pieces()]
+        o = ops.causal_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_ranges=runs,
+                                 backend="torch" if backend == "torch" else "auto")  # fmt: skip
     if not indexer_loss:
         return o, None
 

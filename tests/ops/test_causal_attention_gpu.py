@@ -51,7 +51,7 @@ def test_packed_varlen_and_sdpa_match_fp32_reference(H, G, D, dtype, monkeypatch
     q, k, v, go, cu = _case(H, G, D, lengths, dtype, seed=D + H)
     ref = _run(q.float(), k.float(), v.float(), go.float(), cu, "torch")
     calls = []
-    varlen = sa._varlen_causal
+    varlen = sa._varlen_run
     monkeypatch.setattr(sa, "_varlen_causal", lambda *a: calls.append(1) or varlen(*a))
     for backend in ("auto", "sdpa"):
         got = _run(q, k, v, go, cu, backend)
@@ -127,7 +127,7 @@ def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
         x = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
         go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
         calls = []
-        varlen = sa._varlen_causal
+        varlen = sa._varlen_run
         monkeypatch.setattr(sa, "_varlen_causal", lambda *a: calls.append(1) or varlen(*a))
         got = {}
         for backend, dtype in (("torch", torch.float32), ("auto", torch.bfloat16)):
@@ -139,3 +139,31 @@ def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
         assert_rel_rms(got["auto"], got["torch"], 1e-2, 2e-2)
     finally:
         teardown()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_placed_queries_varlen_and_sdpa_match_fp32_reference(packed):
+    """A context-parallel rank's queries (zigzag pieces 1 and 6 of 8 over 4096 keys) read every
+    key before them: the varlen kernel's causal mask aligned to each piece's key window (one
+    launch per run) and SDPA per piece (torch's lower-right causal mask) equal the fp32
+    reference, packed (sequences cut inside the runs) and as a batch of 2."""
+    S, H, G, D = 4096, 8, 2, 128
+    runs = [(512, 1024), (3072, 3584)]
+    gen = torch.Generator().manual_seed(7 + packed)
+    B = 1 if packed else 2
+    cu = torch.tensor([0, 700, 701, 3000, 3300, S]).cuda() if packed else None
+    T = sum(b - a for a, b in runs)
+    q = torch.randn(B, T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(B, S, G, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    go = torch.randn(B, T, H, D, generator=gen).to("cuda", torch.bfloat16)
+
+    def run(backend, dtype):
+        leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+        o = sa.causal_attention(*leaves, cu_seqlens=cu, q_ranges=runs, backend=backend)
+        return dict(zip(("o", "dq", "dk", "dv"), (o, *torch.autograd.grad(o, leaves, go.to(dtype)))))
+
+    ref = run("torch", torch.float32)
+    for backend in ("varlen", "sdpa", "auto"):
+        got = run(backend, torch.bfloat16)
+        errors = assert_rel_rms({n: x.float() for n, x in got.items()}, ref, 5e-3, 1e-2)
+        print(backend, {n: f"{e:.2e}" for n, e in errors.items()})

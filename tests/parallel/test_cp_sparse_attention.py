@@ -319,6 +319,17 @@ def run_layer(layer, x, grad_out, cu):
     return out.detach(), grads[0], dict(zip(names, grads[1:])), layer.last_indexer_loss
 
 
+def run_layer_with_causal_backend(backend, *args):
+    """run_layer with ops.causal_attention forced to backend (the layer asks for auto, which
+    keeps CPU tensors on the reference)."""
+    original = sa.causal_attention
+    sa.causal_attention = lambda *a, backend_=backend, **kw: original(*a, **{**kw, "backend": backend_})
+    try:
+        return run_layer(*args)
+    finally:
+        sa.causal_attention = original
+
+
 def _cp_cases(P):
     """Both layouts x (sparse with topk below / above the visible keys, dense) x (packed, not).
 
@@ -403,6 +414,11 @@ def _cp_worker(rank, world, cases_by_cp, state, inputs_by_cp):
             out, x_grad, grads, loss = run_layer(
                 layer, layout.shard(x), P * layout.shard(grad_out), case["cu"]
             )
+            if case["stage"] == "dense_warmup":  # the form CUDA runs (SDPA per piece) gives the same
+                fused = run_layer_with_causal_backend("sdpa", layer, layout.shard(x), P * layout.shard(grad_out), case["cu"])
+                for a, b in zip((out, x_grad, *grads.values()), (fused[0], fused[1], *fused[2].values())):
+                    if a is not None:
+                        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
             for grad in grads.values():
                 dist.all_reduce(grad, group=ps.get_context_parallel_group())
                 grad /= P

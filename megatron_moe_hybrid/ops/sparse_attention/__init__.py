@@ -13,6 +13,7 @@ and whose supports(op, x) accepts the op's first tensor; a CUDA call that a fuse
 declines is logged once before it runs on the torch reference.
 """
 
+import bisect
 import functools
 import importlib.util
 import inspect
@@ -278,34 +279,92 @@ def varlen_unsupported(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] =
     return None
 
 
-def _sdpa_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> Tensor:
-    """SDPA over [B, T, H, D] tensors (flash / cuDNN / memory-efficient kernels on CUDA)."""
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )  # [B, H, T, DV]
-    return o.transpose(1, 2)
+def _query_runs(q_ranges, T: int, S: int) -> list[tuple[int, int]]:
+    """The global [start, end) of each run of consecutive query positions, in q's row order."""
+    if q_ranges is None:
+        if T != S:
+            raise ValueError(
+                f"k: causal_attention needs as many keys as queries (T={T}), got S={S}; "
+                "queries placed among more keys need q_ranges"
+            )
+        return [(0, T)] if T else []
+    runs = [(int(a), int(b)) for a, b in q_ranges]
+    bad = [(a, b) for a, b in runs if not 0 <= a <= b <= S]
+    if bad or sum(b - a for a, b in runs) != T:
+        raise ValueError(
+            f"q_ranges: {runs} must be [start, end) ranges within the {S} keys whose lengths sum to "
+            f"the {T} queries" + (f"; {bad} are not" if bad else "")
+        )
+    return [(a, b) for a, b in runs if b > a]
 
 
-def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, offsets: list, scale) -> Tensor:
+def _pieces(runs, offsets: Optional[list], S: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """For each run of queries [a, b), its first row in q and the pieces it splits into, one per
+    packed sequence it overlaps: (lo, hi, st), the queries [lo, hi) reading keys [st, hi) (a query
+    at p reads its sequence's keys up to p: causal, aligned to the window's end). The pieces'
+    key windows of a run follow one another: together they are the keys [first st, b)."""
+    bounds = offsets if offsets is not None else [0, S]
+    out, row = [], 0
+    for a, b in runs:
+        i = bisect.bisect_right(bounds, a) - 1  # the sequence holding position a
+        pieces = []
+        while i < len(bounds) - 1 and bounds[i] < b:
+            lo, hi = max(a, bounds[i]), min(b, bounds[i + 1])
+            if hi > lo:
+                pieces.append((lo, hi, bounds[i]))
+            i += 1
+        out.append((row, pieces))
+        row += b - a
+    return out
+
+
+def _sdpa_piece(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> Tensor:
+    """SDPA over [B, Lq, H, D] queries that are the last Lq of the Lk keys [B, Lk, G, D]: causal
+    from the window's end (flash / cuDNN / memory-efficient kernels on CUDA)."""
+    Lq, Lk, H, G = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if Lq == Lk:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G != H)
+    else:  # queries end at the keys' end: torch's lower-right causal mask, each query head its group's keys
+        from torch.nn.attention.bias import causal_lower_right
+
+        k, v = (x.repeat_interleave(H // G, dim=1) for x in (k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Lq, Lk), scale=scale)
+    return o.transpose(1, 2)  # [B, Lq, H, DV]
+
+
+def _varlen_run(q, k, v, row, a, b, pieces, cu_seqlens, scale) -> Tensor:
+    """One run's queries [a, b) (q's rows from row) in one varlen call: its pieces as sequences."""
     varlen_attn, causal, _, takes_gqa = _varlen_api()
-    _, T, H, _ = q.shape
-    G = k.shape[2]
+    B, _, H, _ = q.shape
+    G, L = k.shape[2], b - a
+    if B == 1:
+        st = pieces[0][2]
+        qf, kf, vf = q[0, row : row + L], k[0, st:b], v[0, st:b]
+        q_lens, k_lens = [hi - lo for lo, hi, _ in pieces], [hi - s for _, hi, s in pieces]
+    else:  # a batch of unpacked rows: each its own sequence
+        qf, kf, vf = q[:, row : row + L].flatten(0, 1), k[:, :b].flatten(0, 1), v[:, :b].flatten(0, 1)
+        q_lens, k_lens = [L] * B, [b] * B
+
+    def offsets_on_device():
+        cu = torch.tensor([[0, *q_lens], [0, *k_lens]], dtype=torch.int32).cumsum(1, dtype=torch.int32)
+        return cu.to(q.device, non_blocking=True)
+
+    key = ("varlen", a, b, B)
+    cu = offsets_on_device() if cu_seqlens is None else _packed.derived(cu_seqlens, key, offsets_on_device)
     if G != H and not takes_gqa:  # an older torch: each query head gets its group's keys
-        k, v = (x.repeat_interleave(H // G, dim=2) for x in (k, v))
-    cu = _packed.derived(cu_seqlens, "varlen_int32", lambda: cu_seqlens.to(torch.int32))
-    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+        kf, vf = (x.repeat_interleave(H // G, dim=1) for x in (kf, vf))
     kwargs = dict(causal)
     if scale is not None:
         kwargs["scale"] = scale
     if G != H and takes_gqa:
         kwargs["enable_gqa"] = True
-    o = varlen_attn(q[0], k[0], v[0], cu, cu, longest, longest, **kwargs)  # [T, H, DV]
-    return o.unsqueeze(0)
+    o = varlen_attn(qf, kf, vf, cu[0], cu[1], max(q_lens), max(k_lens), **kwargs)  # [B L, H, DV]
+    return o.unflatten(0, (B, L))
 
 
 # Where auto runs SDPA once per packed sequence rather than the varlen kernel: where
-# heads x head dim x sum(L^2) >= this x the sequences. Each sequence costs the loop about 0.25 ms
+# heads x head dim x sum(Lq Lk) >= this x the pieces. Each piece costs the loop about 0.25 ms
 # (forward and backward: launches, autograd, the concatenation), and SDPA's kernels ran about
 # 1.25x the varlen kernel's speed on long sequences: on an H100 (torch 2.11, bf16, 16 heads on 2
 # groups, D 256), 5 sequences in 8k tokens 3.07 vs 3.25 ms, 7 in 32k 17.2 vs 21.9 ms, and 65 short
@@ -313,9 +372,15 @@ def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, offsets:
 SEQUENCE_LOOP_WORK_PER_SEQUENCE = 3.6e10
 
 
-def _sequence_loop_pays(offsets: list, heads_x_dim: int) -> bool:
-    lengths = [b - a for a, b in zip(offsets, offsets[1:]) if b > a]
-    return heads_x_dim * sum(n * n for n in lengths) >= SEQUENCE_LOOP_WORK_PER_SEQUENCE * len(lengths)
+def _sequence_loop_pays(pieces, heads_x_dim: int) -> bool:
+    """pieces: _pieces' output, or a plain list of packed offsets (every query over its sequence)."""
+    if pieces and isinstance(pieces[0], int):
+        pieces = [(0, [(a, b, a) for a, b in zip(pieces, pieces[1:]) if b > a])]
+    work = count = 0
+    for _, run in pieces:
+        work += sum((hi - lo) * (hi - st) for lo, hi, st in run)
+        count += len(run)
+    return heads_x_dim * work >= SEQUENCE_LOOP_WORK_PER_SEQUENCE * count
 
 
 def causal_attention(
@@ -325,48 +390,61 @@ def causal_attention(
     cu_seqlens: Optional[Tensor] = None,
     scale: Optional[float] = None,
     backend: str = "auto",
+    q_ranges: Optional[list] = None,
 ) -> Tensor:
-    """Full causal GQA attention, q [B, T, H, D], k [B, T, G, D], v [B, T, G, DV] -> [B, T, H, DV];
-    with cu_seqlens [N + 1] (B == 1) each packed sequence attends within itself.
+    """Full causal GQA attention, q [B, T, H, D], k [B, S, G, D], v [B, S, G, DV] -> [B, T, H, DV];
+    with cu_seqlens [N + 1] over the S keys (B == 1) each packed sequence attends within itself.
+
+    q_ranges: where q's rows sit among the keys, as [start, end) runs of consecutive positions in
+    row order (a context-parallel rank's pieces of the sequence: a query at p reads keys up to p);
+    None: the rows are the keys' positions (T == S).
 
     Backends, each with memory linear in T except the reference:
-    - "varlen": torch's varlen flash attention over the packed sequences in one launch
-      (varlen_unsupported says what it takes: bf16/fp16 CUDA tensors, D == DV <= 256);
-    - "sdpa": torch's scaled_dot_product_attention, once per packed sequence where packed
-      (cu_seqlens read to the host once per tensor);
-    - "torch": reference.dense_attention, which holds the [B, T, H, T] scores.
-    "auto" takes the reference on the CPU, and on CUDA sdpa except for packed sequences that the
-    varlen kernel takes and that are too many or too short for a loop over them to pay
-    (SEQUENCE_LOOP_WORK_PER_SEQUENCE). Either form computes the same attention.
+    - "varlen": torch's varlen flash kernel, one launch per run of queries, every packed sequence
+      in it (varlen_unsupported says what it takes: bf16/fp16 CUDA tensors, D == DV <= 256);
+    - "sdpa": torch's scaled_dot_product_attention, once per packed sequence of each run (packed
+      offsets read to the host once per tensor);
+    - "torch": reference.dense_attention, which holds the [B, T, H, S] scores.
+    "auto" takes the reference on the CPU, and on CUDA sdpa except for packed or placed queries
+    that the varlen kernel takes and that make too many or too short pieces for a loop over them
+    to pay (SEQUENCE_LOOP_WORK_PER_SEQUENCE). Every form computes the same attention.
     """
     if backend not in CAUSAL_ATTENTION_BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(CAUSAL_ATTENTION_BACKENDS)}")
+    B, T, S, H, *_ = reference._check_attention_args(q, k, v)
+    runs = _query_runs(q_ranges, T, S)
+    if backend == "auto" and not q.is_cuda:
+        backend = "torch"
+    if backend == "torch":
+        q_positions = None
+        if q_ranges is not None:
+            q_positions = torch.cat([torch.arange(a, b) for a, b in runs] or [torch.zeros(0, dtype=torch.int64)])
+            q_positions = q_positions.to(q.device)
+        return dense_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, scale=scale, q_positions=q_positions)[0]
+    if cu_seqlens is None and q_ranges is None and backend in ("auto", "sdpa"):
+        return _sdpa_piece(q, k, v, scale)  # one causal block: no pieces to walk
+    offsets = None if cu_seqlens is None else reference.check_cu_seqlens(cu_seqlens, B, S)
+    pieces = _pieces(runs, offsets, S)
     if backend == "auto":
-        if not q.is_cuda:
-            backend = "torch"
-        elif cu_seqlens is None or varlen_unsupported(q, k, v, scale) is not None:
+        if varlen_unsupported(q, k, v, scale) is not None or _sequence_loop_pays(pieces, H * q.shape[3]):
             backend = "sdpa"
         else:
-            offsets = reference.check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-            backend = "sdpa" if _sequence_loop_pays(offsets, q.shape[2] * q.shape[3]) else "varlen"
-    if backend == "torch":
-        return dense_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, scale=scale)[0]
-    B, T, S, *_ = reference._check_attention_args(q, k, v)
-    if T != S:
-        raise ValueError(f"k: causal_attention needs as many keys as queries (T={T}), got S={S}")
+            backend = "varlen"
     if backend == "varlen":
         why = varlen_unsupported(q, k, v, scale)
         if why is not None:
             raise ValueError(f"backend: 'varlen' cannot run these inputs: {why}; use 'sdpa' or 'auto'")
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens: the varlen backend takes packed sequences (B == 1); use 'sdpa' for a batch")
-    if cu_seqlens is None:
-        return _sdpa_causal(q, k, v, scale)
-    offsets = reference.check_cu_seqlens(cu_seqlens, B, T)  # host values, read once per tensor
-    if backend == "varlen":
-        return _varlen_causal(q, k, v, cu_seqlens, offsets, scale)
-    pieces = [_sdpa_causal(q[:, a:b], k[:, a:b], v[:, a:b], scale) for a, b in zip(offsets, offsets[1:]) if b > a]
-    return torch.cat(pieces, dim=1) if pieces else q.new_empty(B, 0, q.shape[2], v.shape[-1])
+        outs = [_varlen_run(q, k, v, row, a, b, run, cu_seqlens, scale)
+                for (row, run), (a, b) in zip(pieces, runs)]  # fmt: skip
+    else:
+        outs = [
+            _sdpa_piece(q[:, row + lo - a : row + hi - a], k[:, st:hi], v[:, st:hi], scale)
+            for (row, run), (a, _) in zip(pieces, runs)
+            for lo, hi, st in run
+        ]
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs, dim=1) if outs else q.new_empty(B, 0, H, v.shape[-1])
 
 
 def attention_probs_target(
