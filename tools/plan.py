@@ -411,10 +411,10 @@ def _activation_bytes_per_token(
         n += heads * 4  # log-sum-exp
         n += sa.index_n_heads * sa.index_head_dim * act_bytes + sa.index_head_dim * act_bytes
         n += sa.topk * 4  # selected indices (int32)
-    elif kind == "A":  # plain PyTorch softmax attention: it keeps the [heads, s, s] probabilities
+    elif kind == "A":  # flash kernels (SDPA / varlen on CUDA): memory linear in the sequence
         heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
         n += (2 * heads + 2 * groups) * d * act_bytes + 2 * heads * d * act_bytes  # q+gate, k, v; out, gated
-        n += heads * seq_length * 4  # the softmax probabilities of this token's row
+        n += heads * 4  # log-sum-exp
     else:
         heads, groups, d = c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.kv_channels
         n += (heads + 2 * groups) * d * act_bytes + heads * d * act_bytes  # qkv, attention output
@@ -547,7 +547,8 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
     if cp > 1:
         # Sparse layers all-gather the keys every query may select (the MQA/GQA-shared K, V and
         # the indexer key) in the forward, and reduce-scatter their gradients in the backward;
-        # one layer's gathered copy and its gradient are alive at a time. Linear layers
+        # one layer's gathered copy and its gradient are alive at a time; gated full attention
+        # layers (A) gather their K and V the same way. Linear layers
         # all-gather each piece's state and K x K transition (fp32): independent of the length.
         sa, la = c.sparse_attention, c.linear_attention
         groups = c.num_query_groups or c.num_attention_heads
@@ -557,9 +558,11 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         state = cp_linear_gather_bytes(c, cl)
         cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
         n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
+        n_full = sum(c.layer_kind(i) == "A" for i in range(c.num_layers)) / pp
         n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp
         sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
-        cp_bytes = 2 * sparse_gather * n_sparse + 2 * state * (cp - 1) / cp * n_linear
+        full_gather = cl.micro_batch_size * cl.seq_length * 2 * groups * c.kv_channels * wb * (cp - 1) / cp
+        cp_bytes = 2 * sparse_gather * n_sparse + 2 * full_gather * n_full + 2 * state * (cp - 1) / cp * n_linear
         cp_bytes *= 1 if cl.recompute == "none" else 1.5
     terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
              "loss": loss, "comm_buffers": comm + cp_buffer}

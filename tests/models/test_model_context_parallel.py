@@ -19,14 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SEQ = 48
 
 
-def _config(cp, layout, aux_loss_type="micro_batch"):
+def _config(cp, layout, aux_loss_type="micro_batch", pattern="LLLS"):
     with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
     return config_from_dict(raw, {
         "parallel.world_size": cp, "parallel.context_parallel_size": cp, "parallel.cp_layout": layout,
         "training.seq_length": SEQ, "sparse_attention.topk": 6, "sparse_attention.indexer_loss_coeff": 0.1,
         "moe.aux_loss_type": aux_loss_type, "moe.aux_loss_coeff": 0.05, "moe.z_loss_coeff": 0.01,
-        "moe.dispatcher": "alltoall", "linear_attention.chunk_size": 8,
+        "moe.dispatcher": "alltoall", "linear_attention.chunk_size": 8, "model.pattern": pattern,
     })
 
 
@@ -35,14 +35,14 @@ def _config(cp, layout, aux_loss_type="micro_batch"):
 CU_SEQLENS = [0, 5, 24, 24, 41, 48]
 
 
-def _run(rank, world, layout, aux_loss_type, packed=False, device="cpu", dtype=torch.float64):
+def _run(rank, world, layout, aux_loss_type, packed=False, device="cpu", dtype=torch.float64, pattern="LLLS"):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_moe_hybrid.models import build_model
     from megatron_moe_hybrid.parallel.context_parallel import CPLayout
 
     init_megatron(rank, world, cp=world)
-    config = _config(world, layout, aux_loss_type)
+    config = _config(world, layout, aux_loss_type, pattern)
     torch.manual_seed(0)
     model = build_model(config).to(dtype)
     for m in model.modules():  # a random expert bias takes part in the routing
@@ -78,13 +78,15 @@ def _run(rank, world, layout, aux_loss_type, packed=False, device="cpu", dtype=t
 
 
 @pytest.mark.parametrize(
-    "aux_loss_type, packed", [("micro_batch", False), ("seq", False), ("micro_batch", True)],
-    ids=["micro_batch", "seq", "packed"],
+    "aux_loss_type, packed, pattern",
+    [("micro_batch", False, "LLLS"), ("seq", False, "LLAS"), ("micro_batch", True, "LLAS")],
+    ids=["micro_batch", "seq-gated-attention", "packed-gated-attention"],
 )
-def test_cp2_model_equals_cp1(aux_loss_type, packed):
-    (ref_loss, ref_grads), = spawn(_run, 1, "zigzag", aux_loss_type, packed)
+def test_cp2_model_equals_cp1(aux_loss_type, packed, pattern):
+    """LLAS: Qwen3-Next's gated full attention (A) beside the sparse layer, its keys gathered."""
+    (ref_loss, ref_grads), = spawn(_run, 1, "zigzag", aux_loss_type, packed, "cpu", torch.float64, pattern)
     for layout in ("zigzag", "contiguous"):
-        for loss, grads in spawn(_run, 2, layout, aux_loss_type, packed):
+        for loss, grads in spawn(_run, 2, layout, aux_loss_type, packed, "cpu", torch.float64, pattern):
             torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
             assert grads.keys() == ref_grads.keys()
             for name, g in grads.items():
@@ -108,7 +110,7 @@ def test_cp_config_errors_name_the_field():
         raw = yaml.safe_load(f)
     cases = [
         ({"parallel.context_parallel_size": 4, "training.seq_length": 36}, "training.seq_length"),
-        ({"parallel.context_parallel_size": 2, "model.pattern": "LLLA"}, "parallel.context_parallel_size"),
+        ({"parallel.context_parallel_size": 2, "model.pattern": "LLLM"}, "parallel.context_parallel_size"),
         ({"parallel.cp_layout": "ring"}, "parallel.cp_layout"),
     ]
     for overrides, field in cases:

@@ -452,3 +452,22 @@ def test_without_a_cluster_file_the_config_sets_the_run(capsys):
     plan.main(args + ["--cluster.training", "lora", "--lora.rank", "4", "--lora.expert_adapter", "shared", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"]["lora_rank"] == 4 and result["cluster"]["expert_adapter"] == "shared"
+
+
+def test_gated_full_attention_is_planned_linear_in_the_sequence():
+    """The A layer runs flash kernels on the GPU (packed and under CP too): its activations per
+    token do not grow with the sequence, and under CP its gathered K/V are counted."""
+    with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = config_from_dict(raw, {"parallel.world_size": 1, "model.pattern": "LLLA"})
+    per_token = [plan._activation_bytes_per_token(config, "A", True, seq_length=s) for s in (256, 1 << 20)]
+    assert per_token[0] == per_token[1] > 0
+    cp_config = config_from_dict(raw, {"parallel.world_size": 2, "model.pattern": "LLLA",
+                                       "parallel.context_parallel_size": 2})  # fmt: skip
+    linear_only = config_from_dict(raw, {"parallel.world_size": 2, "model.pattern": "L", "model.num_layers": 3,
+                                         "parallel.context_parallel_size": 2})  # fmt: skip
+    traffic = {}
+    for name, c in (("LLLA", cp_config), ("LLL", linear_only)):
+        cluster = plan.Cluster(accelerators=2, expert_model_parallel_size=1, context_parallel_size=2, seq_length=4096)
+        traffic[name] = plan.plan(c, cluster)["cp_bytes_per_micro_batch_per_device"]
+    assert traffic["LLLA"] > traffic["LLL"] > 0  # the A layer's K/V gather on top of the linear layers' states
