@@ -189,7 +189,7 @@ class MemoryConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1  # splits each sequence over this many ranks (L, S and A layers)
+    context_parallel_size: int = 1  # splits each sequence over this many ranks (every layer kind; M absorbed)
     cp_layout: str = "zigzag"  # "zigzag" (rank r holds pieces r and 2CP-1-r: balanced causal work) | "contiguous"
     expert_model_parallel_size: int = 1
     world_size: Optional[int] = None  # None: from the WORLD_SIZE environment variable (torchrun)
@@ -798,12 +798,18 @@ def _validate(c: HybridMoEConfig) -> None:
     )
     if p.context_parallel_size > 1:
         cp = p.context_parallel_size
-        others = sorted(set(c.pattern) - {"L", "S", "A"})
+        others = sorted(set(c.pattern) - {"L", "S", "A", "M"})
         _require(
             not others,
             "parallel.context_parallel_size",
-            f"context parallelism covers the linear (L), sparse (S) and gated full (A) attention layers; the pattern "
+            f"context parallelism covers the linear (L), sparse (S and M) and gated full (A) attention layers; the pattern "
             f"{c.pattern!r} has {', '.join(others)}: use parallel.context_parallel_size 1 for it",
+        )
+        _require(
+            "M" not in c.pattern or c.mla.absorbed,
+            "mla.absorbed",
+            "context parallelism runs the M layer in its absorbed form only; set mla.absorbed true "
+            "or parallel.context_parallel_size 1",
         )
         pieces = cp * (2 if p.cp_layout == "zigzag" else 1)
         _require(

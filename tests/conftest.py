@@ -25,14 +25,14 @@ if not _has_cuda():
 # minutes on 2 cores): besides the tests marked @pytest.mark.slow in their files, these, each a
 # variant or a wider twin of a test that stays in the quick set (seconds on 2 cores, 2026-12-06).
 SLOW_TESTS = {
-    "tests/models/test_model_context_parallel.py::test_cp2_model_equals_cp1[seq-gated-attention]",  # 25 s; [packed-gated-attention] stays (the CP layer tests run unpacked)
+    "tests/models/test_model_context_parallel.py::test_cp2_model_equals_cp1[seq-gated-attention]",  # 25 s; [packed-mla-gated-attention] stays (the CP layer tests run unpacked)
     "tests/training/test_train.py::test_cp2_equals_cp1",  # 42 s; CP: test_model_context_parallel, prompt_response
     "tests/training/test_train.py::test_ep2_equals_ep1",  # 28 s; test_fsdp's W2-DP2-EP2 trains EP=2 against one process
     "tests/training/test_eval.py::test_eval_under_ep2_cp2_and_fsdp2_equals_one_process",  # 41 s
     "tests/training/test_faults.py::test_torchrun_ranks_wait_for_a_first_tokenization_longer_than_the_collective_timeout",  # 34 s
     "tests/training/test_faults.py::test_bad_jsonl_lines_error_or_are_counted",  # 18 s; test_bad_data covers each case
     "tests/training/test_prompt_response.py::test_isolated_records_under_cp2_equal_one_process",  # 21 s
-    "tests/models/test_model_context_parallel.py::test_cp2_model_equals_cp1[micro_batch]",  # 25 s; [packed-gated-attention] stays
+    "tests/models/test_model_context_parallel.py::test_cp2_model_equals_cp1[micro_batch]",  # 25 s; [packed-mla-gated-attention] stays
     "tests/ops/test_kernels_compile.py::test_against_a_revision_compares_the_sass_launch_by_launch",  # 23 s
     "tests/ops/test_kernels_compile.py::test_linear_attention_kernels_compile_for_the_h200_under_each_switch[tma-group_sum]",
     "tests/ops/test_kernels_compile.py::test_linear_attention_kernels_compile_for_the_h200_under_each_switch[fused-unkept]",
@@ -55,7 +55,7 @@ SLOW_TESTS = {
     "tests/training/test_train.py::test_a_lora_run_started_by_train_is_a_finetune",  # 18 s
     # 27 s: the model-level twin stays (test_a_packed_micro_batch_equals_each_record_alone)
     "tests/training/test_prompt_response.py::test_an_isolated_training_step_is_the_packed_reference",
-    # 33 s: an S layer under CP=2 stays in test_cp2_model_equals_cp1[packed-gated-attention]
+    # 33 s: an S layer under CP=2 stays in test_cp2_model_equals_cp1[packed-mla-gated-attention]
     "tests/parallel/test_cp_sparse_attention.py::test_cp_layer_equals_single_process",
     # 45-70 s with its fixture: a DCP checkpoint into FSDP2 shards; test_checkpoint's four ranks load
     # FSDP2 shards by rows, test_convert_checkpoint's DCP reshards under EP=2

@@ -548,21 +548,27 @@ def plan(c: HybridMoEConfig, cl: Cluster, probe: Optional[dict] = None) -> dict[
         # Sparse layers all-gather the keys every query may select (the MQA/GQA-shared K, V and
         # the indexer key) in the forward, and reduce-scatter their gradients in the backward;
         # one layer's gathered copy and its gradient are alive at a time; gated full attention
-        # layers (A) gather their K and V the same way. Linear layers
-        # all-gather each piece's state and K x K transition (fp32): independent of the length.
+        # layers (A) gather their K and V the same way, MLA layers (M) their one latent kv and
+        # indexer key. Linear layers all-gather each piece's state and K x K transition (fp32):
+        # independent of the length.
         sa, la = c.sparse_attention, c.linear_attention
         groups = c.num_query_groups or c.num_attention_heads
         kv_token = (2 * groups * c.kv_channels + sa.index_head_dim) * wb  # bytes per token
+        mla_token = (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim + sa.index_head_dim) * wb  # latent kv, indexer key
         # the linear layers' gathered tensor itself, and the fold over the pieces keeps their
         # incoming states (its V part) beside it
         state = cp_linear_gather_bytes(c, cl)
-        cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * kv_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
+        biggest_token = max(kv_token, mla_token if "M" in c.pattern else 0)
+        cp_buffer = 2 * cl.micro_batch_size * cl.seq_length * biggest_token + state * (1 + la.head_v_dim / (la.head_k_dim + la.head_v_dim))
         n_sparse = sum(c.layer_kind(i) == "S" for i in range(c.num_layers)) / pp
         n_full = sum(c.layer_kind(i) == "A" for i in range(c.num_layers)) / pp
+        n_mla = sum(c.layer_kind(i) == "M" for i in range(c.num_layers)) / pp
         n_linear = sum(c.layer_kind(i) == "L" for i in range(c.num_layers)) / pp
         sparse_gather = cl.micro_batch_size * cl.seq_length * kv_token * (cp - 1) / cp
         full_gather = cl.micro_batch_size * cl.seq_length * 2 * groups * c.kv_channels * wb * (cp - 1) / cp
-        cp_bytes = 2 * sparse_gather * n_sparse + 2 * full_gather * n_full + 2 * state * (cp - 1) / cp * n_linear
+        mla_gather = cl.micro_batch_size * cl.seq_length * mla_token * (cp - 1) / cp
+        cp_bytes = (2 * sparse_gather * n_sparse + 2 * full_gather * n_full + 2 * mla_gather * n_mla
+                    + 2 * state * (cp - 1) / cp * n_linear)  # fmt: skip
         cp_bytes *= 1 if cl.recompute == "none" else 1.5
     terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
              "loss": loss, "comm_buffers": comm + cp_buffer}

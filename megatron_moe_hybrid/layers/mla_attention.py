@@ -49,6 +49,8 @@ from torch import Tensor, nn
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
+from megatron_moe_hybrid.parallel.context_parallel import local_layout
+from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
 
 # DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
 # independent of the model's rms_norm_eps.
@@ -284,14 +286,16 @@ class MLAttention(MegatronModule):
         w = w.view(H, N + V, C)
         return w[:, :N], w[:, N:]
 
-    def _absorbed_forward(self, x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens):
+    def _absorbed_forward(self, x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens, layout=None):
         """Attention over the one shared latent kv [C + R] (absorbed MLA), through the fused ops.
 
         q [B, T, H, N + R] (RoPE'd), latent [B, S, C], k_rope [B, S, R] (RoPE'd). q_nope . k_nope
         = (W_UK^T q_nope) . c, so q becomes [W_UK^T q_nope | q_rope] and every head reads
         kv = [kv_layernorm(latent) | k_rope]; the attention's latent output times W_UV is v's.
         The indexer's scales (DI^-0.5 inside the relu, HI^-0.5 on the weights; both positive)
-        are folded into its q and weights."""
+        are folded into its q and weights. Under context parallelism (layout) the latent kv and
+        the indexer keys are all-gathered and this rank's queries select among every earlier
+        key (cp_sparse_attention_core, as the S layer)."""
         N, C = self.nope_dim, self.kv_lora_rank
         w_uk, w_uv = self.absorbed_weights()
         c = self.kv_layernorm(latent)  # [B, S, C]
@@ -304,6 +308,8 @@ class MLAttention(MegatronModule):
             q_idx, k_idx, w = self.index_inputs(x.detach(), q_latent.detach(), cos, sin)
             q_idx = q_idx * self.index_dim**-0.5
             w = w * self.index_heads**-0.5
+        if layout is not None:
+            return self._cp_tail(q_full, kv, q_idx, k_idx, w, w_uv, cu_seqlens, layout, train_indexer)
         S = kv.shape[1]
         # [B, T, K] int32, -1 past the readable keys; a recomputed layer's backward reuses its
         # first forward's (parallel/recompute.py)
@@ -329,6 +335,24 @@ class MLAttention(MegatronModule):
             output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)
         return output, bias
 
+    def _cp_tail(self, q_full, kv, q_idx, k_idx, w, w_uv, cu_seqlens, layout, train_indexer):
+        """The absorbed forward's attention and projection under context parallelism. The core's
+        loss is this rank's share of the global KL loss; the trainer averages gradients over the
+        CP ranks, so the layer attaches CP x its share (as SparseAttention does)."""
+        C = self.kv_lora_rank
+        o, loss = cp_sparse_attention_core(
+            q_full, kv, None, q_idx, k_idx, w, layout=layout, topk=min(self.topk, layout.seq_len),
+            cu_seqlens=cu_seqlens, indexer_loss=train_indexer, backend=self.backend, scale=self.scale, value_dim=C,
+        )  # fmt: skip
+        o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
+        output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
+        if train_indexer:
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total, group=layout.group)
+            self.last_indexer_loss = total
+            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * layout.size * loss)
+        return output, bias
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -346,8 +370,11 @@ class MLAttention(MegatronModule):
             raise NotImplementedError("MLAttention keeps no KV cache for decoding")
         s, b, _ = hidden_states.shape
         H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        layout = local_layout(s, getattr(self.config, "cp_layout", "zigzag"))
+        if layout is not None and not self.absorbed:
+            raise ValueError("mla.absorbed: context parallelism runs the absorbed form only; set mla.absorbed true")
         if self.absorbed:
-            positions, cu_seqlens = _positions_and_cu_seqlens(packed_seq_params, s, b, hidden_states.device)
+            positions, cu_seqlens = _positions_and_cu_seqlens(packed_seq_params, s, b, hidden_states.device, layout)
         else:
             positions, readable = _positions_and_mask(packed_seq_params, s, b, hidden_states.device)
         x = hidden_states.transpose(0, 1)  # [B, T, h]
@@ -368,7 +395,7 @@ class MLAttention(MegatronModule):
         latent, k_rope = self.linear_kv_down_proj(x)[0].split([C, R], dim=-1)  # [B, S, C], [B, S, R]
         if self.absorbed:
             k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # [B, S, R]
-            return self._absorbed_forward(x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens)
+            return self._absorbed_forward(x, q_latent, q, latent, k_rope, cos, sin, cu_seqlens, layout)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent))[0].unflatten(-1, (H, N + self.v_dim))
         k_nope, v = kv.split([N, self.v_dim], dim=-1)  # [B, S, H, N], [B, S, H, V]
         k_rope = rope_interleaved(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, R], shared by the heads
@@ -392,9 +419,10 @@ class MLAttention(MegatronModule):
         return output, bias
 
 
-def _positions_and_cu_seqlens(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Optional[Tensor]]:
-    """[1, T] positions (restarting per packed sequence) and the packed cu_seqlens or None."""
-    t = torch.arange(s, device=device)
+def _positions_and_cu_seqlens(packed_seq_params, s: int, b: int, device, layout=None) -> tuple[Tensor, Optional[Tensor]]:
+    """[1, T] positions (restarting per packed sequence) and the packed cu_seqlens or None; under
+    context parallelism (layout) those of this rank's tokens, with global offsets."""
+    t = torch.arange(s, device=device) if layout is None else layout.positions(device)
     if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
         return t[None], None
     cu_seqlens = packed_seq_params.cu_seqlens_q
@@ -403,6 +431,8 @@ def _positions_and_cu_seqlens(packed_seq_params, s: int, b: int, device) -> tupl
         raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
     if b != 1:
         raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
+    if layout is not None:
+        return layout.sequence_positions(cu_seqlens, device)[None], cu_seqlens.to(device)
     return ops.positions_from_cu_seqlens(cu_seqlens, s)[None], cu_seqlens.to(device)
 
 

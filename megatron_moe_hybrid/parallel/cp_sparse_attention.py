@@ -52,7 +52,7 @@ def _check_args(q, k, v, q_idx, k_idx, weights, layout, stage, cu_seqlens) -> No
     for name, x, legend in (
         ("q", q, "[B, Tl, H, D]"),
         ("k", k, "[B, Tl, G, D]"),
-        ("v", v, "[B, Tl, G, DV]"),
+        *((("v", v, "[B, Tl, G, DV]"),) if v is not None else ()),
         ("q_idx", q_idx, "[B, Tl, HI, DI]"),
         ("k_idx", k_idx, "[B, Tl, DI]"),
         ("weights", weights, "[B, Tl, HI]"),
@@ -96,6 +96,8 @@ def cp_sparse_attention_core(
     tp_group: Optional[ProcessGroup] = None,
     block_size: int = 256,
     backend: str = "auto",
+    scale: Optional[float] = None,
+    value_dim: Optional[int] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Attention of this rank's queries over all earlier global tokens.
 
@@ -108,12 +110,20 @@ def cp_sparse_attention_core(
     (the target from the detached q and gathered k, summed over tp_group's heads as the layer
     does; sum over the CP ranks = the CP == 1 loss), else None. Every rank of layout.group
     must call this with the same stage and indexer_loss: the gathers are collectives.
+
+    scale: the attention's softmax scale (None: D^-0.5). v None with value_dim: the values are
+    the keys' first value_dim channels (absorbed MLA's one latent kv), so only k is gathered.
     """
+    if v is None and value_dim is None:
+        raise ValueError("v: give v [B, Tl, G, DV], or value_dim for values that are k's first channels")
     _check_args(q, k, v, q_idx, k_idx, weights, layout, stage, cu_seqlens)
     q_pos = layout.positions(q.device)  # [Tl] global index of each local query
     D = k.shape[-1]
-    # K and V travel in one gather: [B, T, G, D + DV]
-    k_all, v_all = layout.gather(torch.cat([k, v], dim=-1), dim=1).split([D, v.shape[-1]], dim=-1)
+    if v is None:
+        k_all = layout.gather(k, dim=1)  # [B, T, G, D]
+        v_all = k_all[..., :value_dim]
+    else:  # K and V travel in one gather: [B, T, G, D + DV]
+        k_all, v_all = layout.gather(torch.cat([k, v], dim=-1), dim=1).split([D, v.shape[-1]], dim=-1)
     needs_index_keys = stage == "sparse" or indexer_loss
     k_idx_all = layout.gather(k_idx, dim=1) if needs_index_keys else None  # [B, T, DI]
 
@@ -129,19 +139,19 @@ def cp_sparse_attention_core(
             backend=backend,
             q_positions=q_pos,
         )
-        o, lse = ops.sparse_attention(q, k_all, v_all, indices, backend=backend)
+        o, lse = ops.sparse_attention(q, k_all, v_all, indices, scale=scale, backend=backend)
     else:
         indices = lse = None
         # this rank's pieces of the sequence as runs of queries among all keys: flash kernels on
         # CUDA (memory linear in the length), the reference's [B, Tl, H, T] scores on the CPU
         runs = [layout.piece_range(p) for p in layout.rank_pieces()]
-        o = ops.causal_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_ranges=runs,
+        o = ops.causal_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_ranges=runs, scale=scale,
                                  backend="torch" if backend == "torch" else "auto")  # fmt: skip
     if not indexer_loss:
         return o, None
 
     loss, valid = ops.chunked_indexer_kl_loss(
-        q, k_all, q_idx, k_idx_all, weights, indices,
+        q, k_all, q_idx, k_idx_all, weights, indices, scale=scale,
         cu_seqlens=cu_seqlens, q_positions=q_pos, tp_group=tp_group, backend=backend,
         lse=None if lse is None else lse.detach(),
     )  # valid [B, Tl]

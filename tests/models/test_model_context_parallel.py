@@ -79,11 +79,11 @@ def _run(rank, world, layout, aux_loss_type, packed=False, device="cpu", dtype=t
 
 @pytest.mark.parametrize(
     "aux_loss_type, packed, pattern",
-    [("micro_batch", False, "LLLS"), ("seq", False, "LLAS"), ("micro_batch", True, "LLAS")],
-    ids=["micro_batch", "seq-gated-attention", "packed-gated-attention"],
+    [("micro_batch", False, "LLLS"), ("seq", False, "LLAS"), ("micro_batch", True, "LMAS")],
+    ids=["micro_batch", "seq-gated-attention", "packed-mla-gated-attention"],
 )
 def test_cp2_model_equals_cp1(aux_loss_type, packed, pattern):
-    """LLAS: Qwen3-Next's gated full attention (A) beside the sparse layer, its keys gathered."""
+    """LLAS, LMAS: Qwen3-Next's gated full attention (A) and DeepSeek-V3.2's MLA (M) beside the sparse layer."""
     (ref_loss, ref_grads), = spawn(_run, 1, "zigzag", aux_loss_type, packed, "cpu", torch.float64, pattern)
     for layout in ("zigzag", "contiguous"):
         for loss, grads in spawn(_run, 2, layout, aux_loss_type, packed, "cpu", torch.float64, pattern):
@@ -110,7 +110,7 @@ def test_cp_config_errors_name_the_field():
         raw = yaml.safe_load(f)
     cases = [
         ({"parallel.context_parallel_size": 4, "training.seq_length": 36}, "training.seq_length"),
-        ({"parallel.context_parallel_size": 2, "model.pattern": "LLLM"}, "parallel.context_parallel_size"),
+        ({"parallel.context_parallel_size": 2, "model.pattern": "LLLM", "mla.absorbed": False}, "mla.absorbed"),
         ({"parallel.cp_layout": "ring"}, "parallel.cp_layout"),
     ]
     for overrides, field in cases:

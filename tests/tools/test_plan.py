@@ -456,7 +456,8 @@ def test_without_a_cluster_file_the_config_sets_the_run(capsys):
 
 def test_gated_full_attention_is_planned_linear_in_the_sequence():
     """The A layer runs flash kernels on the GPU (packed and under CP too): its activations per
-    token do not grow with the sequence, and under CP its gathered K/V are counted."""
+    token do not grow with the sequence; under CP its gathered K/V are counted, and so is the M
+    layer's latent kv."""
     with open(os.path.join(ROOT, "examples", "configs", "tiny.yaml")) as f:
         raw = yaml.safe_load(f)
     config = config_from_dict(raw, {"parallel.world_size": 1, "model.pattern": "LLLA"})
@@ -471,3 +472,6 @@ def test_gated_full_attention_is_planned_linear_in_the_sequence():
         cluster = plan.Cluster(accelerators=2, expert_model_parallel_size=1, context_parallel_size=2, seq_length=4096)
         traffic[name] = plan.plan(c, cluster)["cp_bytes_per_micro_batch_per_device"]
     assert traffic["LLLA"] > traffic["LLL"] > 0  # the A layer's K/V gather on top of the linear layers' states
+    mla = config_from_dict(raw, {"parallel.world_size": 2, "model.pattern": "LLLM", "parallel.context_parallel_size": 2})
+    cluster = plan.Cluster(accelerators=2, expert_model_parallel_size=1, context_parallel_size=2, seq_length=4096)
+    assert plan.plan(mla, cluster)["cp_bytes_per_micro_batch_per_device"] > traffic["LLL"]  # M's latent kv gather
