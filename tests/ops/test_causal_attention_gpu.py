@@ -52,7 +52,7 @@ def test_packed_varlen_and_sdpa_match_fp32_reference(H, G, D, dtype, monkeypatch
     ref = _run(q.float(), k.float(), v.float(), go.float(), cu, "torch")
     calls = []
     varlen = sa._varlen_run
-    monkeypatch.setattr(sa, "_varlen_causal", lambda *a: calls.append(1) or varlen(*a))
+    monkeypatch.setattr(sa, "_varlen_run", lambda *a: calls.append(1) or varlen(*a))
     for backend in ("auto", "sdpa"):
         got = _run(q, k, v, go, cu, backend)
         errors = assert_rel_rms({n: x.float() for n, x in got.items()}, ref, 5e-3, 1e-2)
@@ -64,7 +64,7 @@ def test_packed_varlen_and_sdpa_match_fp32_reference(H, G, D, dtype, monkeypatch
 def test_auto_keeps_what_varlen_cannot_take_on_sdpa(monkeypatch):
     """fp32 CUDA tensors and a value head dim unlike the key's (the flash kernel takes neither)
     run per sequence through SDPA under auto, and equal the reference."""
-    monkeypatch.setattr(sa, "_varlen_causal", lambda *a: pytest.fail("varlen ran"))
+    monkeypatch.setattr(sa, "_varlen_run", lambda *a: pytest.fail("varlen ran"))
     q, k, v, go, cu = _case(4, 2, 64, [300, 1, 211], torch.float32, seed=3)
     assert "bf16 or fp16" in sa.varlen_unsupported(q, k, v)
     got, ref = _run(q, k, v, go, cu, "auto"), _run(q, k, v, go, cu, "torch")
@@ -128,7 +128,7 @@ def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
         go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
         calls = []
         varlen = sa._varlen_run
-        monkeypatch.setattr(sa, "_varlen_causal", lambda *a: calls.append(1) or varlen(*a))
+        monkeypatch.setattr(sa, "_varlen_run", lambda *a: calls.append(1) or varlen(*a))
         got = {}
         for backend, dtype in (("torch", torch.float32), ("auto", torch.bfloat16)):
             xi = x.to(dtype).requires_grad_(True)
