@@ -600,16 +600,19 @@ def test_auto_loops_over_packed_sequences_only_where_few_and_long():
     """auto's choice between SDPA per packed sequence and the varlen kernel (same attention,
     different speed), at the shapes of benchmarks/packed_attention.py: a few long records of
     Qwen3-Next's heads loop, 65 short chat records and small heads take varlen."""
-    from megatron_moe_hybrid.ops.sparse_attention import _sequence_loop_pays
+    from megatron_moe_hybrid.ops.sparse_attention import _pieces, _sequence_loop_pays
 
-    def offsets(lengths):
-        return torch.tensor([0, *lengths]).cumsum(0).tolist()
+    def offsets(lengths):  # the pieces of packed sequences of these lengths, every query over its own
+        cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        return _pieces([(0, cu[-1])], cu, cu[-1])
 
     long_records = offsets([4096, 8192, 4096, 6000, 2000, 8192, 192])  # 32k tokens, 7 records
     assert _sequence_loop_pays(long_records, 16 * 256)
     assert not _sequence_loop_pays(long_records, 2 * 64)  # too little work per launch
     assert not _sequence_loop_pays(offsets([252] * 65), 16 * 128)
     assert not _sequence_loop_pays(offsets([1] * 10), 16 * 256)
+    # a CP=8 rank's two pieces over 128k keys: the second reads every key before it
+    assert _sequence_loop_pays(_pieces([(0, 8192), (122880, 131072)], None, 131072), 16 * 128)
     # empty sequences cost the loop nothing
     assert _sequence_loop_pays(offsets([0, 8192, 0, 0, 8192]), 16 * 256) == _sequence_loop_pays(offsets([8192] * 2), 16 * 256)
 

@@ -363,19 +363,17 @@ def _varlen_run(q, k, v, row, a, b, pieces, cu_seqlens, scale) -> Tensor:
     return o.unflatten(0, (B, L))
 
 
-# Where auto runs SDPA once per packed sequence rather than the varlen kernel: where
-# heads x head dim x sum(Lq Lk) >= this x the pieces. Each piece costs the loop about 0.25 ms
-# (forward and backward: launches, autograd, the concatenation), and SDPA's kernels ran about
-# 1.25x the varlen kernel's speed on long sequences: on an H100 (torch 2.11, bf16, 16 heads on 2
-# groups, D 256), 5 sequences in 8k tokens 3.07 vs 3.25 ms, 7 in 32k 17.2 vs 21.9 ms, and 65 short
-# chat records in 16k tokens 17.0 vs 1.57 ms (benchmarks/results/h100/packed_attention.json).
+# Where auto runs SDPA once per sequence piece rather than the varlen kernel: where
+# heads x head dim x sum(Lq Lk) >= this x the pieces. A loop costs 0.26-0.37 ms per piece
+# (launches, autograd, the concatenation), and on long sequences SDPA's kernels ran 1.2-1.3x the
+# varlen kernel (torch 2.11 on an H100, bf16; set from a first run of 8k tokens in 5 records,
+# 32k in 7 and 16k in 65 chat records; in benchmarks/results/h100/packed_attention.json the rule
+# picks the faster form at 4 of 5 shapes, and at the 5-record 8k one the loop is 7% faster).
 SEQUENCE_LOOP_WORK_PER_SEQUENCE = 3.6e10
 
 
 def _sequence_loop_pays(pieces, heads_x_dim: int) -> bool:
-    """pieces: _pieces' output, or a plain list of packed offsets (every query over its sequence)."""
-    if pieces and isinstance(pieces[0], int):
-        pieces = [(0, [(a, b, a) for a, b in zip(pieces, pieces[1:]) if b > a])]
+    """Whether SDPA once per piece (pieces: _pieces' output) beats one varlen launch per run."""
     work = count = 0
     for _, run in pieces:
         work += sum((hi - lo) * (hi - st) for lo, hi, st in run)
