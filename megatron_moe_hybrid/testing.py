@@ -4,6 +4,7 @@ Tests (ours and downstream users') build real process groups here rather than
 mocking torch.distributed, so that distributed code is exercised as it runs.
 """
 
+import contextlib
 import os
 import pickle
 import traceback
@@ -137,6 +138,21 @@ def _spawn_once(fn, world_size: int, args, timeout: float, backend: str) -> list
         taken = "EADDRINUSE" in errors[0] and "init_process_group" in errors[0] and not results
         raise (_PortTaken if taken else RuntimeError)("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def causal_attention_backend(backend: str):
+    """ops.sparse_attention.causal_attention forced to backend while the block runs, whatever a
+    layer asks for: layers ask for auto, which keeps CPU tensors on the reference, so a CPU test
+    reaches the fused forms (backend="sdpa") only so."""
+    from megatron_moe_hybrid.ops import sparse_attention as sa
+
+    original = sa.causal_attention
+    sa.causal_attention = lambda *a, **kw: original(*a, **{**kw, "backend": backend})
+    try:
+        yield
+    finally:
+        sa.causal_attention = original
 
 
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str) -> None:

@@ -23,12 +23,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
-from megatron_moe_hybrid.parallel.context_parallel import local_layout
-from megatron_moe_hybrid.ops.sparse_attention import (
-    causal_attention,
-    positions_from_cu_seqlens,
-)
+from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.ops.sparse_attention.reference import apply_rope
+from megatron_moe_hybrid.parallel.context_parallel import local_layout, token_positions
 
 
 @dataclass
@@ -151,7 +148,7 @@ class GatedAttention(MegatronModule):
         s, b, _ = hidden_states.shape
         H, G, D = self.num_heads, self.num_groups, self.head_dim
         layout = local_layout(s, getattr(self.config, "cp_layout", "zigzag"))
-        positions, cu_seqlens = _positions(packed_seq_params, s, b, hidden_states.device, layout)
+        positions, cu_seqlens = token_positions(packed_seq_params, s, b, hidden_states.device, layout)
         x = hidden_states.transpose(0, 1)  # [B, T, h]
         # HF views q_proj's output as [H, 2D] and chunks it: query first, then gate, per head.
         q, gate = self.linear_q(x)[0].unflatten(-1, (H, 2 * D)).chunk(2, dim=-1)  # [B, T, H, D]
@@ -160,29 +157,12 @@ class GatedAttention(MegatronModule):
         q = apply_rope(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)
         k = apply_rope(self.k_norm(k), positions, self.rotary_dim, self.rope_theta)
         if layout is None:
-            o = causal_attention(q, k, v, cu_seqlens=cu_seqlens)  # [B, T, H, D]: flash kernels on CUDA
+            o = ops.causal_attention(q, k, v, cu_seqlens=cu_seqlens)  # [B, T, H, D]: flash kernels on CUDA
         else:  # every rank's keys in global order; q_ranges places this rank's queries among them
             k, v = layout.gather(torch.cat([k, v], dim=-1), dim=1).split([D, D], dim=-1)
-            runs = [layout.piece_range(p) for p in layout.rank_pieces()]
-            o = causal_attention(q, k, v, cu_seqlens=cu_seqlens, q_ranges=runs)
+            o = ops.causal_attention(q, k, v, cu_seqlens=cu_seqlens, q_ranges=layout.rank_ranges())
         o = o * torch.sigmoid(gate)
         return self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h], None
-
-
-def _positions(packed_seq_params, s: int, b: int, device, layout=None) -> tuple[Tensor, Optional[Tensor]]:
-    """[T] positions (restarting per packed sequence) and cu_seqlens [N + 1] or None; under
-    context parallelism (layout) those of this rank's tokens, with global offsets."""
-    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
-        return (torch.arange(s, device=device) if layout is None else layout.positions(device)), None
-    cu_seqlens = packed_seq_params.cu_seqlens_q
-    cu_kv = packed_seq_params.cu_seqlens_kv
-    if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
-        raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
-    if b != 1:
-        raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
-    if layout is not None:
-        return layout.sequence_positions(cu_seqlens, device), cu_seqlens
-    return positions_from_cu_seqlens(cu_seqlens, s), cu_seqlens
 
 
 def load_hf_qwen3_next_attention(

@@ -49,8 +49,8 @@ from torch import Tensor, nn
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
-from megatron_moe_hybrid.parallel.context_parallel import local_layout
-from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
+from megatron_moe_hybrid.parallel.context_parallel import local_layout, token_positions
+from megatron_moe_hybrid.parallel.cp_sparse_attention import attach_cp_indexer_loss, cp_sparse_attention_core
 
 # DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
 # independent of the model's rms_norm_eps.
@@ -336,9 +336,8 @@ class MLAttention(MegatronModule):
         return output, bias
 
     def _cp_tail(self, q_full, kv, q_idx, k_idx, w, w_uv, cu_seqlens, layout, train_indexer):
-        """The absorbed forward's attention and projection under context parallelism. The core's
-        loss is this rank's share of the global KL loss; the trainer averages gradients over the
-        CP ranks, so the layer attaches CP x its share (as SparseAttention does)."""
+        """The absorbed forward's attention and projection under context parallelism (the KL
+        loss attached as SparseAttention's: attach_cp_indexer_loss)."""
         C = self.kv_lora_rank
         o, loss = cp_sparse_attention_core(
             q_full, kv, None, q_idx, k_idx, w, layout=layout, topk=min(self.topk, layout.seq_len),
@@ -347,10 +346,7 @@ class MLAttention(MegatronModule):
         o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
         output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
         if train_indexer:
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total, group=layout.group)
-            self.last_indexer_loss = total
-            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * layout.size * loss)
+            output, self.last_indexer_loss = attach_cp_indexer_loss(output, loss, self.indexer_loss_coeff, layout)
         return output, bias
 
     def forward(
@@ -420,20 +416,9 @@ class MLAttention(MegatronModule):
 
 
 def _positions_and_cu_seqlens(packed_seq_params, s: int, b: int, device, layout=None) -> tuple[Tensor, Optional[Tensor]]:
-    """[1, T] positions (restarting per packed sequence) and the packed cu_seqlens or None; under
-    context parallelism (layout) those of this rank's tokens, with global offsets."""
-    t = torch.arange(s, device=device) if layout is None else layout.positions(device)
-    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
-        return t[None], None
-    cu_seqlens = packed_seq_params.cu_seqlens_q
-    cu_kv = packed_seq_params.cu_seqlens_kv
-    if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
-        raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
-    if b != 1:
-        raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
-    if layout is not None:
-        return layout.sequence_positions(cu_seqlens, device)[None], cu_seqlens.to(device)
-    return ops.positions_from_cu_seqlens(cu_seqlens, s)[None], cu_seqlens.to(device)
+    """[1, T] positions (token_positions') and the packed cu_seqlens on device, or None."""
+    positions, cu_seqlens = token_positions(packed_seq_params, s, b, device, layout)
+    return positions[None], None if cu_seqlens is None else cu_seqlens.to(device)
 
 
 def _positions_and_mask(packed_seq_params, s: int, b: int, device) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
-from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
-from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
+from megatron_moe_hybrid.parallel.context_parallel import local_layout, token_positions
+from megatron_moe_hybrid.parallel.cp_sparse_attention import attach_cp_indexer_loss, cp_sparse_attention_core
 from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
 
 STAGES = ("sparse", "dense_warmup")
@@ -136,31 +136,6 @@ class SparseAttention(MegatronModule):
         ):
             yield from module.parameters()
 
-    @staticmethod
-    def _positions(
-        packed_seq_params, s: int, b: int, device, layout: Optional[CPLayout] = None
-    ) -> tuple[Tensor, Optional[Tensor]]:
-        """[s] RoPE positions (restarting per packed sequence) and cu_seqlens [N + 1] or None.
-
-        Under CP (layout given) the s local tokens sit at layout.positions() and cu_seqlens
-        holds global offsets over layout.seq_len tokens.
-        """
-        if packed_seq_params is None:
-            if layout is not None:
-                return layout.positions(device), None
-            return torch.arange(s, device=device), None
-        cu_seqlens = packed_seq_params.cu_seqlens_q
-        cu_kv = packed_seq_params.cu_seqlens_kv
-        if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
-            raise ValueError(
-                "packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)"
-            )
-        if b != 1:
-            raise ValueError(f"packed sequences need hidden_states [s, 1, h], got batch {b}")
-        if layout is not None:
-            return layout.sequence_positions(cu_seqlens, device), cu_seqlens
-        return ops.positions_from_cu_seqlens(cu_seqlens, s), cu_seqlens
-
     def _qkv(self, hidden_states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, b, _ = hidden_states.shape
         R, D, base = self.num_heads // self.num_groups, self.head_dim, self.sa.rope_base
@@ -199,9 +174,7 @@ class SparseAttention(MegatronModule):
         s, b, _ = hidden_states.shape
         backend = self.sa.backend
         layout = local_layout(s, getattr(self.config, "cp_layout", "zigzag"))
-        positions, cu_seqlens = self._positions(
-            packed_seq_params, s, b, hidden_states.device, layout
-        )
+        positions, cu_seqlens = token_positions(packed_seq_params, s, b, hidden_states.device, layout)
         q, k, v = self._qkv(hidden_states, positions)
         # The indexer learns only from its KL loss: its input is cut off from the main model.
         q_idx, k_idx, weights = self._indexer(hidden_states.detach(), positions)
@@ -247,11 +220,8 @@ class SparseAttention(MegatronModule):
         """The forward's tail under context parallelism: the CP core, then the projection.
 
         The core's loss is this rank's share of the global KL loss (its queries, scaled by
-        local / global valid-query count; the shares sum to the CP == 1 loss). The trainer
-        averages gradients over the CP ranks (Megatron's dp-cp group), as it must for the LM
-        loss, which each rank takes as the mean over its own tokens; so the layer attaches
-        cp x its share, whose average over the ranks is the CP == 1 loss (the router does the
-        same for the MoE losses). last_indexer_loss is the global value, for logging only.
+        local / global valid-query count; the shares sum to the CP == 1 loss), attached as
+        attach_cp_indexer_loss says; last_indexer_loss is the global value, for logging only.
         """
         b, s = q.shape[:2]
         o, loss = cp_sparse_attention_core(
@@ -271,11 +241,7 @@ class SparseAttention(MegatronModule):
         )
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
         if with_loss:
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total, group=layout.group)
-            self.last_indexer_loss = total
-            coeff = self.sa.indexer_loss_coeff * layout.size
-            output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
+            output, self.last_indexer_loss = attach_cp_indexer_loss(output, loss, self.sa.indexer_loss_coeff, layout)
         return output, bias
 
     def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens, target=None) -> Tensor:

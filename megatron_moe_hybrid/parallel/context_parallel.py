@@ -128,11 +128,14 @@ class CPLayout:
                 index[p] = r * len(pieces) + slot
         return torch.tensor(index)
 
+    def rank_ranges(self) -> list[tuple[int, int]]:
+        """The global [start, end) of this rank's pieces, in local order (the q_ranges of
+        ops.causal_attention: where this rank's queries sit among every rank's keys)."""
+        return [self.piece_range(p) for p in self.rank_pieces()]
+
     def positions(self, device=None) -> Tensor:
         """[Tl] int64 global index of each local token."""
-        return torch.cat(
-            [torch.arange(*self.piece_range(p), device=device) for p in self.rank_pieces()]
-        )
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.rank_ranges()])
 
     def shard(self, x: Tensor, dim: int = 0) -> Tensor:
         """This rank's tokens of a global [..., T, ...] tensor (T at dim)."""
@@ -214,6 +217,27 @@ def local_layout(local_len: int, kind: str = "zigzag") -> Optional[CPLayout]:
     if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
         return None
     return CPLayout.from_parallel_state(local_len * ps.get_context_parallel_world_size(), kind)
+
+
+def token_positions(
+    packed_seq_params, s: int, b: int, device, layout: Optional["CPLayout"] = None
+) -> tuple[Tensor, Optional[Tensor]]:
+    """An attention layer's [s] RoPE positions (restarting per packed sequence) and cu_seqlens
+    [N + 1] or None. Under CP (layout) the s local tokens sit at layout.positions() and
+    cu_seqlens holds global offsets over layout.seq_len tokens."""
+    from megatron_moe_hybrid.ops.sparse_attention import positions_from_cu_seqlens
+
+    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+        return (torch.arange(s, device=device) if layout is None else layout.positions(device)), None
+    cu_seqlens = packed_seq_params.cu_seqlens_q
+    cu_kv = packed_seq_params.cu_seqlens_kv
+    if cu_kv is not None and not torch.equal(cu_kv, cu_seqlens):
+        raise ValueError("packed_seq_params.cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
+    if b != 1:
+        raise ValueError(f"packed_seq_params: packed sequences need hidden_states [s, 1, h], got batch {b}")
+    if layout is not None:
+        return layout.sequence_positions(cu_seqlens, device), cu_seqlens
+    return positions_from_cu_seqlens(cu_seqlens, s), cu_seqlens
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -78,6 +79,18 @@ def _valid_share(loss: Tensor, valid: Tensor, layout: CPLayout) -> Tensor:
     num_global = num_local.clone()
     dist.all_reduce(num_global, group=layout.group)
     return loss * (num_local / num_global.clamp_min(1))
+
+
+def attach_cp_indexer_loss(output: Tensor, loss: Tensor, coeff: float, layout: CPLayout) -> tuple[Tensor, Tensor]:
+    """A layer's output carrying the indexer KL loss into the backward (MoEAuxLossAutoScaler), and
+    the global loss for logging. loss is this rank's share of the global loss (the core's); the
+    trainer averages gradients over the CP ranks (Megatron's dp-cp group), as it must for the LM
+    loss, which each rank takes as the mean over its own tokens; so the layer attaches CP x its
+    share, whose average over the ranks is the CP == 1 loss (the router does the same for the
+    MoE losses). A collective over layout.group."""
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=layout.group)
+    return MoEAuxLossAutoScaler.apply(output, coeff * layout.size * loss), total
 
 
 def cp_sparse_attention_core(
@@ -144,8 +157,7 @@ def cp_sparse_attention_core(
         indices = lse = None
         # this rank's pieces of the sequence as runs of queries among all keys: flash kernels on
         # CUDA (memory linear in the length), the reference's [B, Tl, H, T] scores on the CPU
-        runs = [layout.piece_range(p) for p in layout.rank_pieces()]
-        o = ops.causal_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_ranges=runs, scale=scale,
+        o = ops.causal_attention(q, k_all, v_all, cu_seqlens=cu_seqlens, q_ranges=layout.rank_ranges(), scale=scale,
                                  backend="torch" if backend == "torch" else "auto")  # fmt: skip
     if not indexer_loss:
         return o, None

@@ -12,6 +12,8 @@ the sequence (zigzag or contiguous), packed or as a batch of 2:
 fp64 on the CPU. Shape legend: s global tokens, b micro-batch, h hidden, P CP ranks.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,9 +25,14 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_moe_hybrid.config import FullAttentionConfig, MLAConfig, SparseAttentionConfig
 from megatron_moe_hybrid.layers.gated_attention import GatedAttention, GatedAttentionSubmodules
 from megatron_moe_hybrid.layers.mla_attention import MLAttention, MLAttentionSubmodules
-from megatron_moe_hybrid.ops import sparse_attention as sa
 from megatron_moe_hybrid.parallel.context_parallel import CPLayout
-from megatron_moe_hybrid.testing import assert_close_to_scale, init_megatron, spawn, teardown
+from megatron_moe_hybrid.testing import (
+    assert_close_to_scale,
+    causal_attention_backend,
+    init_megatron,
+    spawn,
+    teardown,
+)
 
 S, P = 24, 2
 # packed: a sequence cut inside pieces and on a piece boundary (12 of 24 at P 2 zigzag: pieces of 6), an empty one
@@ -72,16 +79,10 @@ def _a_layer(cp_layout):
 
 
 def _a_run(layer, x, go, packed, backend=None):
-    """Output, input gradient and every parameter gradient; backend forces causal_attention's
-    (the layer asks for auto, which keeps CPU tensors on the reference)."""
+    """Output, input gradient and every parameter gradient; backend forces causal_attention's."""
     x = x.detach().clone().requires_grad_(True)
-    original = sa.causal_attention
-    if backend is not None:
-        sa.causal_attention = lambda *a, **kw: original(*a, **{**kw, "backend": backend})
-    try:
+    with causal_attention_backend(backend) if backend is not None else contextlib.nullcontext():
         out, _ = layer(x, packed_seq_params=_packed_params(packed))
-    finally:
-        sa.causal_attention = original
     return (out.detach(), *_grads(layer, x, out, go))
 
 

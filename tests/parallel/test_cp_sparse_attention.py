@@ -25,7 +25,13 @@ from megatron_moe_hybrid.ops import sparse_attention as sa
 from megatron_moe_hybrid.ops.sparse_attention import reference
 from megatron_moe_hybrid.parallel.context_parallel import CPLayout, local_layout
 from megatron_moe_hybrid.parallel.cp_sparse_attention import cp_sparse_attention_core
-from megatron_moe_hybrid.testing import assert_close_to_scale, init_megatron, spawn, teardown
+from megatron_moe_hybrid.testing import (
+    assert_close_to_scale,
+    causal_attention_backend,
+    init_megatron,
+    spawn,
+    teardown,
+)
 
 F64 = dict(dtype=torch.float64)
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -319,17 +325,6 @@ def run_layer(layer, x, grad_out, cu):
     return out.detach(), grads[0], dict(zip(names, grads[1:])), layer.last_indexer_loss
 
 
-def run_layer_with_causal_backend(backend, *args):
-    """run_layer with ops.causal_attention forced to backend (the layer asks for auto, which
-    keeps CPU tensors on the reference)."""
-    original = sa.causal_attention
-    sa.causal_attention = lambda *a, backend_=backend, **kw: original(*a, **{**kw, "backend": backend_})
-    try:
-        return run_layer(*args)
-    finally:
-        sa.causal_attention = original
-
-
 def _cp_cases(P):
     """Both layouts x (sparse with topk below / above the visible keys, dense) x (packed, not).
 
@@ -415,7 +410,8 @@ def _cp_worker(rank, world, cases_by_cp, state, inputs_by_cp):
                 layer, layout.shard(x), P * layout.shard(grad_out), case["cu"]
             )
             if case["stage"] == "dense_warmup":  # the form CUDA runs (SDPA per piece) gives the same
-                fused = run_layer_with_causal_backend("sdpa", layer, layout.shard(x), P * layout.shard(grad_out), case["cu"])
+                with causal_attention_backend("sdpa"):
+                    fused = run_layer(layer, layout.shard(x), P * layout.shard(grad_out), case["cu"])
                 for a, b in zip((out, x_grad, *grads.values()), (fused[0], fused[1], *fused[2].values())):
                     if a is not None:
                         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

@@ -25,7 +25,6 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from .. import _packed
 from . import reference
 from .reference import (
     dense_attention,
@@ -333,7 +332,16 @@ def _sdpa_piece(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> Tens
     return o.transpose(1, 2)  # [B, Lq, H, DV]
 
 
-def _varlen_run(q, k, v, row, a, b, pieces, cu_seqlens, scale) -> Tensor:
+@functools.lru_cache(maxsize=32)
+def _varlen_offsets(q_lens: tuple, k_lens: tuple, device) -> Tensor:
+    """[2, N + 1] int32 query and key offsets of varlen's sequences on device, made once per
+    lengths (a step's layers share them; a CP rank's unpacked runs are the same every step) and
+    copied from pinned memory, so the copy waits for nothing the stream runs (no host sync)."""
+    cu = torch.tensor([[0, *q_lens], [0, *k_lens]], dtype=torch.int32).cumsum(1, dtype=torch.int32)
+    return cu.pin_memory().to(device, non_blocking=True)
+
+
+def _varlen_run(q, k, v, row, a, b, pieces, scale) -> Tensor:
     """One run's queries [a, b) (q's rows from row) in one varlen call: its pieces as sequences."""
     varlen_attn, causal, _, takes_gqa = _varlen_api()
     B, _, H, _ = q.shape
@@ -346,12 +354,7 @@ def _varlen_run(q, k, v, row, a, b, pieces, cu_seqlens, scale) -> Tensor:
         qf, kf, vf = q[:, row : row + L].flatten(0, 1), k[:, :b].flatten(0, 1), v[:, :b].flatten(0, 1)
         q_lens, k_lens = [L] * B, [b] * B
 
-    def offsets_on_device():
-        cu = torch.tensor([[0, *q_lens], [0, *k_lens]], dtype=torch.int32).cumsum(1, dtype=torch.int32)
-        return cu.to(q.device, non_blocking=True)
-
-    key = ("varlen", a, b, B)
-    cu = offsets_on_device() if cu_seqlens is None else _packed.derived(cu_seqlens, key, offsets_on_device)
+    cu = _varlen_offsets(tuple(q_lens), tuple(k_lens), q.device)
     if G != H and not takes_gqa:  # an older torch: each query head gets its group's keys
         kf, vf = (x.repeat_interleave(H // G, dim=1) for x in (kf, vf))
     kwargs = dict(causal)
@@ -423,16 +426,13 @@ def causal_attention(
         return _sdpa_piece(q, k, v, scale)  # one causal block: no pieces to walk
     offsets = None if cu_seqlens is None else reference.check_cu_seqlens(cu_seqlens, B, S)
     pieces = _pieces(runs, offsets, S)
+    why = varlen_unsupported(q, k, v, scale) if backend in ("auto", "varlen") else None
     if backend == "auto":
-        if varlen_unsupported(q, k, v, scale) is not None or _sequence_loop_pays(pieces, H * q.shape[3]):
-            backend = "sdpa"
-        else:
-            backend = "varlen"
+        backend = "sdpa" if why is not None or _sequence_loop_pays(pieces, H * q.shape[3]) else "varlen"
     if backend == "varlen":
-        why = varlen_unsupported(q, k, v, scale)
         if why is not None:
             raise ValueError(f"backend: 'varlen' cannot run these inputs: {why}; use 'sdpa' or 'auto'")
-        outs = [_varlen_run(q, k, v, row, a, b, run, cu_seqlens, scale)
+        outs = [_varlen_run(q, k, v, row, a, b, run, scale)
                 for (row, run), (a, b) in zip(pieces, runs)]  # fmt: skip
     else:
         outs = [
