@@ -553,6 +553,21 @@ def sparse_attention_with_target(
     return o, lse, target
 
 
+def _dense_kl_fused(backend: str, q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> bool:
+    """Whether the dense warm-up's KL loss runs fused (triton_dense_kl): backend "triton" always
+    (ValueError naming the reason where the kernels cannot take the inputs); auto for 16-bit
+    CUDA inputs the kernels take."""
+    if "triton" not in _BACKENDS or backend not in ("auto", "triton"):
+        return False
+    if backend == "triton":
+        return True
+    from .triton_dense_kl import dense_kl_unsupported
+
+    return (q_idx.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q_idx.dtype in (torch.bfloat16, torch.float16)
+            and dense_kl_unsupported(q, k, q_idx, k_idx, weights) is None)
+
+
 def chunked_indexer_kl_loss(
     q: Tensor,
     k: Tensor,
@@ -585,10 +600,13 @@ def chunked_indexer_kl_loss(
     The sparse stage's target is computed once, without gradient, into [B, T, K]; then each
     chunk of queries computes its index scores and KL sum under activation checkpointing,
     so that only one chunk's [Tc, HI, K] intermediates are alive at a time (forward and
-    backward). The dense warm-up computes each chunk's [Tc, H, S] target inside the chunk:
-    it never holds [T, S] attention at long context. Memory is linear in T. The index scores
-    and the target go through the backend's ops (auto: Triton for 16-bit CUDA tensors); an op
-    the named backend lacks runs under auto.
+    backward). The dense warm-up, fused (triton_dense_kl.dense_indexer_kl_triton; auto takes
+    it for 16-bit CUDA inputs, backend "triton" always, tensor parallelism never), streams
+    the keys tile by tile from the main attention's per-head log-sum-exps and holds no
+    [Tc, H, S] or [Tc, HI, S] tensor; otherwise each chunk computes its [Tc, H, S] target inside
+    the chunk: it never holds [T, S] attention at long context. Memory is linear in T. The
+    index scores and the target go through the backend's ops (auto: Triton for 16-bit CUDA
+    tensors); an op the named backend lacks runs under auto.
     """
     B, T, S, H, _, _ = reference._check_attention_args(q, k, k)
     _, _, S_idx = reference._check_indexer_args(q_idx, k_idx, weights)
@@ -605,6 +623,14 @@ def chunked_indexer_kl_loss(
             + (f"{indices.dtype} {tuple(indices.shape)}" if isinstance(indices, Tensor) else type(indices).__name__),
         )
     reference._check_scale(scale)
+    tp = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
+    if indices is None and not tp and _dense_kl_fused(backend, q, k, q_idx, k_idx, weights):
+        from .triton_dense_kl import dense_indexer_kl_triton
+
+        kl, valid = dense_indexer_kl_triton(
+            q.detach(), k.detach(), q_idx, k_idx, weights, scale, cu_seqlens, q_positions, budget_bytes
+        )
+        return kl.sum() / valid.sum().clamp_min(1), valid
     X = S if indices is None else indices.shape[-1]
     indices_valid = indices is not None and reference.known_valid_indices(indices, S)
     HI, DI = q_idx.shape[2:]
@@ -622,7 +648,6 @@ def chunked_indexer_kl_loss(
     q, k = q.detach(), k.detach()
     # backend picks the index scores' implementation; ops a backend lacks run under auto
     rest = backend if backend in ("auto", "torch") else "auto"
-    tp = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     if indices is None:
         pos = reference._query_positions(q_positions, T, S, q.device)
     else:

@@ -1,0 +1,403 @@
+"""The dense warm-up's indexer KL loss fused in Triton: no [T, S] target, scores or logits.
+
+Shape legend: B batch, T queries, S keys, H query heads, G kv groups, R = H // G (head h reads
+group h // R), D main q/k head dim, HI / DI indexer heads / head dim, BM queries and BN keys
+per tile, Tc queries per backward chunk.
+
+DeepSeek-V3.2's warm-up trains the indexer alone on KL(p[t] || softmax(I[t])) over every key
+query t may read, where p[t] is the main attention's probabilities summed over heads,
+L1-normalised, and I[t, s] = sum_j w[t, j] relu(q_idx[t, j] . k_idx[s]). With the main
+attention's log-sum-exps lse_h[t] (one per head), p[t, s] = sum_h exp(scale q_h . k_s - lse_h)
+/ P[t] with P[t] = sum_s of the numerator (= H up to rounding), so one pass over the keys
+that keeps, per query, the online log-sum-exp lse_I of I and the sums
+
+    P = sum_s p~,   A = sum_s p~ log p~,   C = sum_s p~ I        (p~ the unnormalised target)
+
+gives KL[t] = A / P - log P - C / P + lse_I. The gradient of KL[t] with respect to I[t, s] is
+softmax(I)[t, s] - p~[t, s] / P, recomputed tile by tile in the backward.
+
+Kernels (every one loops only over each tile's readable keys lo[t] <= s <= hi[t]):
+    _lse_kernel       [BM queries, one head]: the main attention's lse_h, online (forward).
+    _kl_fwd_kernel    [BM queries]: p~ (a loop over the H heads) and I (a loop over the HI
+                      indexer heads) per [BM, BN] tile; writes lse_I, P and KL per query.
+    _kl_dscores_kernel  the same recomputation for a chunk of Tc queries, writing
+                      dI = g (softmax(I) - p~ / P) into an fp32 [B, Tc, S] buffer (bounded by
+                      budget_bytes: memory is linear in T).
+    _kl_dq_kernel     [BM queries, one indexer head]: d q_idx and d weights from dI.
+    _kl_dk_kernel     [BN keys]: d k_idx summed over the chunk's queries and every head, added
+                      to an fp32 accumulator chunk after chunk: no atomics, bitwise repeatable.
+
+The main-attention products are made three times (lse, forward, backward), the indexer's five
+(forward, dI, dq, and twice in dk); the reference (chunked_indexer_kl_loss's dense branch)
+instead writes and reads [Tc, H, S] and [Tc, HI, S] fp32 intermediates several times per chunk.
+Dots take the input dtype (bf16/fp16 on the GPU; fp32 only in the CPU interpreter) and
+accumulate in fp32. Tensor parallelism (the target summed over ranks' heads) is not fused:
+chunked_indexer_kl_loss keeps its chunked form there.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import _check, _check_attention_args, _check_indexer_args
+from .triton_indexer import read_ranges
+from .._launch import fast_launch
+from .._intmath import cdiv, next_power_of_2
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Bytes of the backward's fp32 [B, Tc, S] score-gradient buffer per chunk of queries.
+DSCORES_BUDGET_BYTES = 1 << 30
+# Tiles on a GPU; the interpreter takes 16 x 16 so that small tests cross tile edges.
+BM, BN, NUM_WARPS = (16, 16, 1) if _INTERPRET else (64, 64, 4)
+# The largest head dims the kernels hold in one tile (padded to a power of two).
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _tile_range(lo, hi, o_t, m_t):
+    """[BM] readable ranges of the tile's queries and the union's first and last key."""
+    b_lo = tl.load(lo + o_t, mask=m_t, other=1 << 30)
+    b_hi = tl.load(hi + o_t, mask=m_t, other=-1)
+    return b_lo, b_hi, tl.min(b_lo, 0), tl.max(b_hi, 0)
+
+
+@triton.jit
+def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, scale,
+                G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] fp32 sum over heads of exp(scale q_h . k_s - lse_h) (unmasked)."""
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    p_q = q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + o_d[None, :]
+    p_k = k + i_b * sk_b + o_s[:, None].to(tl.int64) * sk_s + o_d[None, :]
+    p_l = lse + i_b * sl_b + o_t.to(tl.int64) * sl_t
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for g in range(G):
+        b_k = tl.load(p_k + g * sk_g, mask=m_s[:, None] & m_d[None, :], other=0.0)
+        for r in range(R):
+            h = g * R + r
+            b_q = tl.load(p_q + h * sq_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
+            b_lse = tl.load(p_l + h, mask=m_t, other=0.0)
+            b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+            acc += tl.exp(b_s - b_lse[:, None])
+    return acc
+
+
+@triton.jit
+def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s, sw_b, sw_t,
+                HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] fp32 index scores sum_j w_j relu(q_idx_j . k_idx) (unmasked)."""
+    o_d = tl.arange(0, DIP)
+    m_d = o_d < DI
+    b_k = tl.load(ki + i_b * sk_b + o_s[:, None].to(tl.int64) * sk_s + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)
+    p_q = qi + i_b * si_b + o_t[:, None].to(tl.int64) * si_t + o_d[None, :]
+    p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(HI):
+        b_q = tl.load(p_q + j * si_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
+        b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
+        acc += tl.maximum(tl.dot(b_q, tl.trans(b_k)), 0.0) * b_w[:, None]
+    return acc
+
+
+@fast_launch
+@triton.jit
+def _lse_kernel(
+    q, k, lo, hi, lse, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, T, S, scale,
+    R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """lse[b, t, h] = log sum over readable s of exp(scale q_h . k_s), -inf with no key."""
+    i_m, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_t = i_m * BM + tl.arange(0, BM)
+    m_t = o_t < T
+    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    b_q = tl.load(q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + i_h * sq_h + o_d[None, :],
+                  mask=m_t[:, None] & m_d[None, :], other=0.0)
+    p_k = k + i_b * sk_b + (i_h // R) * sk_g + o_d[None, :]
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    for s0 in range(s_lo, s_hi + 1, BN):
+        o_s = s0 + tl.arange(0, BN)
+        b_k = tl.load(p_k + o_s[:, None].to(tl.int64) * sk_s, mask=(o_s < S)[:, None] & m_d[None, :], other=0.0)
+        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
+        b_s = tl.where(m_read, tl.dot(b_q, tl.trans(b_k)) * scale, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_l = b_l * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_s - m_use[:, None]), 1)
+        b_m = m_new
+    b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    tl.store(lse + i_b * sl_b + o_t.to(tl.int64) * sl_t + i_h, b_lse, mask=m_t)
+
+
+@fast_launch
+@triton.jit
+def _kl_fwd_kernel(
+    q, k, lse, qi, ki, w, lo, hi, lse_i, mass, kl,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+    T, S, scale,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """Per query: lse_i (of I over its readable keys), mass P and KL (0 with no key) into [B, T]."""
+    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_t = i_m * BM + tl.arange(0, BM)
+    m_t = o_t < T
+    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_p = tl.zeros([BM], dtype=tl.float32)
+    b_a = tl.zeros([BM], dtype=tl.float32)
+    b_c = tl.zeros([BM], dtype=tl.float32)
+    for s0 in range(s_lo, s_hi + 1, BN):
+        o_s = s0 + tl.arange(0, BN)
+        m_s = o_s < S
+        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
+        pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
+                         sl_b, sl_t, scale, G, R, D, DP, BM, BN)
+        pt = tl.where(m_read, pt, 0.0)
+        it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+                         HI, DI, DIP, BM, BN)
+        b_c += tl.sum(pt * it, 1)  # pt is 0 at unreadable keys, it finite everywhere
+        it = tl.where(m_read, it, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(it, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_l = b_l * tl.exp(b_m - m_use) + tl.sum(tl.exp(it - m_use[:, None]), 1)
+        b_m = m_new
+        b_p += tl.sum(pt, 1)
+        b_a += tl.sum(tl.where(pt > 0, pt * tl.log(tl.where(pt > 0, pt, 1.0)), 0.0), 1)
+    valid = (b_hi >= b_lo) & (b_p > 0)
+    b_pp = tl.where(valid, b_p, 1.0)
+    b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), 0.0)
+    b_kl = tl.where(valid, b_a / b_pp - tl.log(b_pp) - b_c / b_pp + b_lse, 0.0)
+    o = i_b * T + o_t
+    tl.store(lse_i + o, b_lse, mask=m_t)
+    tl.store(mass + o, tl.where(valid, b_p, 0.0), mask=m_t)
+    tl.store(kl + o, b_kl, mask=m_t)
+
+
+@fast_launch
+@triton.jit
+def _kl_dscores_kernel(
+    q, k, lse, qi, ki, w, lo, hi, lse_i, mass, dkl, ds,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+    sd_b, sd_t, t0, t1, T, S, scale,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys of
+    queries t0 <= t < t1 (other entries are left unwritten: the readers mask them)."""
+    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_t = t0 + i_m * BM + tl.arange(0, BM)
+    m_t = o_t < t1
+    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    o = i_b * T + o_t
+    b_mass = tl.load(mass + o, mask=m_t, other=0.0)
+    b_g = tl.load(dkl + o, mask=m_t, other=0.0)
+    b_g = tl.where(b_mass > 0, b_g, 0.0)
+    b_inv = b_g / tl.where(b_mass > 0, b_mass, 1.0)
+    b_lse = tl.load(lse_i + o, mask=m_t, other=0.0)
+    p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
+    for s0 in range(s_lo, s_hi + 1, BN):
+        o_s = s0 + tl.arange(0, BN)
+        m_s = o_s < S
+        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
+        pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
+                         sl_b, sl_t, scale, G, R, D, DP, BM, BN)
+        it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+                         HI, DI, DIP, BM, BN)
+        b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
+        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0), mask=m_read & m_t[:, None])
+
+
+@fast_launch
+@triton.jit
+def _kl_dq_kernel(
+    qi, ki, w, lo, hi, ds, dqi, dw,
+    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sd_b, sd_t, t0, t1, S,
+    DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, one indexer head j."""
+    i_m, i_j, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_t = t0 + i_m * BM + tl.arange(0, BM)
+    m_t = o_t < t1
+    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    o_d = tl.arange(0, DIP)
+    m_d = o_d < DI
+    off_q = i_b * si_b + o_t[:, None].to(tl.int64) * si_t + i_j * si_h + o_d[None, :]
+    b_q = tl.load(qi + off_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
+    off_w = i_b * sw_b + o_t.to(tl.int64) * sw_t + i_j
+    b_w = tl.load(w + off_w, mask=m_t, other=0.0).to(tl.float32)
+    p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
+    b_dq = tl.zeros([BM, DIP], dtype=tl.float32)
+    b_dw = tl.zeros([BM], dtype=tl.float32)
+    for s0 in range(s_lo, s_hi + 1, BN):
+        o_s = s0 + tl.arange(0, BN)
+        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None]) & m_t[:, None]
+        b_ds = tl.load(p_d + o_s[None, :], mask=m_read, other=0.0)
+        b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
+                      mask=(o_s < S)[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k))
+        b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_ds, 1)
+        b_dl = tl.where(b_s > 0, b_ds * b_w[:, None], 0.0).to(b_k.dtype)
+        b_dq += tl.dot(b_dl, b_k)
+    tl.store(dqi + off_q, b_dq.to(dqi.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    tl.store(dw + off_w, b_dw.to(dw.dtype.element_ty), mask=m_t)
+
+
+@fast_launch
+@triton.jit
+def _kl_dk_kernel(
+    qi, ki, w, lo, hi, ds, dk,
+    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sd_b, sd_t, t0, t1, S,
+    HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """dk[b, s] (fp32 [B, S, DI]) += the gradient of k_idx[b, s] from queries t0 <= t < t1."""
+    i_n, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_s = i_n * BN + tl.arange(0, BN)
+    m_s = o_s < S
+    o_d = tl.arange(0, DIP)
+    m_d = o_d < DI
+    b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_dk = tl.zeros([BN, DIP], dtype=tl.float32)
+    for m0 in range(t0, t1, BM):
+        o_t = m0 + tl.arange(0, BM)
+        m_t = o_t < t1
+        b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+        if (i_n * BN <= s_hi) & (i_n * BN + BN > s_lo):
+            m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
+            p_d = ds + i_b * sd_b + (o_t - t0)[None, :].to(tl.int64) * sd_t + o_s[:, None]
+            b_ds = tl.load(p_d, mask=m_read, other=0.0)  # [BN, BM]
+            p_q = qi + i_b * si_b + o_t[:, None].to(tl.int64) * si_t + o_d[None, :]
+            p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
+            for j in range(HI):
+                b_q = tl.load(p_q + j * si_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
+                b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
+                b_s = tl.dot(b_k, tl.trans(b_q))  # [BN, BM]
+                b_dl = tl.where(b_s > 0, b_ds * b_w[None, :], 0.0).to(b_q.dtype)
+                b_dk += tl.dot(b_dl, b_q)
+    p_o = dk + (i_b * S + o_s[:, None].to(tl.int64)) * DI + o_d[None, :]
+    m_o = m_s[:, None] & m_d[None, :]
+    tl.store(p_o, tl.load(p_o, mask=m_o, other=0.0) + b_dk, mask=m_o)
+
+
+def _meta(q: Tensor, k: Tensor, q_idx: Tensor) -> dict:
+    H, D = q.shape[2:]
+    G = k.shape[2]
+    HI, DI = q_idx.shape[2:]
+    return dict(G=G, R=H // G, D=D, DP=max(16, next_power_of_2(D)), HI=HI, DI=DI,
+                DIP=max(16, next_power_of_2(DI)), BM=BM, BN=BN)
+
+
+class DenseIndexerKL(torch.autograd.Function):
+    """Per-query KL [B, T] fp32 (0 for queries with no key); gradients to q_idx, k_idx, weights."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, weights, q, k, lo, hi, scale, budget_bytes):
+        B, T, H, _ = q.shape
+        S = k.shape[1]
+        meta = _meta(q, k, q_idx)
+        dev = q.device
+        lse = torch.empty((B, T, H), dtype=torch.float32, device=dev)
+        lse_i = torch.empty((B, T), dtype=torch.float32, device=dev)
+        mass = torch.empty_like(lse_i)
+        kl = torch.empty_like(lse_i)
+        if T:
+            _lse_kernel[(cdiv(T, BM), H, B)](
+                q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                lse.stride(0), lse.stride(1), T, S, scale,
+                R=meta["R"], D=meta["D"], DP=meta["DP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+            )
+            _kl_fwd_kernel[(cdiv(T, BM), B)](
+                q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, kl, *_strides(q, k, lse, q_idx, k_idx, weights),
+                T, S, scale, **meta, num_warps=NUM_WARPS,
+            )
+        ctx.save_for_backward(q_idx, k_idx, weights, q, k, lo, hi, lse, lse_i, mass)
+        ctx.scale, ctx.budget = scale, budget_bytes
+        return kl
+
+    @staticmethod
+    def backward(ctx, dkl):
+        q_idx, k_idx, weights, q, k, lo, hi, lse, lse_i, mass = ctx.saved_tensors
+        B, T = q.shape[:2]
+        S, DI = k_idx.shape[1:]
+        HI = q_idx.shape[2]
+        meta = _meta(q, k, q_idx)
+        dkl = dkl.float().contiguous()
+        dqi = torch.empty_like(q_idx)
+        dw = torch.empty_like(weights)
+        dk = torch.zeros((B, S, DI), dtype=torch.float32, device=q.device)
+        Tc = max(BM, ctx.budget // max(1, B * S * 4) // BM * BM)
+        ds = torch.empty((B, min(T, Tc), S), dtype=torch.float32, device=q.device) if T else None
+        strides = _strides(q, k, lse, q_idx, k_idx, weights)
+        istrides = (q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+                    weights.stride(0), weights.stride(1))
+        for t0 in range(0, T, Tc):
+            t1 = min(T, t0 + Tc)
+            _kl_dscores_kernel[(cdiv(t1 - t0, BM), B)](
+                q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, dkl, ds, *strides,
+                ds.stride(0), ds.stride(1), t0, t1, T, S, ctx.scale, **meta, num_warps=NUM_WARPS,
+            )
+            _kl_dq_kernel[(cdiv(t1 - t0, BM), HI, B)](
+                q_idx, k_idx, weights, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+            )
+            _kl_dk_kernel[(cdiv(S, BN), B)](
+                q_idx, k_idx, weights, lo, hi, ds, dk, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
+                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+            )
+        return dqi, dk.to(k_idx.dtype), dw, None, None, None, None, None, None
+
+
+def _strides(q, k, lse, q_idx, k_idx, weights) -> tuple:
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
+            lse.stride(1), q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
+            weights.stride(0), weights.stride(1))
+
+
+def dense_kl_unsupported(q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> str | None:
+    """Why the fused kernels cannot take these inputs (None: they can)."""
+    if q.dtype != k.dtype or q_idx.dtype != k_idx.dtype:
+        return f"q/k ({q.dtype}, {k.dtype}) and q_idx/k_idx ({q_idx.dtype}, {k_idx.dtype}) must share a dtype"
+    if q.shape[-1] > MAX_HEAD_DIM or q_idx.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, DI={q_idx.shape[-1]} above {MAX_HEAD_DIM}"
+    for name, x in (("q", q), ("q_idx", q_idx), ("weights", weights)):
+        if not x.is_floating_point():
+            return f"{name} must be floating point, got {x.dtype}"
+        if not x.is_cuda and x.dtype == torch.bfloat16:
+            return f"{name}: the CPU interpreter reads bf16 wrongly; use fp32 or fp16 on the CPU"
+    return None
+
+
+def dense_indexer_kl_triton(
+    q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor, scale: float | None = None,
+    cu_seqlens: Tensor | None = None, q_positions: Tensor | None = None, budget_bytes: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The dense warm-up's indexer KL, fused: (KL [B, T] fp32 per query, 0 where the query reads
+    no key; valid [B, T] bool). q [B, T, H, D], k [B, S, G, D] (the main attention's, detached:
+    only the indexer trains), q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI]; causal,
+    masks as in lightning_indexer. Equal to indexer_kl_sum(lightning_indexer(...),
+    attention_probs_target(q, k)) per query; no [T, S] tensor (the backward holds an fp32
+    [B, Tc, S] chunk of budget_bytes)."""
+    B, T, S, H, G, D = _check_attention_args(q, k, k)
+    _, _, S_idx = _check_indexer_args(q_idx, k_idx, weights)
+    _check(tuple(q_idx.shape[:2]) == (B, T) and S_idx == S,
+           f"q_idx [B, T, HI, DI] and k_idx [B, S, DI] must cover q's B={B}, T={T} and k's S={S}, got "
+           f"{tuple(q_idx.shape)} and {tuple(k_idx.shape)}")
+    why = dense_kl_unsupported(q, k, q_idx, k_idx, weights)
+    _check(why is None, f"dense_indexer_kl_triton: {why}")
+    scale = D**-0.5 if scale is None else float(scale)
+    lo, hi = read_ranges(B, T, S, True, cu_seqlens, q_positions, q.device)
+    budget = DSCORES_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    q, k = q.detach().contiguous(), k.detach().contiguous()
+    q_idx, k_idx, weights = (x.contiguous() for x in (q_idx, k_idx, weights))
+    kl = DenseIndexerKL.apply(q_idx, k_idx, weights, q, k, lo, hi, scale, budget)
+    valid = (hi >= lo)[None, :].expand(B, T)
+    return kl, valid
