@@ -415,6 +415,15 @@ def _cp_worker(rank, world, cases_by_cp, state, inputs_by_cp):
                 for a, b in zip((out, x_grad, *grads.values()), (fused[0], fused[1], *fused[2].values())):
                     if a is not None:
                         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+                # and so does the fused indexer KL loss CUDA runs (triton_dense_kl, here in the
+                # interpreter; it accumulates in fp32) over this rank's queries of all the keys
+                triton_layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"], backend="triton")
+                fused = run_layer(triton_layer, layout.shard(x), P * layout.shard(grad_out), case["cu"])
+                # (the loss is about 1e-4 and the indexer's gradients 1e-5 here: absolute floors far below)
+                torch.testing.assert_close(fused[3], loss, rtol=1e-5, atol=1e-10)
+                for a, b in zip((out, x_grad, *grads.values()), (fused[0], fused[1], *fused[2].values())):
+                    if a is not None:
+                        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-9)
             for grad in grads.values():
                 dist.all_reduce(grad, group=ps.get_context_parallel_group())
                 grad /= P

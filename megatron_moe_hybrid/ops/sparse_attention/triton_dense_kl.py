@@ -380,8 +380,8 @@ def dense_indexer_kl_triton(
     q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor, scale: float | None = None,
     cu_seqlens: Tensor | None = None, q_positions: Tensor | None = None, budget_bytes: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The dense warm-up's indexer KL, fused: (KL [B, T] fp32 per query, 0 where the query reads
-    no key; valid [B, T] bool). q [B, T, H, D], k [B, S, G, D] (the main attention's, detached:
+    """The dense warm-up's indexer KL, fused: (KL [B, T] per query, 0 where the query reads no
+    key, fp32 (fp64 for fp64 inputs, computed in fp32 all the same); valid [B, T] bool). q [B, T, H, D], k [B, S, G, D] (the main attention's, detached:
     only the indexer trains), q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI]; causal,
     masks as in lightning_indexer. Equal to indexer_kl_sum(lightning_indexer(...),
     attention_probs_target(q, k)) per query; no [T, S] tensor (the backward holds an fp32
@@ -400,4 +400,4 @@ def dense_indexer_kl_triton(
     q_idx, k_idx, weights = (x.contiguous() for x in (q_idx, k_idx, weights))
     kl = DenseIndexerKL.apply(q_idx, k_idx, weights, q, k, lo, hi, scale, budget)
     valid = (hi >= lo)[None, :].expand(B, T)
-    return kl, valid
+    return kl.to(torch.float64 if q_idx.dtype == torch.float64 else torch.float32), valid
