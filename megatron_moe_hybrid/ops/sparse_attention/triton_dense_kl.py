@@ -223,8 +223,10 @@ def _kl_dq_kernel(
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sd_b, sd_t, t0, t1, S,
     DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, one indexer head j."""
-    i_m, i_j, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, one indexer head j
+    (the fastest grid axis: the heads of a query tile run side by side and share its dI tiles
+    in L2)."""
+    i_j, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
     b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
@@ -345,7 +347,7 @@ class DenseIndexerKL(torch.autograd.Function):
                 q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, dkl, ds, *strides,
                 ds.stride(0), ds.stride(1), t0, t1, T, S, ctx.scale, **meta, num_warps=NUM_WARPS,
             )
-            _kl_dq_kernel[(cdiv(t1 - t0, BM), HI, B)](
+            _kl_dq_kernel[(HI, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, weights, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
                 DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
             )
