@@ -24,7 +24,9 @@ Ops and their shapes (default: the first listed; a shape key applies to the ops 
                kernels backward at GQA; --set "FORWARD_FORM='kernels'" for the kernels, --set
                "BACKWARD_FORM='kernels'" for the dq and dk/dv kernels)
     indexer    the lightning indexer's top-k (token and block mode) and its index scores at the
-               selected keys, forward and backward: dsv32 (B1, T 4096, 64 heads x 128, top-2048)
+               selected keys, forward and backward: dsv32 (B1, T 4096, 64 heads x 128, top-2048);
+               and the dense warm-up's fused KL loss (triton_dense_kl) with that indexer under
+               the GQA (16 heads / 4 groups, D 128) and MLA (128 heads, D 192) main attention
     loss       chunked_linear_cross_entropy's Triton path, trainable and frozen weight: v152k,
                v262k (benchmarks/loss.py's hidden and vocab sizes, 16 tokens)
     moe        the MoE layer's router, layout, gathers, grouped GEMM and SwiGLU: S1, S2
@@ -372,6 +374,17 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
                 ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K, block_size=block_size)
             scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
             torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
+            # the dense warm-up's fused KL loss (triton_dense_kl), forward and backward, with the
+            # main attention of the GQA layout (16 heads on 4 groups, D 128) and of MLA's (128
+            # heads with their own 192-wide keys); 256 queries (the count sets only the grids)
+            from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl as tdk
+
+            n = min(T, 256)
+            for H, G, D in ((16, 4, 128), (128, 128, 192)):
+                qa, ka = torch.zeros(B, n, H, D, dtype=dt), torch.zeros(B, n, G, D, dtype=dt)
+                leaves = [x[:, :n].detach().requires_grad_() for x in (q, k, w)]
+                kl, _ = tdk.dense_indexer_kl_triton(qa, ka, *leaves)
+                torch.autograd.grad(kl.sum(), leaves)
     finally:
         ti.torch = saved
     return launches
@@ -405,6 +418,9 @@ def _as_on_the_h200() -> dict:
     from megatron_moe_hybrid.ops.sparse_attention import triton_indexer as ti
 
     ti._check_triton_dtypes = lambda q_idx, k_idx, weights: None
+    from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl as tdk
+
+    tdk.dense_kl_unsupported = lambda *args: None  # its CPU bf16 refusal, as above
     return {"gdn": (tc, record_linear), "gla": (tc, record_linear), "sparse": (ts, record_sparse),
             "loss": (ce, record_loss), "moe": (grouped_triton, record_moe), "layer": (tc, record_layer),
             "indexer": (ti, record_indexer)}

@@ -51,7 +51,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Bytes of the backward's fp32 [B, Tc, S] score-gradient buffer per chunk of queries.
 DSCORES_BUDGET_BYTES = 1 << 30
 # Tiles on a GPU; the interpreter takes 16 x 16 so that small tests cross tile edges.
-BM, BN, NUM_WARPS = (16, 16, 1) if _INTERPRET else (64, 64, 4)
+BM, BN = (16, 16) if _INTERPRET else (64, 64)
+# (num_warps, num_stages) per kernel on a GPU
+LAUNCH = {name: (1, 1) for name in ("lse", "fwd", "dscores", "dq", "dk")} if _INTERPRET else {
+    "lse": (4, 2), "fwd": (8, 2), "dscores": (8, 2), "dq": (8, 2), "dk": (8, 2)}
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -290,6 +293,11 @@ def _kl_dk_kernel(
     tl.store(p_o, tl.load(p_o, mask=m_o, other=0.0) + b_dk, mask=m_o)
 
 
+def _launch(kernel: str) -> dict:
+    num_warps, num_stages = LAUNCH[kernel]
+    return dict(num_warps=num_warps, num_stages=num_stages)
+
+
 def _meta(q: Tensor, k: Tensor, q_idx: Tensor) -> dict:
     H, D = q.shape[2:]
     G = k.shape[2]
@@ -315,11 +323,11 @@ class DenseIndexerKL(torch.autograd.Function):
             _lse_kernel[(cdiv(T, BM), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 lse.stride(0), lse.stride(1), T, S, scale,
-                R=meta["R"], D=meta["D"], DP=meta["DP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+                R=meta["R"], D=meta["D"], DP=meta["DP"], BM=BM, BN=BN, **_launch("lse"),
             )
             _kl_fwd_kernel[(cdiv(T, BM), B)](
                 q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, kl, *_strides(q, k, lse, q_idx, k_idx, weights),
-                T, S, scale, **meta, num_warps=NUM_WARPS,
+                T, S, scale, **meta, **_launch("fwd"),
             )
         ctx.save_for_backward(q_idx, k_idx, weights, q, k, lo, hi, lse, lse_i, mass)
         ctx.scale, ctx.budget = scale, budget_bytes
@@ -345,15 +353,15 @@ class DenseIndexerKL(torch.autograd.Function):
             t1 = min(T, t0 + Tc)
             _kl_dscores_kernel[(cdiv(t1 - t0, BM), B)](
                 q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, dkl, ds, *strides,
-                ds.stride(0), ds.stride(1), t0, t1, T, S, ctx.scale, **meta, num_warps=NUM_WARPS,
+                ds.stride(0), ds.stride(1), t0, t1, T, S, ctx.scale, **meta, **_launch("dscores"),
             )
             _kl_dq_kernel[(HI, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, weights, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
-                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, **_launch("dq"),
             )
             _kl_dk_kernel[(cdiv(S, BN), B)](
                 q_idx, k_idx, weights, lo, hi, ds, dk, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
-                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, num_warps=NUM_WARPS,
+                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, **_launch("dk"),
             )
         return dqi, dk.to(k_idx.dtype), dw, None, None, None, None, None, None
 
