@@ -93,6 +93,18 @@ def test_chunked_kl_loss_takes_the_fused_form_and_equals_the_chunked_one(cu):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
 
+@interpreter
+def test_a_nan_reaches_the_loss_and_gradients():
+    """As in the reference, a NaN in the main attention's inputs makes the loss NaN: the query
+    does not silently leave the mean."""
+    q, k, q_idx, k_idx, w = inputs(1, 20, 20, 2, 1, 8, 2, 8, seed=4)
+    q[0, 7, 1, 3] = float("nan")
+    want, _ = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, backend="torch")
+    got, valid = sa.chunked_indexer_kl_loss(q, k, q_idx, k_idx, w, backend="triton")
+    assert want.isnan() and got.isnan() and valid.all()
+    assert torch.autograd.grad(got, w)[0][0, 7].isnan().all()
+
+
 def test_auto_keeps_cpu_and_fp32_on_the_chunked_form(monkeypatch):
     """auto fuses only 16-bit CUDA inputs: CPU training stays on the reference."""
     def refuse(*args, **kwargs):

@@ -175,7 +175,9 @@ def _kl_fwd_kernel(
         b_m = m_new
         b_p += tl.sum(pt, 1)
         b_a += tl.sum(tl.where(pt > 0, pt * tl.log(tl.where(pt > 0, pt, 1.0)), 0.0), 1)
-    valid = (b_hi >= b_lo) & (b_p > 0)
+    # (b_p > 0) | NaN, the reference's ~(sum <= 0): a NaN target keeps its query, so the NaN
+    # reaches the loss instead of the query silently leaving it
+    valid = (b_hi >= b_lo) & ((b_p > 0) | (b_p != b_p))
     b_pp = tl.where(valid, b_p, 1.0)
     b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), 0.0)
     b_kl = tl.where(valid, b_a / b_pp - tl.log(b_pp) - b_c / b_pp + b_lse, 0.0)
@@ -203,8 +205,9 @@ def _kl_dscores_kernel(
     o = i_b * T + o_t
     b_mass = tl.load(mass + o, mask=m_t, other=0.0)
     b_g = tl.load(dkl + o, mask=m_t, other=0.0)
-    b_g = tl.where(b_mass > 0, b_g, 0.0)
-    b_inv = b_g / tl.where(b_mass > 0, b_mass, 1.0)
+    m_mass = (b_mass > 0) | (b_mass != b_mass)
+    b_g = tl.where(m_mass, b_g, 0.0)
+    b_inv = b_g / tl.where(m_mass, b_mass, 1.0)
     b_lse = tl.load(lse_i + o, mask=m_t, other=0.0)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     for s0 in range(s_lo, s_hi + 1, BN):
