@@ -108,6 +108,23 @@ def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s
     return acc
 
 
+@triton.jit
+def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
+           sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+           G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Keys [s0, s0 + BN): their offsets, the [BM, BN] readable mask, the target numerator p~ and
+    the index scores I (both unmasked)."""
+    o_s = s0 + tl.arange(0, BN)
+    m_s = o_s < S
+    m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
+    pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
+                     sl_b, sl_t, scale, G, R, D, DP, BM, BN)
+    it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+                     HI, DI, DIP, BM, BN)
+    return o_s, m_read, pt, it
+
+
 @fast_launch
 @triton.jit
 def _lse_kernel(
@@ -159,14 +176,10 @@ def _kl_fwd_kernel(
     b_a = tl.zeros([BM], dtype=tl.float32)
     b_c = tl.zeros([BM], dtype=tl.float32)
     for s0 in range(s_lo, s_hi + 1, BN):
-        o_s = s0 + tl.arange(0, BN)
-        m_s = o_s < S
-        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
-        pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
-                         sl_b, sl_t, scale, G, R, D, DP, BM, BN)
+        _, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b, sk_s,
+                                   sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+                                   G, R, D, DP, HI, DI, DIP, BM, BN)
         pt = tl.where(m_read, pt, 0.0)
-        it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
-                         HI, DI, DIP, BM, BN)
         b_c += tl.sum(pt * it, 1)  # pt is 0 at unreadable keys, it finite everywhere
         it = tl.where(m_read, it, float("-inf"))
         m_new = tl.maximum(b_m, tl.max(it, 1))
@@ -211,13 +224,9 @@ def _kl_dscores_kernel(
     b_lse = tl.load(lse_i + o, mask=m_t, other=0.0)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     for s0 in range(s_lo, s_hi + 1, BN):
-        o_s = s0 + tl.arange(0, BN)
-        m_s = o_s < S
-        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
-        pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
-                         sl_b, sl_t, scale, G, R, D, DP, BM, BN)
-        it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
-                         HI, DI, DIP, BM, BN)
+        o_s, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b,
+                                     sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+                                     G, R, D, DP, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
         tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0), mask=m_read & m_t[:, None])
 
