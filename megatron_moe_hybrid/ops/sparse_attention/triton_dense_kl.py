@@ -403,9 +403,11 @@ def dense_indexer_kl_triton(
     cu_seqlens: Tensor | None = None, q_positions: Tensor | None = None, budget_bytes: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The dense warm-up's indexer KL, fused: (KL [B, T] per query, 0 where the query reads no
-    key, fp32 (fp64 for fp64 inputs, computed in fp32 all the same); valid [B, T] bool). q [B, T, H, D], k [B, S, G, D] (the main attention's, detached:
-    only the indexer trains), q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI]; causal,
-    masks as in lightning_indexer. Equal to indexer_kl_sum(lightning_indexer(...),
+    key, fp32 (fp64 for fp64 inputs, computed in fp32 all the same); valid [B, T] bool).
+
+    q [B, T, H, D], k [B, S, G, D] (the main attention's, detached: only the indexer trains),
+    q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI]; causal, masks as in
+    lightning_indexer. Equal to indexer_kl_sum(lightning_indexer(...),
     attention_probs_target(q, k)) per query; no [T, S] tensor (the backward holds an fp32
     [B, Tc, S] chunk of budget_bytes)."""
     B, T, S, H, G, D = _check_attention_args(q, k, k)
