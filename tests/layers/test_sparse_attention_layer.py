@@ -291,3 +291,40 @@ def test_bad_packed_batch_raises():
             torch.randn(7, 2, HIDDEN, dtype=torch.float64),
             packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu),
         )
+
+
+@pytest.mark.parametrize("lengths", [None, [9, 4, 7]], ids=["b2", "packed-9-4-7"])
+def test_dense_warmup_fused_indexer_loss_equals_the_reference(lengths):
+    """backend "triton" runs the dense warm-up's KL loss fused (what auto runs on CUDA; here in
+    Triton's interpreter, fp32 inside): loss and every gradient equal the reference form's."""
+    pytest.importorskip("triton")
+    from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl
+
+    if not triton_dense_kl._INTERPRET:
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+    layer = make_layer(stage="dense_warmup", indexer_loss_coeff=0.5)
+    with torch.no_grad():  # larger weights: peaked attention and index scores, a KL far from 0
+        for p in layer.parameters():
+            p.mul_(6.0)
+    fused = clone_with(layer, stage="dense_warmup", indexer_loss_coeff=0.5, backend="triton")
+    packed = None
+    if lengths is not None:
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    b = 2 if lengths is None else 1
+    s = 20 if lengths is None else sum(lengths)
+    x = torch.randn(s, b, HIDDEN, dtype=torch.float64)
+    grad_out = torch.randn(s, b, HIDDEN, dtype=torch.float64)
+    out, grads = run(layer, x, grad_out, packed)
+    out_f, grads_f = run(fused, x, grad_out, packed)
+    torch.testing.assert_close(out_f, out, **TOL)
+    loss = layer.last_indexer_loss
+    assert loss > 1e-3  # a loss far above the fp32 error the comparison allows
+    torch.testing.assert_close(fused.last_indexer_loss, loss, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        if g is None:
+            assert grads_f[name] is None, name
+        else:
+            torch.testing.assert_close(grads_f[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
