@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU-marked test (pytest -m gpu) on one H200, in groups, each under its own time limit so
 # a slow group cannot take the rest's log with it:
-#   bash benchmarks/device/gpu_tests_h200.sh [sparse|loss|moe|model|linear ...]   (default: all, about 14 minutes
+#   bash benchmarks/device/gpu_tests_h200.sh [sparse|loss|moe|model|linear ...]   (default: all, about 17 minutes
 #   from a cold Triton cache: run "sparse loss moe" and "model linear" as two device calls)
 # Logs go to $OUT (or ./device-logs): gpu_<group>.log, and gpu_summary.log with each group's last line.
 # Expects .whl/ from ../shared/device/prep.sh.
@@ -16,8 +16,8 @@ run() {  # group, limit in seconds, test files
 }
 for step in $steps; do
   case $step in
-    sparse) run sparse 180 tests/ops/test_sparse_attention_triton.py tests/ops/test_sparse_indexer_triton.py tests/ops/test_causal_attention_gpu.py \
-              tests/layers/test_mla_absorbed.py ;;
+    sparse) run sparse 360 tests/ops/test_sparse_attention_triton.py tests/ops/test_sparse_indexer_triton.py tests/ops/test_causal_attention_gpu.py \
+              tests/ops/test_dense_indexer_kl.py tests/layers/test_mla_absorbed.py ;;
     loss) run loss 90 tests/ops/test_cross_entropy_triton.py tests/ops/test_cublaslt.py ;;
     moe) run moe 120 tests/ops/test_fused_permute.py tests/layers/test_moe_gpu.py tests/ops/test_grouped_gemm_triton.py \
            tests/layers/test_moe_router.py tests/ops/test_moe_static_dispatch.py tests/ops/test_moe_router_triton.py \
