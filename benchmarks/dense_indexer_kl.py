@@ -107,11 +107,11 @@ def main():
             "target_speedup": None,
             "ours_peak_mem_bytes": ours["peak_bytes"], "anchor_peak_mem_bytes": ref["peak_bytes"] if ref else None,
             "main_attention_fwd+bwd_ms": round(attn_ms, 3),
-            "tflops": round(pairs * (2 * H * D * 3 + 2 * HI * DI * 5) / ours["fwd+bwd_ms"] / 1e9, 1),
+            "tflops": round(pairs * (2 * H * D * 3 + 2 * HI * DI * 6) / ours["fwd+bwd_ms"] / 1e9, 1),
             "rel_rms_loss_dq_dk_dw_vs_reference": errors,
             "forms": results,
             "notes": ("tflops counts the products the fused kernels make over the causal pairs: the main scores 3 times "
-                      "(lse, forward, backward), the index scores 5 times (forward, dI, dq, twice in dk); "
+                      "(lse, forward, backward), the index scores 6 times (forward, dI, twice in dq, twice in dk); "
                       "main_attention_fwd+bwd_ms: ops.causal_attention (auto) at the same shape, for scale"
                       + ("" if ref else f"; the reference was not run above T={args.skip_reference_above}")),
         })  # fmt: skip

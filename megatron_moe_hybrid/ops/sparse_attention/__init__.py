@@ -608,13 +608,7 @@ def chunked_indexer_kl_loss(
     index scores and the target go through the backend's ops (auto: Triton for 16-bit CUDA
     tensors); an op the named backend lacks runs under auto.
     """
-    B, T, S, H, _, _ = reference._check_attention_args(q, k, k)
-    _, _, S_idx = reference._check_indexer_args(q_idx, k_idx, weights)
-    reference._check(
-        tuple(q_idx.shape[:2]) == (B, T) and S_idx == S,
-        f"q_idx [B, T, HI, DI] and k_idx [B, S, DI] must cover q's B={B}, T={T} and k's S={S}, got "
-        f"{tuple(q_idx.shape)} and {tuple(k_idx.shape)}",
-    )
+    B, T, S, H, _, _ = reference.check_kl_args(q, k, q_idx, k_idx, weights)
     if indices is not None:
         reference._check(
             isinstance(indices, Tensor) and indices.dim() == 3 and tuple(indices.shape[:2]) == (B, T)

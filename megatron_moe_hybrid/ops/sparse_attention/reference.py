@@ -176,6 +176,20 @@ def _check_indexer_args(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> tuple[
     return B, T, k_idx.shape[1]
 
 
+def check_kl_args(q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> tuple[int, ...]:
+    """The indexer KL loss's attention and indexer inputs checked together: (B, T, S, H, G, D)
+    of q [B, T, H, D] and k [B, S, G, D], with q_idx [B, T, HI, DI], k_idx [B, S, DI] and
+    weights [B, T, HI] covering the same queries and keys."""
+    B, T, S, H, G, D = _check_attention_args(q, k, k)
+    _, _, S_idx = _check_indexer_args(q_idx, k_idx, weights)
+    _check(
+        tuple(q_idx.shape[:2]) == (B, T) and S_idx == S,
+        f"q_idx [B, T, HI, DI] and k_idx [B, S, DI] must cover q's B={B}, T={T} and k's S={S}, got "
+        f"{tuple(q_idx.shape)} and {tuple(k_idx.shape)}",
+    )
+    return B, T, S, H, G, D
+
+
 def _index_scores(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> Tensor:
     """[B, Tq, S] = sum_j w[t, j] * relu(q_idx[t, j] . k_idx[s]), no mask."""
     dtype = _compute_dtype(q_idx)

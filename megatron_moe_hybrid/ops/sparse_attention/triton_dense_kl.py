@@ -27,8 +27,8 @@ Kernels (every one loops only over each tile's readable keys lo[t] <= s <= hi[t]
     _kl_dk_kernel     [BN keys]: d k_idx summed over the chunk's queries and every head, added
                       to an fp32 accumulator chunk after chunk: no atomics, bitwise repeatable.
 
-The main-attention products are made three times (lse, forward, backward), the indexer's five
-(forward, dI, dq, and twice in dk); the reference (chunked_indexer_kl_loss's dense branch)
+The main-attention products are made three times (lse, forward, backward), the indexer's six
+(forward, dI, twice in dq and twice in dk); the reference (chunked_indexer_kl_loss's dense branch)
 instead writes and reads [Tc, H, S] and [Tc, HI, S] fp32 intermediates several times per chunk.
 Dots take the input dtype (bf16/fp16 on the GPU; fp32 only in the CPU interpreter) and
 accumulate in fp32. Tensor parallelism (the target summed over ranks' heads) is not fused:
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .reference import _check, _check_attention_args, _check_indexer_args
+from .reference import _check, _compute_dtype, check_kl_args
 from .triton_indexer import read_ranges
 from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
@@ -410,11 +410,7 @@ def dense_indexer_kl_triton(
     lightning_indexer. Equal to indexer_kl_sum(lightning_indexer(...),
     attention_probs_target(q, k)) per query; no [T, S] tensor (the backward holds an fp32
     [B, Tc, S] chunk of budget_bytes)."""
-    B, T, S, H, G, D = _check_attention_args(q, k, k)
-    _, _, S_idx = _check_indexer_args(q_idx, k_idx, weights)
-    _check(tuple(q_idx.shape[:2]) == (B, T) and S_idx == S,
-           f"q_idx [B, T, HI, DI] and k_idx [B, S, DI] must cover q's B={B}, T={T} and k's S={S}, got "
-           f"{tuple(q_idx.shape)} and {tuple(k_idx.shape)}")
+    B, T, S, H, G, D = check_kl_args(q, k, q_idx, k_idx, weights)
     why = dense_kl_unsupported(q, k, q_idx, k_idx, weights)
     _check(why is None, f"dense_indexer_kl_triton: {why}")
     scale = D**-0.5 if scale is None else float(scale)
@@ -424,4 +420,4 @@ def dense_indexer_kl_triton(
     q_idx, k_idx, weights = (x.contiguous() for x in (q_idx, k_idx, weights))
     kl = DenseIndexerKL.apply(q_idx, k_idx, weights, q, k, lo, hi, scale, budget)
     valid = (hi >= lo)[None, :].expand(B, T)
-    return kl.to(torch.float64 if q_idx.dtype == torch.float64 else torch.float32), valid
+    return kl.to(_compute_dtype(q_idx)), valid  # the reference's dtype
