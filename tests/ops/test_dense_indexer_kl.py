@@ -59,10 +59,14 @@ CASES = {
 
 
 @interpreter
+@pytest.mark.parametrize("block_tiles", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_per_query_kl_and_gradients_equal_the_definition(name):
+def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, monkeypatch):
     """Each query's KL, and the gradients of a sum that weighs every query differently (so that
-    per-query errors cannot cancel), in several backward chunks and in one."""
+    per-query errors cannot cancel), in several backward chunks and in one; the keys in blocks
+    of one tile (3-4 blocks a row: partial sums merged, tiles that start mid-block cut at its
+    end) and of two."""
+    monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5
@@ -75,6 +79,22 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name):
         grads = torch.autograd.grad((got * weigh).sum(), (q_idx, k_idx, w))
         for g, e in zip(grads, want_grads):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_work_splits_stay_in_their_bounds(monkeypatch):
+    """The key blocks cover S in whole tiles, at most MAX_KEY_BLOCKS of them; the key gradient's
+    query blocks are whole tiles and their fp32 partials stay under DK_PARTIAL_BYTES."""
+    BN, BM = triton_dense_kl.BN, triton_dense_kl.BM
+    for S in (1, BN - 1, BN, 45, 1000, 100_000, 1 << 20):
+        KB, NKB = triton_dense_kl._key_blocks(S)
+        assert KB % BN == 0 and KB >= triton_dense_kl.MIN_BLOCK_TILES * BN
+        assert (NKB - 1) * KB < S <= NKB * KB and NKB <= max(triton_dense_kl.MAX_KEY_BLOCKS, 1)
+    monkeypatch.setattr(triton_dense_kl, "DK_PROGRAMS", 10_000)
+    monkeypatch.setattr(triton_dense_kl, "DK_PARTIAL_BYTES", 3 * 45 * 16 * 4)
+    for n in (1, BM, 5 * BM + 3, 100 * BM):
+        QB = triton_dense_kl._query_blocks(n, 1, 45, 16)
+        NQB = -(-n // QB)
+        assert QB % BM == 0 and (NQB == 1 or NQB * 45 * 16 * 4 <= 3 * 45 * 16 * 4)
 
 
 @interpreter

@@ -18,14 +18,24 @@ softmax(I)[t, s] - p~[t, s] / P, recomputed tile by tile in the backward.
 
 Kernels (every one loops only over each tile's readable keys lo[t] <= s <= hi[t]):
     _lse_kernel       [BM queries, one head]: the main attention's lse_h, online (forward).
-    _kl_fwd_kernel    [BM queries]: p~ (a loop over the H heads) and I (a loop over the HI
-                      indexer heads) per [BM, BN] tile; writes lse_I, P and KL per query.
-    _kl_dscores_kernel  the same recomputation for a chunk of Tc queries, writing
-                      dI = g (softmax(I) - p~ / P) into an fp32 [B, Tc, S] buffer (bounded by
-                      budget_bytes: memory is linear in T).
+    _kl_fwd_kernel    [BM queries, one block of KB keys]: p~ (a loop over the H heads) and I (a
+                      loop over the HI indexer heads) per [BM, BN] tile; writes the block's
+                      partial (max, sum-exp) of I and P, A, C per query.
+    _kl_merge_kernel  [BM queries]: merges the key blocks' partials into lse_I, P and KL.
+    _kl_dscores_kernel  the same recomputation per (query tile, key block) for a chunk of Tc
+                      queries, writing dI = g (softmax(I) - p~ / P) into an fp32 [B, Tc, S]
+                      buffer (bounded by budget_bytes: memory is linear in T).
     _kl_dq_kernel     [BM queries, one indexer head]: d q_idx and d weights from dI.
-    _kl_dk_kernel     [BN keys]: d k_idx summed over the chunk's queries and every head, added
-                      to an fp32 accumulator chunk after chunk: no atomics, bitwise repeatable.
+    _kl_dk_kernel     [BN keys, one block of the chunk's queries]: d k_idx summed over the
+                      block's queries and every head, into an fp32 partial per query block
+                      (summed in block order) or, with one block, added to the accumulator
+                      chunk after chunk: no atomics, bitwise repeatable.
+Splitting a row's keys into blocks (and the key gradient's queries) gives a causal sequence
+many programs of at most KB keys each: one program per query tile (or key tile) left the
+GPU to the last, longest ones (T / BN tiles) while the short ones had finished. The per-head
+rows that the head loops read (lse_h, the weights) are laid out [B, heads, T] in fp32: a head's
+values for a query tile are one contiguous run (the key-gradient kernel's loop prefetches them
+with the tiles; bf16 weights it read one 2-byte load at a time).
 
 The main-attention products are made three times (lse, forward, backward), the indexer's six
 (forward, dI, twice in dq and twice in dk); the reference (chunked_indexer_kl_loss's dense branch)
@@ -53,8 +63,18 @@ DSCORES_BUDGET_BYTES = 1 << 30
 # Tiles on a GPU; the interpreter takes 16 x 16 so that small tests cross tile edges.
 BM, BN = (16, 16) if _INTERPRET else (64, 64)
 # (num_warps, num_stages) per kernel on a GPU
-LAUNCH = {name: (1, 1) for name in ("lse", "fwd", "dscores", "dq", "dk")} if _INTERPRET else {
-    "lse": (4, 2), "fwd": (8, 2), "dscores": (8, 2), "dq": (8, 2), "dk": (8, 2)}
+LAUNCH = {name: (1, 1) for name in ("lse", "fwd", "merge", "dscores", "dq", "dk")} if _INTERPRET else {
+    "lse": (4, 2), "fwd": (8, 2), "merge": (4, 1), "dscores": (8, 2), "dq": (8, 2), "dk": (8, 2)}
+# The forward and score-gradient kernels take a query tile's keys in blocks of at least
+# MIN_BLOCK_TILES key tiles, at most MAX_KEY_BLOCKS blocks a row (the forward's partial sums are
+# 20 B per query and block), so that a causal sequence makes many programs of even length
+# instead of one per query tile, the last ones T / BN tiles long.
+MIN_BLOCK_TILES, MAX_KEY_BLOCKS = (2, 64) if _INTERPRET else (16, 32)
+# The key-gradient kernel splits a backward chunk's queries into blocks, each summed into its
+# own fp32 [B, S, DI] partial (at most DK_PARTIAL_BYTES in all), to make about DK_PROGRAMS
+# programs.
+DK_PROGRAMS = 8 if _INTERPRET else 1024
+DK_PARTIAL_BYTES = 256 << 20
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -68,7 +88,7 @@ def _tile_range(lo, hi, o_t, m_t):
 
 
 @triton.jit
-def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, scale,
+def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, scale,
                 G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
     """[BM, BN] fp32 sum over heads of exp(scale q_h . k_s - lse_h) (unmasked)."""
@@ -83,7 +103,7 @@ def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s
         for r in range(R):
             h = g * R + r
             b_q = tl.load(p_q + h * sq_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
-            b_lse = tl.load(p_l + h, mask=m_t, other=0.0)
+            b_lse = tl.load(p_l + h * sl_h, mask=m_t, other=0.0)
             b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale
             acc += tl.exp(b_s - b_lse[:, None])
@@ -91,7 +111,7 @@ def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s
 
 
 @triton.jit
-def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s, sw_b, sw_t,
+def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s, sw_b, sw_t, sw_h,
                 HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """[BM, BN] fp32 index scores sum_j w_j relu(q_idx_j . k_idx) (unmasked)."""
     o_d = tl.arange(0, DIP)
@@ -103,14 +123,14 @@ def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for j in range(HI):
         b_q = tl.load(p_q + j * si_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
-        b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + j * sw_h, mask=m_t, other=0.0).to(tl.float32)
         acc += tl.maximum(tl.dot(b_q, tl.trans(b_k)), 0.0) * b_w[:, None]
     return acc
 
 
 @triton.jit
 def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
-           sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+           sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
            G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
            HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Keys [s0, s0 + BN): their offsets, the [BM, BN] readable mask, the target numerator p~ and
@@ -119,8 +139,8 @@ def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
     m_s = o_s < S
     m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
     pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
-                     sl_b, sl_t, scale, G, R, D, DP, BM, BN)
-    it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
+                     sl_b, sl_t, sl_h, scale, G, R, D, DP, BM, BN)
+    it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
                      HI, DI, DIP, BM, BN)
     return o_s, m_read, pt, it
 
@@ -128,7 +148,7 @@ def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
 @fast_launch
 @triton.jit
 def _lse_kernel(
-    q, k, lo, hi, lse, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, T, S, scale,
+    q, k, lo, hi, lse, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, T, S, scale,
     R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """lse[b, t, h] = log sum over readable s of exp(scale q_h . k_s), -inf with no key."""
@@ -153,23 +173,33 @@ def _lse_kernel(
         b_l = b_l * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_s - m_use[:, None]), 1)
         b_m = m_new
     b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-    tl.store(lse + i_b * sl_b + o_t.to(tl.int64) * sl_t + i_h, b_lse, mask=m_t)
+    tl.store(lse + i_b * sl_b + o_t.to(tl.int64) * sl_t + i_h * sl_h, b_lse, mask=m_t)
+
+
+@triton.jit
+def _block_range(lo, hi, o_t, m_t, k0, KB):
+    """_tile_range of the queries' readable keys inside the key block [k0, k0 + KB)."""
+    b_lo, b_hi, _, _ = _tile_range(lo, hi, o_t, m_t)
+    b_lo = tl.maximum(b_lo, k0)
+    b_hi = tl.minimum(b_hi, k0 + KB - 1)
+    return b_lo, b_hi, tl.min(b_lo, 0), tl.max(b_hi, 0)
 
 
 @fast_launch
 @triton.jit
 def _kl_fwd_kernel(
-    q, k, lse, qi, ki, w, lo, hi, lse_i, mass, kl,
-    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
-    T, S, scale,
+    q, k, lse, qi, ki, w, lo, hi, part,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
+    sp, T, S, KB, NKB, scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    """Per query: lse_i (of I over its readable keys), mass P and KL (0 with no key) into [B, T]."""
-    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """Per query, over its readable keys in block i_k ([i_k KB, + KB)): the running max m and
+    sum l of exp(I - m), and P, A, C, into part[0..4, b, t, i_k] (-inf, 0, 0, 0, 0 with no key)."""
+    i_k, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = i_m * BM + tl.arange(0, BM)
     m_t = o_t < T
-    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    b_lo, b_hi, s_lo, s_hi = _block_range(lo, hi, o_t, m_t, i_k * KB, KB)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_p = tl.zeros([BM], dtype=tl.float32)
@@ -177,7 +207,7 @@ def _kl_fwd_kernel(
     b_c = tl.zeros([BM], dtype=tl.float32)
     for s0 in range(s_lo, s_hi + 1, BN):
         _, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b, sk_s,
-                                   sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+                                   sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
                                    G, R, D, DP, HI, DI, DIP, BM, BN)
         pt = tl.where(m_read, pt, 0.0)
         b_c += tl.sum(pt * it, 1)  # pt is 0 at unreadable keys, it finite everywhere
@@ -188,11 +218,39 @@ def _kl_fwd_kernel(
         b_m = m_new
         b_p += tl.sum(pt, 1)
         b_a += tl.sum(tl.where(pt > 0, pt * tl.log(tl.where(pt > 0, pt, 1.0)), 0.0), 1)
+    p_o = part + (i_b * T + o_t.to(tl.int64)) * NKB + i_k
+    tl.store(p_o, b_m, mask=m_t)
+    tl.store(p_o + sp, b_l, mask=m_t)
+    tl.store(p_o + 2 * sp, b_p, mask=m_t)
+    tl.store(p_o + 3 * sp, b_a, mask=m_t)
+    tl.store(p_o + 4 * sp, b_c, mask=m_t)
+
+
+@fast_launch
+@triton.jit
+def _kl_merge_kernel(part, lo, hi, lse_i, mass, kl, sp, T, NKB, BM: tl.constexpr, NKBP: tl.constexpr):
+    """Per query, the key blocks' partial sums merged: lse_i (of I over the readable keys), mass P
+    and KL = A / P - log P - C / P + lse_i (0 with no key) into [B, T]."""
+    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_t = i_m * BM + tl.arange(0, BM)
+    m_t = o_t < T
+    o_k = tl.arange(0, NKBP)
+    m_p = m_t[:, None] & (o_k < NKB)[None, :]
+    p_p = part + (i_b * T + o_t[:, None].to(tl.int64)) * NKB + o_k[None, :]
+    b_m = tl.load(p_p, mask=m_p, other=float("-inf"))
+    m_all = tl.max(b_m, 1)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    b_l = tl.sum(tl.load(p_p + sp, mask=m_p, other=0.0) * tl.exp(b_m - m_use[:, None]), 1)
+    b_p = tl.sum(tl.load(p_p + 2 * sp, mask=m_p, other=0.0), 1)
+    b_a = tl.sum(tl.load(p_p + 3 * sp, mask=m_p, other=0.0), 1)
+    b_c = tl.sum(tl.load(p_p + 4 * sp, mask=m_p, other=0.0), 1)
+    b_lo = tl.load(lo + o_t, mask=m_t, other=1 << 30)
+    b_hi = tl.load(hi + o_t, mask=m_t, other=-1)
     # (b_p > 0) | NaN, the reference's ~(sum <= 0): a NaN target keeps its query, so the NaN
     # reaches the loss instead of the query silently leaving it
     valid = (b_hi >= b_lo) & ((b_p > 0) | (b_p != b_p))
     b_pp = tl.where(valid, b_p, 1.0)
-    b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), 0.0)
+    b_lse = tl.where(b_l > 0, m_use + tl.log(tl.where(b_l > 0, b_l, 1.0)), 0.0)
     b_kl = tl.where(valid, b_a / b_pp - tl.log(b_pp) - b_c / b_pp + b_lse, 0.0)
     o = i_b * T + o_t
     tl.store(lse_i + o, b_lse, mask=m_t)
@@ -204,17 +262,18 @@ def _kl_fwd_kernel(
 @triton.jit
 def _kl_dscores_kernel(
     q, k, lse, qi, ki, w, lo, hi, lse_i, mass, dkl, ds,
-    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t,
-    sd_b, sd_t, t0, t1, T, S, scale,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
+    sd_b, sd_t, t0, t1, T, S, KB, scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys of
-    queries t0 <= t < t1 (other entries are left unwritten: the readers mask them)."""
-    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys s of
+    block i_k ([i_k KB, + KB)) of queries t0 <= t < t1 (other entries are left unwritten: the
+    readers mask them)."""
+    i_k, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
-    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    b_lo, b_hi, s_lo, s_hi = _block_range(lo, hi, o_t, m_t, i_k * KB, KB)
     o = i_b * T + o_t
     b_mass = tl.load(mass + o, mask=m_t, other=0.0)
     b_g = tl.load(dkl + o, mask=m_t, other=0.0)
@@ -225,7 +284,7 @@ def _kl_dscores_kernel(
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b,
-                                     sk_s, sk_g, sl_b, sl_t, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, scale,
+                                     sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
                                      G, R, D, DP, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
         tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0), mask=m_read & m_t[:, None])
@@ -235,7 +294,7 @@ def _kl_dscores_kernel(
 @triton.jit
 def _kl_dq_kernel(
     qi, ki, w, lo, hi, ds, dqi, dw,
-    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sd_b, sd_t, t0, t1, S,
+    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, sdw_b, sdw_t, t0, t1, S,
     DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, one indexer head j
@@ -249,8 +308,7 @@ def _kl_dq_kernel(
     m_d = o_d < DI
     off_q = i_b * si_b + o_t[:, None].to(tl.int64) * si_t + i_j * si_h + o_d[None, :]
     b_q = tl.load(qi + off_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
-    off_w = i_b * sw_b + o_t.to(tl.int64) * sw_t + i_j
-    b_w = tl.load(w + off_w, mask=m_t, other=0.0).to(tl.float32)
+    b_w = tl.load(w + i_b * sw_b + o_t.to(tl.int64) * sw_t + i_j * sw_h, mask=m_t, other=0.0).to(tl.float32)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     b_dq = tl.zeros([BM, DIP], dtype=tl.float32)
     b_dw = tl.zeros([BM], dtype=tl.float32)
@@ -265,18 +323,23 @@ def _kl_dq_kernel(
         b_dl = tl.where(b_s > 0, b_ds * b_w[:, None], 0.0).to(b_k.dtype)
         b_dq += tl.dot(b_dl, b_k)
     tl.store(dqi + off_q, b_dq.to(dqi.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
-    tl.store(dw + off_w, b_dw.to(dw.dtype.element_ty), mask=m_t)
+    tl.store(dw + i_b * sdw_b + o_t.to(tl.int64) * sdw_t + i_j, b_dw.to(dw.dtype.element_ty), mask=m_t)
 
 
 @fast_launch
 @triton.jit
 def _kl_dk_kernel(
     qi, ki, w, lo, hi, ds, dk,
-    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sd_b, sd_t, t0, t1, S,
+    si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, t0, t1, QB, B, S,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ADD: tl.constexpr,
 ):
-    """dk[b, s] (fp32 [B, S, DI]) += the gradient of k_idx[b, s] from queries t0 <= t < t1."""
-    i_n, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """The gradient of k_idx[b, s] from the queries of block i_q, [t0 + i_q QB, + QB) within
+    [t0, t1): ADD: added into dk[b, s] (fp32 [B, S, DI]); else written to dk[i_q, b, s] (fp32
+    [NQB, B, S, DI], summed by the caller in a fixed order)."""
+    i_n, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    q0 = t0 + i_q * QB
+    q1 = tl.minimum(t1, q0 + QB)
     o_s = i_n * BN + tl.arange(0, BN)
     m_s = o_s < S
     o_d = tl.arange(0, DIP)
@@ -284,9 +347,9 @@ def _kl_dk_kernel(
     b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
                   mask=m_s[:, None] & m_d[None, :], other=0.0)
     b_dk = tl.zeros([BN, DIP], dtype=tl.float32)
-    for m0 in range(t0, t1, BM):
+    for m0 in range(q0, q1, BM):
         o_t = m0 + tl.arange(0, BM)
-        m_t = o_t < t1
+        m_t = o_t < q1
         b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
         if (i_n * BN <= s_hi) & (i_n * BN + BN > s_lo):
             m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
@@ -296,13 +359,30 @@ def _kl_dk_kernel(
             p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
             for j in range(HI):
                 b_q = tl.load(p_q + j * si_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
-                b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
+                b_w = tl.load(p_w + j * sw_h, mask=m_t, other=0.0).to(tl.float32)
                 b_s = tl.dot(b_k, tl.trans(b_q))  # [BN, BM]
                 b_dl = tl.where(b_s > 0, b_ds * b_w[None, :], 0.0).to(b_q.dtype)
                 b_dk += tl.dot(b_dl, b_q)
-    p_o = dk + (i_b * S + o_s[:, None].to(tl.int64)) * DI + o_d[None, :]
     m_o = m_s[:, None] & m_d[None, :]
-    tl.store(p_o, tl.load(p_o, mask=m_o, other=0.0) + b_dk, mask=m_o)
+    if ADD:
+        p_o = dk + (i_b * S + o_s[:, None].to(tl.int64)) * DI + o_d[None, :]
+        tl.store(p_o, tl.load(p_o, mask=m_o, other=0.0) + b_dk, mask=m_o)
+    else:
+        p_o = dk + ((i_q * B + i_b) * S + o_s[:, None].to(tl.int64)) * DI + o_d[None, :]
+        tl.store(p_o, b_dk, mask=m_o)
+
+
+def _key_blocks(S: int) -> tuple[int, int]:
+    """(keys per block KB, blocks NKB) of the forward and score-gradient kernels."""
+    tiles = max(MIN_BLOCK_TILES, cdiv(cdiv(max(S, 1), BN), MAX_KEY_BLOCKS))
+    return tiles * BN, cdiv(max(S, 1), tiles * BN)
+
+
+def _query_blocks(n: int, B: int, S: int, DI: int) -> int:
+    """Queries per block QB (a multiple of BM) of the key-gradient kernel for a chunk of n queries."""
+    tiles = cdiv(n, BM)
+    blocks = min(tiles, cdiv(DK_PROGRAMS, B * cdiv(S, BN)), max(1, DK_PARTIAL_BYTES // (B * S * DI * 4)))
+    return cdiv(tiles, max(1, blocks)) * BM
 
 
 def _launch(kernel: str) -> dict:
@@ -327,27 +407,38 @@ class DenseIndexerKL(torch.autograd.Function):
         S = k.shape[1]
         meta = _meta(q, k, q_idx)
         dev = q.device
-        lse = torch.empty((B, T, H), dtype=torch.float32, device=dev)
+        # per-head rows of T (lse [B, H, T]; the weights as fp32 [B, HI, T]), so that a head's
+        # values for a query tile are one contiguous fp32 run, which Triton prefetches
+        lse = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        w32 = weights.detach().float().transpose(1, 2).contiguous()
         lse_i = torch.empty((B, T), dtype=torch.float32, device=dev)
         mass = torch.empty_like(lse_i)
         kl = torch.empty_like(lse_i)
         if T:
             _lse_kernel[(cdiv(T, BM), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                lse.stride(0), lse.stride(1), T, S, scale,
+                *_row_strides(lse), T, S, scale,
                 R=meta["R"], D=meta["D"], DP=meta["DP"], BM=BM, BN=BN, **_launch("lse"),
             )
-            _kl_fwd_kernel[(cdiv(T, BM), B)](
-                q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, kl, *_strides(q, k, lse, q_idx, k_idx, weights),
-                T, S, scale, **meta, **_launch("fwd"),
+            KB, NKB = _key_blocks(S)
+            # m, l, P, A, C per block, kept as the kernel sums them (fp32; fp64 in the interpreter,
+            # whose sums take fp64 inputs' dtype)
+            part = torch.empty((5, B, T, NKB), dtype=_compute_dtype(q_idx), device=dev)
+            _kl_fwd_kernel[(NKB, cdiv(T, BM), B)](
+                q, k, lse, q_idx, k_idx, w32, lo, hi, part, *_strides(q, k, lse, q_idx, k_idx, w32),
+                part.stride(0), T, S, KB, NKB, scale, **meta, **_launch("fwd"),
             )
-        ctx.save_for_backward(q_idx, k_idx, weights, q, k, lo, hi, lse, lse_i, mass)
+            _kl_merge_kernel[(cdiv(T, BM), B)](
+                part, lo, hi, lse_i, mass, kl, part.stride(0), T, NKB, BM=BM, NKBP=next_power_of_2(NKB),
+                **_launch("merge"),
+            )
+        ctx.save_for_backward(q_idx, k_idx, weights, w32, q, k, lo, hi, lse, lse_i, mass)
         ctx.scale, ctx.budget = scale, budget_bytes
         return kl
 
     @staticmethod
     def backward(ctx, dkl):
-        q_idx, k_idx, weights, q, k, lo, hi, lse, lse_i, mass = ctx.saved_tensors
+        q_idx, k_idx, weights, w32, q, k, lo, hi, lse, lse_i, mass = ctx.saved_tensors
         B, T = q.shape[:2]
         S, DI = k_idx.shape[1:]
         HI = q_idx.shape[2]
@@ -358,30 +449,42 @@ class DenseIndexerKL(torch.autograd.Function):
         dk = torch.zeros((B, S, DI), dtype=torch.float32, device=q.device)
         Tc = max(BM, ctx.budget // max(1, B * S * 4) // BM * BM)
         ds = torch.empty((B, min(T, Tc), S), dtype=torch.float32, device=q.device) if T else None
-        strides = _strides(q, k, lse, q_idx, k_idx, weights)
+        strides = _strides(q, k, lse, q_idx, k_idx, w32)
         istrides = (q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-                    weights.stride(0), weights.stride(1))
+                    *_row_strides(w32))
+        KB, NKB = _key_blocks(S)
         for t0 in range(0, T, Tc):
             t1 = min(T, t0 + Tc)
-            _kl_dscores_kernel[(cdiv(t1 - t0, BM), B)](
-                q, k, lse, q_idx, k_idx, weights, lo, hi, lse_i, mass, dkl, ds, *strides,
-                ds.stride(0), ds.stride(1), t0, t1, T, S, ctx.scale, **meta, **_launch("dscores"),
+            _kl_dscores_kernel[(NKB, cdiv(t1 - t0, BM), B)](
+                q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
+                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, **_launch("dscores"),
             )
             _kl_dq_kernel[(HI, cdiv(t1 - t0, BM), B)](
-                q_idx, k_idx, weights, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
+                q_idx, k_idx, w32, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), dw.stride(0),
+                dw.stride(1), t0, t1, S,
                 DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, **_launch("dq"),
             )
-            _kl_dk_kernel[(cdiv(S, BN), B)](
-                q_idx, k_idx, weights, lo, hi, ds, dk, *istrides, ds.stride(0), ds.stride(1), t0, t1, S,
-                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, **_launch("dk"),
+            QB = _query_blocks(t1 - t0, B, S, DI)
+            NQB = cdiv(t1 - t0, QB)
+            # one block adds into dk itself; several write partials, summed here in block order
+            out = dk if NQB == 1 else torch.empty((NQB, B, S, DI), dtype=torch.float32, device=q.device)
+            _kl_dk_kernel[(cdiv(S, BN), NQB, B)](
+                q_idx, k_idx, w32, lo, hi, ds, out, *istrides, ds.stride(0), ds.stride(1), t0, t1, QB, B, S,
+                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, ADD=NQB == 1, **_launch("dk"),
             )
+            if NQB > 1:
+                dk += out.sum(0)
         return dqi, dk.to(k_idx.dtype), dw, None, None, None, None, None, None
 
 
-def _strides(q, k, lse, q_idx, k_idx, weights) -> tuple:
-    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
-            lse.stride(1), q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-            weights.stride(0), weights.stride(1))
+def _row_strides(x: Tensor) -> tuple:
+    """(batch, query, head) strides of a per-head [B, H, T] tensor."""
+    return x.stride(0), x.stride(2), x.stride(1)
+
+
+def _strides(q, k, lse, q_idx, k_idx, w32) -> tuple:
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *_row_strides(lse),
+            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1), *_row_strides(w32))
 
 
 def dense_kl_unsupported(q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> str | None:
