@@ -141,6 +141,64 @@ def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
         teardown()
 
 
+def test_sparse_layer_dense_warmup_trains_the_indexer_fused_on_cuda(monkeypatch):
+    """The S layer's dense warm-up with its indexer loss on (indexer_loss_coeff 0.5), packed bf16 on
+    CUDA: auto runs the fused KL loss (triton_dense_kl, counted) and follows the same layer on the
+    reference (backend "torch", fp32) in the logged loss, the output, the input gradient and the
+    indexer's weight gradients (which come from the KL loss alone), within the bf16 bounds."""
+    import types
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_moe_hybrid.layers.sparse_attention import SparseAttention, SparseAttentionSubmodules
+    from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl
+    from megatron_moe_hybrid.testing import init_megatron, teardown
+
+    init_megatron()
+    try:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+        cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+                                kv_channels=128, use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
+        layers = {}
+        for backend in ("torch", "auto"):
+            cfg.sparse_attention = types.SimpleNamespace(
+                topk=64, index_n_heads=4, index_head_dim=32, index_rope_dim=16, rope_base=10000.0,
+                indexer_loss_coeff=0.5, stage="dense_warmup", backend=backend)  # fmt: skip
+            torch.manual_seed(0)
+            layers[backend] = SparseAttention(cfg, SparseAttentionSubmodules()).cuda()
+            with torch.no_grad():  # larger weights: peaked attention and index scores, a KL far from 0
+                for p in layers[backend].parameters():
+                    p.mul_(4.0)
+        layers["auto"].bfloat16()
+        lengths = [700, 1, 1200, 96, 51]
+        cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1200,
+                                 max_seqlen_kv=1200)  # fmt: skip
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+        go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+        calls = []
+        fused = triton_dense_kl.dense_indexer_kl_triton
+        monkeypatch.setattr(triton_dense_kl, "dense_indexer_kl_triton", lambda *a, **k: calls.append(1) or fused(*a, **k))
+        got = {}
+        for backend, dtype in (("torch", torch.float32), ("auto", torch.bfloat16)):
+            layer = layers[backend]
+            xi = x.to(dtype).requires_grad_(True)
+            out, _ = layer(xi, packed_seq_params=packed)
+            names = [n for n, p in layer.named_parameters() if "index" in n]
+            grads = torch.autograd.grad(out, [xi] + [dict(layer.named_parameters())[n] for n in names], go.to(dtype))
+            got[backend] = {"loss": torch.as_tensor(float(layer.last_indexer_loss)), "o": out.float(),
+                            "dx": grads[0].float(), **{"d" + n: g.float() for n, g in zip(names, grads[1:])}}
+        assert calls == [1]
+        assert got["torch"]["loss"] > 1e-2  # far from 0, so that the relative bounds mean something
+        assert all(got["torch"][n].abs().max() > 0 for n in got["torch"] if n.startswith("dlinear_index"))
+        assert_rel_rms(got["auto"], got["torch"], 1e-2, 5e-2)
+    finally:
+        teardown()
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_placed_queries_varlen_and_sdpa_match_fp32_reference(packed):
     """A context-parallel rank's queries (zigzag pieces 1 and 6 of 8 over 4096 keys) read every
