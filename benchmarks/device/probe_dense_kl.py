@@ -16,7 +16,6 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -24,6 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common import time_and_peak  # noqa: E402
+
 from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl as new  # noqa: E402
 from megatron_moe_hybrid.testing import rel_rms  # noqa: E402
 
@@ -42,6 +44,8 @@ VARIANTS = {  # name: (module, switches)
     "split-s2": ("new", {"LAUNCH": S2}),
     "split-s3": ("new", {"LAUNCH": S3}),
     "split-s3-fwd": ("new", {"LAUNCH": S3_FWD}),
+    "split-s2-b8": ("new", {"LAUNCH": S2, "MIN_BLOCK_TILES": 8}),
+    "split-s3-b8": ("new", {"LAUNCH": S3, "MIN_BLOCK_TILES": 8}),
 }
 
 
@@ -78,15 +82,7 @@ def main():
                     return (kl.sum(), *torch.autograd.grad(kl.sum(), leaves))
 
                 outs = [x.detach().float() for x in step()]
-                step()
-                times = []
-                for _ in range(args.reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    step()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
+                ms, peak = time_and_peak(step, 1, args.reps)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     step()
@@ -102,7 +98,7 @@ def main():
             if first is None:
                 first = outs
             row = {"shape": shape, "variant": name, "switches": {k: str(v) for k, v in switches.items()},
-                   "fwd+bwd_ms": round(statistics.median(times), 3), "min_ms": round(min(times), 3),
+                   "fwd+bwd_ms": round(ms, 3), "peak_bytes": peak,
                    "rel_rms_loss_dq_dk_dw_vs_first": [round(rel_rms(x, y), 6) for x, y in zip(outs, first)],
                    "kernel_ms": kernels}
             rows.append(row)

@@ -93,10 +93,10 @@ def test_packed_attention_memory_is_linear_in_tokens():
     assert all(torch.isfinite(x).all() for x in out.values())
 
 
-def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
-    """The S layer's dense warm-up on a packed bf16 CUDA batch takes the varlen kernel (counted)
-    and follows the same layer on the reference (backend "torch", fp32): output and input
-    gradient within the bf16 bounds."""
+def _dense_warmup_layers(indexer_loss_coeff, weight_scale, seed):
+    """({"torch": the S layer's dense warm-up on the reference, fp32; "auto": the same weights in
+    bf16}, packed params, x, grad_out) on CUDA: hidden 512, 8 heads on 2 groups of 128, indexer
+    4 x 32, five packed sequences (one of a single token). Call inside init_megatron()."""
     import types
 
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -104,28 +104,40 @@ def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megatron_moe_hybrid.layers.sparse_attention import SparseAttention, SparseAttentionSubmodules
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
+    cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+                            kv_channels=128, use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
+    layers = {}
+    for backend in ("torch", "auto"):
+        cfg.sparse_attention = types.SimpleNamespace(
+            topk=64, index_n_heads=4, index_head_dim=32, index_rope_dim=16, rope_base=10000.0,
+            indexer_loss_coeff=indexer_loss_coeff, stage="dense_warmup", backend=backend)  # fmt: skip
+        torch.manual_seed(0)
+        layers[backend] = SparseAttention(cfg, SparseAttentionSubmodules()).cuda()
+        with torch.no_grad():
+            for p in layers[backend].parameters():
+                p.mul_(weight_scale)
+    layers["auto"].bfloat16()
+    lengths = [700, 1, 1200, 96, 51]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1200,
+                             max_seqlen_kv=1200)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+    go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+    return layers, packed, x, go
+
+
+def test_sparse_layer_dense_warmup_runs_varlen_on_packed_cuda(monkeypatch):
+    """The S layer's dense warm-up on a packed bf16 CUDA batch takes the varlen kernel (counted)
+    and follows the same layer on the reference (backend "torch", fp32): output and input
+    gradient within the bf16 bounds."""
     from megatron_moe_hybrid.testing import init_megatron, teardown
 
     init_megatron()
     try:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
-        cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-                                kv_channels=128, use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
-        layers = {}
-        for backend in ("torch", "auto"):
-            cfg.sparse_attention = types.SimpleNamespace(
-                topk=64, index_n_heads=4, index_head_dim=32, index_rope_dim=16, rope_base=10000.0,
-                indexer_loss_coeff=0.0, stage="dense_warmup", backend=backend)  # fmt: skip
-            torch.manual_seed(0)
-            layers[backend] = SparseAttention(cfg, SparseAttentionSubmodules()).cuda()
-        layers["auto"].bfloat16()
-        lengths = [700, 1, 1200, 96, 51]
-        cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1200,
-                                 max_seqlen_kv=1200)  # fmt: skip
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
-        go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+        layers, packed, x, go = _dense_warmup_layers(0.0, 1.0, seed=1)
         calls = []
         varlen = sa._varlen_run
         monkeypatch.setattr(sa, "_varlen_run", lambda *a: calls.append(1) or varlen(*a))
@@ -146,39 +158,13 @@ def test_sparse_layer_dense_warmup_trains_the_indexer_fused_on_cuda(monkeypatch)
     CUDA: auto runs the fused KL loss (triton_dense_kl, counted) and follows the same layer on the
     reference (backend "torch", fp32) in the logged loss, the output, the input gradient and the
     indexer's weight gradients (which come from the KL loss alone), within the bf16 bounds."""
-    import types
-
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from megatron_moe_hybrid.layers.sparse_attention import SparseAttention, SparseAttentionSubmodules
     from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl
     from megatron_moe_hybrid.testing import init_megatron, teardown
 
     init_megatron()
     try:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device="cuda"))
-        cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-                                kv_channels=128, use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
-        layers = {}
-        for backend in ("torch", "auto"):
-            cfg.sparse_attention = types.SimpleNamespace(
-                topk=64, index_n_heads=4, index_head_dim=32, index_rope_dim=16, rope_base=10000.0,
-                indexer_loss_coeff=0.5, stage="dense_warmup", backend=backend)  # fmt: skip
-            torch.manual_seed(0)
-            layers[backend] = SparseAttention(cfg, SparseAttentionSubmodules()).cuda()
-            with torch.no_grad():  # larger weights: peaked attention and index scores, a KL far from 0
-                for p in layers[backend].parameters():
-                    p.mul_(4.0)
-        layers["auto"].bfloat16()
-        lengths = [700, 1, 1200, 96, 51]
-        cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1200,
-                                 max_seqlen_kv=1200)  # fmt: skip
-        gen = torch.Generator().manual_seed(2)
-        x = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
-        go = torch.randn(sum(lengths), 1, 512, generator=gen).cuda()
+        # weights x 4: peaked attention and index scores, a KL far from 0
+        layers, packed, x, go = _dense_warmup_layers(0.5, 4.0, seed=2)
         calls = []
         fused = triton_dense_kl.dense_indexer_kl_triton
         monkeypatch.setattr(triton_dense_kl, "dense_indexer_kl_triton", lambda *a, **k: calls.append(1) or fused(*a, **k))
