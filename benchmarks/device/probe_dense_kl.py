@@ -40,9 +40,9 @@ S3_FWD = dict(S2, fwd=(8, 3), dscores=(8, 3))
 NO_SPLIT = {"MIN_BLOCK_TILES": 1 << 20, "DK_PROGRAMS": 0}
 VARIANTS = {  # name: (module, switches)
     "before": ("before", {}),
-    "no-split-s2": ("new", dict(NO_SPLIT, LAUNCH=S2)),
     "split-s2": ("new", {"LAUNCH": S2}),
     "split-s3": ("new", {"LAUNCH": S3}),
+    "no-split-s2": ("new", dict(NO_SPLIT, LAUNCH=S2)),
     "split-s3-fwd": ("new", {"LAUNCH": S3_FWD}),
     "split-s2-b8": ("new", {"LAUNCH": S2, "MIN_BLOCK_TILES": 8}),
     "split-s3-b8": ("new", {"LAUNCH": S3, "MIN_BLOCK_TILES": 8}),
