@@ -157,7 +157,10 @@ def test_sparse_layer_dense_warmup_trains_the_indexer_fused_on_cuda(monkeypatch)
     """The S layer's dense warm-up with its indexer loss on (indexer_loss_coeff 0.5), packed bf16 on
     CUDA: auto runs the fused KL loss (triton_dense_kl, counted) and follows the same layer on the
     reference (backend "torch", fp32) in the logged loss, the output, the input gradient and the
-    indexer's weight gradients (which come from the KL loss alone), within the bf16 bounds."""
+    indexer's weight gradients (which come from the KL loss alone). The bounds are a bf16 layer's
+    against an fp32 one's with weights x 4 (peaked scores): on an H100 (2026-12-07) the loss was
+    within 7e-5, the output 1.0%, the input gradient 1.2%, the indexer's weight gradients
+    0.3-5.9% (the key projection's the largest: every query's score gradients sum into it)."""
     from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl
     from megatron_moe_hybrid.testing import init_megatron, teardown
 
@@ -180,7 +183,8 @@ def test_sparse_layer_dense_warmup_trains_the_indexer_fused_on_cuda(monkeypatch)
         assert calls == [1]
         assert got["torch"]["loss"] > 1e-2  # far from 0, so that the relative bounds mean something
         assert all(got["torch"][n].abs().max() > 0 for n in got["torch"] if n.startswith("dlinear_index"))
-        assert_rel_rms(got["auto"], got["torch"], 1e-2, 5e-2)
+        torch.testing.assert_close(got["auto"].pop("loss"), got["torch"].pop("loss"), rtol=1e-3, atol=0)
+        assert_rel_rms(got["auto"], got["torch"], 2e-2, 1e-1)
     finally:
         teardown()
 
