@@ -410,8 +410,9 @@ class DenseIndexerKL(torch.autograd.Function):
         S = k.shape[1]
         meta = _meta(q, k, q_idx)
         dev = q.device
-        # per-head rows of T (lse [B, H, T]; the weights as fp32 [B, HI, T]), so that a head's
-        # values for a query tile are one contiguous fp32 run, which Triton prefetches
+        # per-head rows of T (lse [B, H, T]; the weights as fp32 [B, HI, T]): a head's values for a
+        # query tile are one contiguous fp32 run (prefetched in the key-gradient kernel's head loop;
+        # the forward's loops load them directly, from L1 after the first key tile)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=dev)
         w32 = weights.detach().float().transpose(1, 2).contiguous()
         lse_i = torch.empty((B, T), dtype=torch.float32, device=dev)
