@@ -1,6 +1,6 @@
 """A/B of the dense warm-up's fused indexer KL loss (ops/sparse_attention/triton_dense_kl.py) in one
 process: the module as committed at BEFORE_REV (its file copied beside it as _dense_kl_before.py;
-this script refuses to run without it) against the current one under switch settings, each
+variant "before" refuses to run without it) against the current one under switch settings, each
 forward+backward timed by CUDA events (median of --reps), with a kernel-time table per variant
 (torch.profiler) and each variant's outputs against the first one's (relative RMS; the key-block
 split sums in another order, so not bitwise).
@@ -46,6 +46,12 @@ VARIANTS = {  # name: (module, switches)
     "split-s3-fwd": ("new", {"LAUNCH": S3_FWD}),
     "split-s2-b8": ("new", {"LAUNCH": S2, "MIN_BLOCK_TILES": 8}),
     "split-s3-b8": ("new", {"LAUNCH": S3, "MIN_BLOCK_TILES": 8}),
+    # the query gradient's heads per program and the score-gradient buffer's dtype (with 3 stages)
+    "s3-dq1": ("new", {"LAUNCH": S3, "DQ_HEADS": 1, "DS_BF16": False}),
+    "s3-dq2": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": False}),
+    "s3-ds16": ("new", {"LAUNCH": S3, "DQ_HEADS": 1, "DS_BF16": True}),
+    "s3-dq2-ds16": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True}),
+    "s3-dq2-ds16-lf": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DQ_LAST_FIRST": True}),
 }
 
 
@@ -56,8 +62,9 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    before = importlib.import_module("megatron_moe_hybrid.ops.sparse_attention._dense_kl_before")
-    mods = {"before": before, "new": new}
+    mods = {"new": new}
+    if "before" in args.variants.split(","):
+        mods["before"] = importlib.import_module("megatron_moe_hybrid.ops.sparse_attention._dense_kl_before")
     rows, text = [], []
     for shape in args.shapes.split(","):
         T, H, G, D, HI, DI = SHAPES[shape]

@@ -59,14 +59,17 @@ CASES = {
 
 
 @interpreter
-@pytest.mark.parametrize("block_tiles", [1, 2])
+@pytest.mark.parametrize("block_tiles,dq_heads", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, monkeypatch):
+def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, dq_heads, monkeypatch):
     """Each query's KL, and the gradients of a sum that weighs every query differently (so that
     per-query errors cannot cancel), in several backward chunks and in one; the keys in blocks
     of one tile (3-4 blocks a row: partial sums merged, tiles that start mid-block cut at its
-    end) and of two."""
+    end) and of two; the query gradient one indexer head a program and two (stacked; the
+    three-head cases fall back to one) and the query tiles last first."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
+    monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", dq_heads)
+    monkeypatch.setattr(triton_dense_kl, "DQ_LAST_FIRST", dq_heads == 2)
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -78,6 +78,14 @@ MIN_BLOCK_TILES, MAX_KEY_BLOCKS = (2, 64) if _INTERPRET else (16, 32)
 # programs.
 DK_PROGRAMS = 8 if _INTERPRET else 1024
 DK_PARTIAL_BYTES = 256 << 20
+# Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
+# product: each dI and key tile loaded once for them), when it divides the head count.
+DQ_HEADS = 1
+# Whether the query-gradient kernel runs its query tiles last first (longest programs first).
+DQ_LAST_FIRST = False
+# Whether bf16 inputs keep the score-gradient buffer dI in bf16 (half the bytes that the query-
+# and key-gradient kernels read; the products take dI times the weight in bf16 all the same).
+DS_BF16 = False
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -290,7 +298,7 @@ def _kl_dscores_kernel(
                                      sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
                                      G, R, D, DP, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
-        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0), mask=m_read & m_t[:, None])
+        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty), mask=m_read & m_t[:, None])
 
 
 @fast_launch
@@ -298,35 +306,47 @@ def _kl_dscores_kernel(
 def _kl_dq_kernel(
     qi, ki, w, lo, hi, ds, dqi, dw,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, sdw_b, sdw_t, t0, t1, S,
-    DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, JH: tl.constexpr,
+    LAST_FIRST: tl.constexpr,
 ):
-    """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, one indexer head j
-    (the fastest grid axis: the heads of a query tile run side by side and share its dI tiles
-    in L2)."""
+    """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, for JH indexer heads
+    j = i_j JH + r stacked as the rows (r, t) of one [JH BM, BN] product, so that each dI and key
+    tile is loaded once for JH heads (the head axis is the fastest grid axis: the heads of a query
+    tile run side by side and share its dI tiles in L2). LAST_FIRST: the query tiles in reverse
+    order, so that a causal chunk's longest programs start first and the short ones fill the tail."""
     i_j, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    if LAST_FIRST:
+        i_m = tl.num_programs(1) - 1 - i_m
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
     b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
     o_d = tl.arange(0, DIP)
     m_d = o_d < DI
-    off_q = i_b * si_b + o_t[:, None].to(tl.int64) * si_t + i_j * si_h + o_d[None, :]
-    b_q = tl.load(qi + off_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
-    b_w = tl.load(w + i_b * sw_b + o_t.to(tl.int64) * sw_t + i_j * sw_h, mask=m_t, other=0.0).to(tl.float32)
+    # row r * BM + i of the stacked tile: head i_j * JH + r, query o_t[i]
+    o_r = tl.arange(0, JH * BM)
+    r_t = t0 + i_m * BM + o_r % BM
+    r_h = i_j * JH + o_r // BM
+    m_r = r_t < t1
+    off_q = i_b * si_b + r_t[:, None].to(tl.int64) * si_t + r_h[:, None] * si_h + o_d[None, :]
+    b_q = tl.load(qi + off_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
+    b_w = tl.load(w + i_b * sw_b + r_t.to(tl.int64) * sw_t + r_h * sw_h, mask=m_r, other=0.0).to(tl.float32)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
-    b_dq = tl.zeros([BM, DIP], dtype=tl.float32)
-    b_dw = tl.zeros([BM], dtype=tl.float32)
+    b_dq = tl.zeros([JH * BM, DIP], dtype=tl.float32)
+    b_dw = tl.zeros([JH * BM], dtype=tl.float32)
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s = s0 + tl.arange(0, BN)
         m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None]) & m_t[:, None]
-        b_ds = tl.load(p_d + o_s[None, :], mask=m_read, other=0.0)
+        b_ds = tl.load(p_d + o_s[None, :], mask=m_read, other=0.0).to(tl.float32)
+        if JH > 1:
+            b_ds = tl.reshape(tl.broadcast_to(b_ds[None, :, :], (JH, BM, BN)), (JH * BM, BN))
         b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
                       mask=(o_s < S)[:, None] & m_d[None, :], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k))
         b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_ds, 1)
         b_dl = tl.where(b_s > 0, b_ds * b_w[:, None], 0.0).to(b_k.dtype)
         b_dq += tl.dot(b_dl, b_k)
-    tl.store(dqi + off_q, b_dq.to(dqi.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
-    tl.store(dw + i_b * sdw_b + o_t.to(tl.int64) * sdw_t + i_j, b_dw.to(dw.dtype.element_ty), mask=m_t)
+    tl.store(dqi + off_q, b_dq.to(dqi.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    tl.store(dw + i_b * sdw_b + r_t.to(tl.int64) * sdw_t + r_h, b_dw.to(dw.dtype.element_ty), mask=m_r)
 
 
 @fast_launch
@@ -357,7 +377,7 @@ def _kl_dk_kernel(
         if (i_n * BN <= s_hi) & (i_n * BN + BN > s_lo):
             m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
             p_d = ds + i_b * sd_b + (o_t - t0)[None, :].to(tl.int64) * sd_t + o_s[:, None]
-            b_ds = tl.load(p_d, mask=m_read, other=0.0)  # [BN, BM]
+            b_ds = tl.load(p_d, mask=m_read, other=0.0).to(tl.float32)  # [BN, BM]
             p_q = qi + i_b * si_b + o_t[:, None].to(tl.int64) * si_t + o_d[None, :]
             p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
             for j in range(HI):
@@ -386,6 +406,12 @@ def _query_blocks(n: int, B: int, S: int, DI: int) -> int:
     tiles = cdiv(n, BM)
     blocks = min(tiles, cdiv(DK_PROGRAMS, B * cdiv(S, BN)), max(1, DK_PARTIAL_BYTES // (B * S * DI * 4)))
     return cdiv(tiles, max(1, blocks)) * BM
+
+
+def _dscores_dtype(q_idx: Tensor) -> torch.dtype:
+    """The score-gradient buffer's dtype: bf16 for bf16 inputs under DS_BF16 (its entries, about
+    dkl / S, keep bf16's exponent range; fp16's would flush them to zero), else fp32."""
+    return torch.bfloat16 if DS_BF16 and q_idx.dtype == torch.bfloat16 else torch.float32
 
 
 def _launch(kernel: str) -> dict:
@@ -451,8 +477,10 @@ class DenseIndexerKL(torch.autograd.Function):
         dqi = torch.empty_like(q_idx)
         dw = torch.empty_like(weights)
         dk = torch.zeros((B, S, DI), dtype=torch.float32, device=q.device)
-        Tc = max(BM, ctx.budget // max(1, B * S * 4) // BM * BM)
-        ds = torch.empty((B, min(T, Tc), S), dtype=torch.float32, device=q.device) if T else None
+        ds_dtype = _dscores_dtype(q_idx)
+        Tc = max(BM, ctx.budget // max(1, B * S * ds_dtype.itemsize) // BM * BM)
+        ds = torch.empty((B, min(T, Tc), S), dtype=ds_dtype, device=q.device) if T else None
+        JH = DQ_HEADS if HI % DQ_HEADS == 0 else 1
         strides = _strides(q, k, lse, q_idx, k_idx, w32)
         istrides = (q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
                     *_row_strides(w32))
@@ -463,10 +491,10 @@ class DenseIndexerKL(torch.autograd.Function):
                 q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
                 ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, **_launch("dscores"),
             )
-            _kl_dq_kernel[(HI, cdiv(t1 - t0, BM), B)](
+            _kl_dq_kernel[(HI // JH, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, w32, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), dw.stride(0),
                 dw.stride(1), t0, t1, S,
-                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, **_launch("dq"),
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, **_launch("dq"),
             )
             QB = _query_blocks(t1 - t0, B, S, DI)
             NQB = cdiv(t1 - t0, QB)
