@@ -66,10 +66,12 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles
     per-query errors cannot cancel), in several backward chunks and in one; the keys in blocks
     of one tile (3-4 blocks a row: partial sums merged, tiles that start mid-block cut at its
     end) and of two; the query gradient one indexer head a program and two (stacked; the
-    three-head cases fall back to one) and the query tiles last first."""
+    three-head cases fall back to one) and the query tiles last first, the key gradient's head
+    loop one head a step and two."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
     monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", dq_heads)
     monkeypatch.setattr(triton_dense_kl, "DQ_LAST_FIRST", dq_heads == 2)
+    monkeypatch.setattr(triton_dense_kl, "DK_HEADS", dq_heads)
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -81,6 +81,9 @@ DK_PARTIAL_BYTES = 256 << 20
 # Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
 # product: each dI and key tile loaded once for them), when it divides the head count.
 DQ_HEADS = 1
+# Indexer heads per step of the key-gradient kernel's head loop (stacked into one [BN, DK_HEADS BM]
+# product), when it divides the head count.
+DK_HEADS = 1
 # Whether the query-gradient kernel runs its query tiles last first (longest programs first).
 DQ_LAST_FIRST = False
 # Whether bf16 inputs keep the score-gradient buffer dI in bf16 (half the bytes that the query-
@@ -355,11 +358,12 @@ def _kl_dk_kernel(
     qi, ki, w, lo, hi, ds, dk,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, t0, t1, QB, B, S,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    ADD: tl.constexpr,
+    JH: tl.constexpr, ADD: tl.constexpr,
 ):
     """The gradient of k_idx[b, s] from the queries of block i_q, [t0 + i_q QB, + QB) within
     [t0, t1): ADD: added into dk[b, s] (fp32 [B, S, DI]); else written to dk[i_q, b, s] (fp32
-    [NQB, B, S, DI], summed by the caller in a fixed order)."""
+    [NQB, B, S, DI], summed by the caller in a fixed order). JH indexer heads per step, stacked as
+    the columns (r, t) of one [BN, JH BM] product."""
     i_n, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     q0 = t0 + i_q * QB
     q1 = tl.minimum(t1, q0 + QB)
@@ -378,11 +382,17 @@ def _kl_dk_kernel(
             m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
             p_d = ds + i_b * sd_b + (o_t - t0)[None, :].to(tl.int64) * sd_t + o_s[:, None]
             b_ds = tl.load(p_d, mask=m_read, other=0.0).to(tl.float32)  # [BN, BM]
-            p_q = qi + i_b * si_b + o_t[:, None].to(tl.int64) * si_t + o_d[None, :]
-            p_w = w + i_b * sw_b + o_t.to(tl.int64) * sw_t
-            for j in range(HI):
-                b_q = tl.load(p_q + j * si_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
-                b_w = tl.load(p_w + j * sw_h, mask=m_t, other=0.0).to(tl.float32)
+            if JH > 1:
+                b_ds = tl.reshape(tl.broadcast_to(b_ds[:, None, :], (BN, JH, BM)), (BN, JH * BM))
+            # row r * BM + i of the stacked queries: head j + r, query m0 + i
+            o_r = tl.arange(0, JH * BM)
+            r_t = m0 + o_r % BM
+            m_r = r_t < q1
+            p_q = qi + i_b * si_b + r_t[:, None].to(tl.int64) * si_t + (o_r // BM)[:, None] * si_h + o_d[None, :]
+            p_w = w + i_b * sw_b + r_t.to(tl.int64) * sw_t + (o_r // BM) * sw_h
+            for j in range(0, HI, JH):
+                b_q = tl.load(p_q + j * si_h, mask=m_r[:, None] & m_d[None, :], other=0.0)
+                b_w = tl.load(p_w + j * sw_h, mask=m_r, other=0.0).to(tl.float32)
                 b_s = tl.dot(b_k, tl.trans(b_q))  # [BN, BM]
                 b_dl = tl.where(b_s > 0, b_ds * b_w[None, :], 0.0).to(b_q.dtype)
                 b_dk += tl.dot(b_dl, b_q)
@@ -502,7 +512,8 @@ class DenseIndexerKL(torch.autograd.Function):
             out = dk if NQB == 1 else torch.empty((NQB, B, S, DI), dtype=torch.float32, device=q.device)
             _kl_dk_kernel[(cdiv(S, BN), NQB, B)](
                 q_idx, k_idx, w32, lo, hi, ds, out, *istrides, ds.stride(0), ds.stride(1), t0, t1, QB, B, S,
-                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, ADD=NQB == 1, **_launch("dk"),
+                HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=DK_HEADS if HI % DK_HEADS == 0 else 1,
+                ADD=NQB == 1, **_launch("dk"),
             )
             if NQB > 1:
                 dk += out.sum(0)
