@@ -53,6 +53,8 @@ VARIANTS = {  # name: (module, switches)
     "s3-dq2-ds16": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True}),
     "s3-dq2-ds16-lf": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DQ_LAST_FIRST": True}),
     "s3-dq2-ds16-dk2": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DK_HEADS": 2}),
+    "s3-al": ("new", {"LAUNCH": S3, "DS_ALIGNED": True}),
+    "s3-dq2-ds16-al": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True}),
 }
 
 

@@ -89,6 +89,10 @@ DQ_LAST_FIRST = False
 # Whether bf16 inputs keep the score-gradient buffer dI in bf16 (half the bytes that the query-
 # and key-gradient kernels read; the products take dI times the weight in bf16 all the same).
 DS_BF16 = False
+# Whether the score-gradient kernel writes whole key tiles from multiples of BN (0 where a query
+# cannot read), so that the query- and key-gradient kernels load dI without a per-entry mask from
+# aligned addresses (16-byte copies instead of one per element).
+DS_ALIGNED = False
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -280,10 +284,13 @@ def _kl_dscores_kernel(
     sd_b, sd_t, t0, t1, T, S, KB, scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys s of
-    block i_k ([i_k KB, + KB)) of queries t0 <= t < t1 (other entries are left unwritten: the
-    readers mask them)."""
+    block i_k ([i_k KB, + KB)) of queries t0 <= t < t1. ALIGNED: over whole key tiles from a
+    multiple of BN, 0 at the tiles' unreadable entries (so that the readers' tiles, aligned the
+    same way, need no per-entry mask); else other entries are left unwritten (the readers mask
+    them)."""
     i_k, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
@@ -296,12 +303,15 @@ def _kl_dscores_kernel(
     b_inv = b_g / tl.where(m_mass, b_mass, 1.0)
     b_lse = tl.load(lse_i + o, mask=m_t, other=0.0)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
+    if ALIGNED:
+        s_lo = s_lo // BN * BN  # the block starts at a multiple of BN: its tiles stay inside it
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b,
                                      sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
                                      G, R, D, DP, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
-        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty), mask=m_read & m_t[:, None])
+        m_out = ((o_s < S)[None, :] & m_t[:, None]) if ALIGNED else (m_read & m_t[:, None])
+        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty), mask=m_out)
 
 
 @fast_launch
@@ -310,13 +320,14 @@ def _kl_dq_kernel(
     qi, ki, w, lo, hi, ds, dqi, dw,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, sdw_b, sdw_t, t0, t1, S,
     DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, JH: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
+    LAST_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, for JH indexer heads
     j = i_j JH + r stacked as the rows (r, t) of one [JH BM, BN] product, so that each dI and key
     tile is loaded once for JH heads (the head axis is the fastest grid axis: the heads of a query
     tile run side by side and share its dI tiles in L2). LAST_FIRST: the query tiles in reverse
-    order, so that a causal chunk's longest programs start first and the short ones fill the tail."""
+    order, so that a causal chunk's longest programs start first and the short ones fill the tail.
+    ALIGNED: dI holds whole key tiles from a multiple of BN (0 where unreadable), read as such."""
     i_j, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     if LAST_FIRST:
         i_m = tl.num_programs(1) - 1 - i_m
@@ -336,9 +347,14 @@ def _kl_dq_kernel(
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     b_dq = tl.zeros([JH * BM, DIP], dtype=tl.float32)
     b_dw = tl.zeros([JH * BM], dtype=tl.float32)
+    if ALIGNED:
+        s_lo = s_lo // BN * BN
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s = s0 + tl.arange(0, BN)
-        m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None]) & m_t[:, None]
+        if ALIGNED:
+            m_read = m_t[:, None] & (o_s < S)[None, :]
+        else:
+            m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None]) & m_t[:, None]
         b_ds = tl.load(p_d + o_s[None, :], mask=m_read, other=0.0).to(tl.float32)
         if JH > 1:
             b_ds = tl.reshape(tl.broadcast_to(b_ds[None, :, :], (JH, BM, BN)), (JH * BM, BN))
@@ -358,12 +374,13 @@ def _kl_dk_kernel(
     qi, ki, w, lo, hi, ds, dk,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, t0, t1, QB, B, S,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    JH: tl.constexpr, ADD: tl.constexpr,
+    JH: tl.constexpr, ADD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """The gradient of k_idx[b, s] from the queries of block i_q, [t0 + i_q QB, + QB) within
     [t0, t1): ADD: added into dk[b, s] (fp32 [B, S, DI]); else written to dk[i_q, b, s] (fp32
     [NQB, B, S, DI], summed by the caller in a fixed order). JH indexer heads per step, stacked as
-    the columns (r, t) of one [BN, JH BM] product."""
+    the columns (r, t) of one [BN, JH BM] product. ALIGNED: dI holds whole key tiles (0 where
+    unreadable), read without a per-entry mask."""
     i_n, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     q0 = t0 + i_q * QB
     q1 = tl.minimum(t1, q0 + QB)
@@ -379,7 +396,10 @@ def _kl_dk_kernel(
         m_t = o_t < q1
         b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
         if (i_n * BN <= s_hi) & (i_n * BN + BN > s_lo):
-            m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
+            if ALIGNED:
+                m_read = m_s[:, None] & m_t[None, :]
+            else:
+                m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
             p_d = ds + i_b * sd_b + (o_t - t0)[None, :].to(tl.int64) * sd_t + o_s[:, None]
             b_ds = tl.load(p_d, mask=m_read, other=0.0).to(tl.float32)  # [BN, BM]
             if JH > 1:
@@ -489,7 +509,11 @@ class DenseIndexerKL(torch.autograd.Function):
         dk = torch.zeros((B, S, DI), dtype=torch.float32, device=q.device)
         ds_dtype = _dscores_dtype(q_idx)
         Tc = max(BM, ctx.budget // max(1, B * S * ds_dtype.itemsize) // BM * BM)
-        ds = torch.empty((B, min(T, Tc), S), dtype=ds_dtype, device=q.device) if T else None
+        ds = None
+        if T:
+            ds = torch.empty((B, min(T, Tc), S), dtype=ds_dtype, device=q.device)
+            if _INTERPRET:  # an entry left unwritten that a reader takes unmasked turns the tests' gradients NaN
+                ds.fill_(float("nan"))
         JH = DQ_HEADS if HI % DQ_HEADS == 0 else 1
         strides = _strides(q, k, lse, q_idx, k_idx, w32)
         istrides = (q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
@@ -499,12 +523,12 @@ class DenseIndexerKL(torch.autograd.Function):
             t1 = min(T, t0 + Tc)
             _kl_dscores_kernel[(NKB, cdiv(t1 - t0, BM), B)](
                 q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
-                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, **_launch("dscores"),
+                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, ALIGNED=DS_ALIGNED, **_launch("dscores"),
             )
             _kl_dq_kernel[(HI // JH, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, w32, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), dw.stride(0),
                 dw.stride(1), t0, t1, S,
-                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, **_launch("dq"),
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, ALIGNED=DS_ALIGNED, **_launch("dq"),
             )
             QB = _query_blocks(t1 - t0, B, S, DI)
             NQB = cdiv(t1 - t0, QB)
@@ -513,7 +537,7 @@ class DenseIndexerKL(torch.autograd.Function):
             _kl_dk_kernel[(cdiv(S, BN), NQB, B)](
                 q_idx, k_idx, w32, lo, hi, ds, out, *istrides, ds.stride(0), ds.stride(1), t0, t1, QB, B, S,
                 HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=DK_HEADS if HI % DK_HEADS == 0 else 1,
-                ADD=NQB == 1, **_launch("dk"),
+                ADD=NQB == 1, ALIGNED=DS_ALIGNED, **_launch("dk"),
             )
             if NQB > 1:
                 dk += out.sum(0)
