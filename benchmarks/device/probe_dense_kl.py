@@ -55,6 +55,11 @@ VARIANTS = {  # name: (module, switches)
     "s3-dq2-ds16-dk2": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DK_HEADS": 2}),
     "s3-al": ("new", {"LAUNCH": S3, "DS_ALIGNED": True}),
     "s3-dq2-ds16-al": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True}),
+    "s3-ds16-al": ("new", {"LAUNCH": S3, "DS_BF16": True, "DS_ALIGNED": True}),
+    "s3-dq2-al": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_ALIGNED": True}),
+    "s3-dq2-ds16-al-lf": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True,
+                                  "DQ_LAST_FIRST": True}),
+    "s3-dq2-ds16-al-dk2": ("new", {"LAUNCH": S3, "DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DK_HEADS": 2}),
 }
 
 
