@@ -39,7 +39,7 @@ S3 = {"lse": (4, 2), "fwd": (8, 3), "merge": (4, 1), "dscores": (8, 3), "dq": (8
 S3_FWD = dict(S2, fwd=(8, 3), dscores=(8, 3))
 NO_SPLIT = {"MIN_BLOCK_TILES": 1 << 20, "DK_PROGRAMS": 0}
 OLD_BACKWARD = {"LAUNCH": S3, "DQ_HEADS": 1, "DS_BF16": False, "DS_ALIGNED": False, "DQ_LAST_FIRST": False,
-                "DK_HEADS": 1}
+                "DK_HEADS": 1, "SPLIT_HEAD_DIM": False}
 VARIANTS = {  # name: (module, switches)
     "before": ("before", {}),
     "split-s2": ("new", {"LAUNCH": S2}),
@@ -48,8 +48,9 @@ VARIANTS = {  # name: (module, switches)
     "split-s3-fwd": ("new", {"LAUNCH": S3_FWD}),
     "split-s2-b8": ("new", {"LAUNCH": S2, "MIN_BLOCK_TILES": 8}),
     "split-s3-b8": ("new", {"LAUNCH": S3, "MIN_BLOCK_TILES": 8}),
-    # the backward's switches, each variant setting all of them (the query gradient's heads per
-    # program, the score-gradient buffer's dtype and tiles, the key gradient's heads per step)
+    # the switches of this round, each variant setting all of them (the query gradient's heads per
+    # program, the score-gradient buffer's dtype and tiles, the key gradient's heads per step, the
+    # main attention's head dim in two parts)
     **{name: ("new", dict(OLD_BACKWARD, **switches)) for name, switches in {
         "s3-dq1": {},
         "s3-dq2": {"DQ_HEADS": 2},
@@ -61,6 +62,7 @@ VARIANTS = {  # name: (module, switches)
         "s3-dq2-ds16-al": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True},
         "s3-dq2-ds16-al-lf": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DQ_LAST_FIRST": True},
         "s3-dq2-ds16-al-dk2": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DK_HEADS": 2},
+        "s3-dq2-ds16-al-sp": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "SPLIT_HEAD_DIM": True},
     }.items()},
 }
 

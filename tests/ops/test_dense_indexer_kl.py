@@ -68,12 +68,14 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles
     end) and of two; the query gradient one indexer head a program and two (stacked; the
     three-head cases fall back to one) and the query tiles last first, the key gradient's head
     loop one head a step and two; the score gradients in the key tiles as they come and in whole
-    aligned tiles (read without a per-entry mask)."""
+    aligned tiles (read without a per-entry mask); the main attention's head dim 24 padded to 32
+    and in two parts (16 + 8 of 16)."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
     monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", dq_heads)
     monkeypatch.setattr(triton_dense_kl, "DQ_LAST_FIRST", dq_heads == 2)
     monkeypatch.setattr(triton_dense_kl, "DK_HEADS", dq_heads)
     monkeypatch.setattr(triton_dense_kl, "DS_ALIGNED", dq_heads == 2)
+    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", dq_heads == 2)
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -93,6 +93,9 @@ DS_BF16 = False
 # cannot read), so that the query- and key-gradient kernels load dI without a per-entry mask from
 # aligned addresses (16-byte copies instead of one per element).
 DS_ALIGNED = False
+# Whether the main attention's products take a head dim that is not a power of two in two parts
+# (192 = 128 + 64: two products) instead of one padded to the next power of two (256).
+SPLIT_HEAD_DIM = False
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -107,23 +110,35 @@ def _tile_range(lo, hi, o_t, m_t):
 
 @triton.jit
 def _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, scale,
-                G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
-    """[BM, BN] fp32 sum over heads of exp(scale q_h . k_s - lse_h) (unmasked)."""
+    """[BM, BN] fp32 sum over heads of exp(scale q_h . k_s - lse_h) (unmasked). The head dim in
+    one part of DP (padded) or, DP2 > 0, two: [0, DP) and [DP, DP + DP2) (192 = 128 + 64)."""
     o_d = tl.arange(0, DP)
     m_d = o_d < D
     p_q = q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + o_d[None, :]
     p_k = k + i_b * sk_b + o_s[:, None].to(tl.int64) * sk_s + o_d[None, :]
+    if DP2 > 0:
+        o_d2 = DP + tl.arange(0, DP2)
+        m_d2 = o_d2 < D
+        p_q2 = q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + o_d2[None, :]
+        p_k2 = k + i_b * sk_b + o_s[:, None].to(tl.int64) * sk_s + o_d2[None, :]
     p_l = lse + i_b * sl_b + o_t.to(tl.int64) * sl_t
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for g in range(G):
         b_k = tl.load(p_k + g * sk_g, mask=m_s[:, None] & m_d[None, :], other=0.0)
+        if DP2 > 0:
+            b_k2 = tl.load(p_k2 + g * sk_g, mask=m_s[:, None] & m_d2[None, :], other=0.0)
         for r in range(R):
             h = g * R + r
             b_q = tl.load(p_q + h * sq_h, mask=m_t[:, None] & m_d[None, :], other=0.0)
             b_lse = tl.load(p_l + h * sl_h, mask=m_t, other=0.0)
             b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+            b_s = tl.dot(b_q, tl.trans(b_k))
+            if DP2 > 0:
+                b_q2 = tl.load(p_q2 + h * sq_h, mask=m_t[:, None] & m_d2[None, :], other=0.0)
+                b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+            b_s = b_s * scale
             acc += tl.exp(b_s - b_lse[:, None])
     return acc
 
@@ -149,7 +164,7 @@ def _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, sk_b, sk_s
 @triton.jit
 def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
            sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
-           G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr,
            HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Keys [s0, s0 + BN): their offsets, the [BM, BN] readable mask, the target numerator p~ and
     the index scores I (both unmasked)."""
@@ -157,7 +172,7 @@ def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
     m_s = o_s < S
     m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
     pt = _probs_tile(q, k, lse, i_b, o_t, m_t, o_s, m_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g,
-                     sl_b, sl_t, sl_h, scale, G, R, D, DP, BM, BN)
+                     sl_b, sl_t, sl_h, scale, G, R, D, DP, DP2, BM, BN)
     it = _index_tile(qi, ki, w, i_b, o_t, m_t, o_s, m_s, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
                      HI, DI, DIP, BM, BN)
     return o_s, m_read, pt, it
@@ -167,7 +182,7 @@ def _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S,
 @triton.jit
 def _lse_kernel(
     q, k, lo, hi, lse, sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, T, S, scale,
-    R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """lse[b, t, h] = log sum over readable s of exp(scale q_h . k_s), -inf with no key."""
     i_m, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -179,13 +194,23 @@ def _lse_kernel(
     b_q = tl.load(q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + i_h * sq_h + o_d[None, :],
                   mask=m_t[:, None] & m_d[None, :], other=0.0)
     p_k = k + i_b * sk_b + (i_h // R) * sk_g + o_d[None, :]
+    if DP2 > 0:  # the head dim's second part (as _probs_tile)
+        o_d2 = DP + tl.arange(0, DP2)
+        m_d2 = o_d2 < D
+        b_q2 = tl.load(q + i_b * sq_b + o_t[:, None].to(tl.int64) * sq_t + i_h * sq_h + o_d2[None, :],
+                       mask=m_t[:, None] & m_d2[None, :], other=0.0)
+        p_k2 = k + i_b * sk_b + (i_h // R) * sk_g + o_d2[None, :]
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s = s0 + tl.arange(0, BN)
         b_k = tl.load(p_k + o_s[:, None].to(tl.int64) * sk_s, mask=(o_s < S)[:, None] & m_d[None, :], other=0.0)
         m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
-        b_s = tl.where(m_read, tl.dot(b_q, tl.trans(b_k)) * scale, float("-inf"))
+        b_s = tl.dot(b_q, tl.trans(b_k))
+        if DP2 > 0:
+            b_k2 = tl.load(p_k2 + o_s[:, None].to(tl.int64) * sk_s, mask=(o_s < S)[:, None] & m_d2[None, :], other=0.0)
+            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_s = tl.where(m_read, b_s * scale, float("-inf"))
         m_new = tl.maximum(b_m, tl.max(b_s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         b_l = b_l * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_s - m_use[:, None]), 1)
@@ -209,7 +234,7 @@ def _kl_fwd_kernel(
     q, k, lse, qi, ki, w, lo, hi, part,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
     sp, T, S, KB, NKB, scale,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """Per query, over its readable keys in block i_k ([i_k KB, + KB)): the running max m and
@@ -226,7 +251,7 @@ def _kl_fwd_kernel(
     for s0 in range(s_lo, s_hi + 1, BN):
         _, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b, sk_s,
                                    sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
-                                   G, R, D, DP, HI, DI, DIP, BM, BN)
+                                   G, R, D, DP, DP2, HI, DI, DIP, BM, BN)
         pt = tl.where(m_read, pt, 0.0)
         b_c += tl.sum(pt * it, 1)  # pt is 0 at unreadable keys, it finite everywhere
         it = tl.where(m_read, it, float("-inf"))
@@ -282,7 +307,7 @@ def _kl_dscores_kernel(
     q, k, lse, qi, ki, w, lo, hi, lse_i, mass, dkl, ds,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h,
     sd_b, sd_t, t0, t1, T, S, KB, scale,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -308,7 +333,7 @@ def _kl_dscores_kernel(
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b,
                                      sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
-                                     G, R, D, DP, HI, DI, DIP, BM, BN)
+                                     G, R, D, DP, DP2, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
         m_out = ((o_s < S)[None, :] & m_t[:, None]) if ALIGNED else (m_read & m_t[:, None])
         tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty), mask=m_out)
@@ -453,7 +478,11 @@ def _meta(q: Tensor, k: Tensor, q_idx: Tensor) -> dict:
     H, D = q.shape[2:]
     G = k.shape[2]
     HI, DI = q_idx.shape[2:]
-    return dict(G=G, R=H // G, D=D, DP=max(16, next_power_of_2(D)), HI=HI, DI=DI,
+    DP, DP2 = max(16, next_power_of_2(D)), 0
+    if SPLIT_HEAD_DIM and DP != D and D > 16:  # 192: 128 + 64, not 256 padded
+        DP = next_power_of_2(D) // 2
+        DP2 = max(16, next_power_of_2(D - DP))
+    return dict(G=G, R=H // G, D=D, DP=DP, DP2=DP2, HI=HI, DI=DI,
                 DIP=max(16, next_power_of_2(DI)), BM=BM, BN=BN)
 
 
@@ -478,7 +507,7 @@ class DenseIndexerKL(torch.autograd.Function):
             _lse_kernel[(cdiv(T, BM), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 *_row_strides(lse), T, S, scale,
-                R=meta["R"], D=meta["D"], DP=meta["DP"], BM=BM, BN=BN, **_launch("lse"),
+                R=meta["R"], D=meta["D"], DP=meta["DP"], DP2=meta["DP2"], BM=BM, BN=BN, **_launch("lse"),
             )
             KB, NKB = _key_blocks(S)
             # m, l, P, A, C per block, kept as the kernel sums them (fp32; fp64 in the interpreter,
