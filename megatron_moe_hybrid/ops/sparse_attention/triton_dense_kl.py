@@ -23,11 +23,13 @@ Kernels (every one loops only over each tile's readable keys lo[t] <= s <= hi[t]
                       partial (max, sum-exp) of I and P, A, C per query.
     _kl_merge_kernel  [BM queries]: merges the key blocks' partials into lse_I, P and KL.
     _kl_dscores_kernel  the same recomputation per (query tile, key block) for a chunk of Tc
-                      queries, writing dI = g (softmax(I) - p~ / P) into an fp32 [B, Tc, S]
-                      buffer (bounded by budget_bytes: memory is linear in T).
-    _kl_dq_kernel     [BM queries, one indexer head]: d q_idx and d weights from dI.
+                      queries, writing dI = g (softmax(I) - p~ / P) into a [B, Tc, S] buffer
+                      (bf16 for bf16 inputs, else fp32; bounded by budget_bytes: memory is linear
+                      in T) in whole key tiles, 0 where the query cannot read.
+    _kl_dq_kernel     [BM queries, two indexer heads stacked into one product]: d q_idx and
+                      d weights from dI.
     _kl_dk_kernel     [BN keys, one block of the chunk's queries]: d k_idx summed over the
-                      block's queries and every head, into an fp32 partial per query block
+                      block's queries and every head (two heads a step), into an fp32 partial per query block
                       (summed in block order) or, with one block, added to the accumulator
                       chunk after chunk: no atomics, bitwise repeatable.
 Splitting a row's keys into blocks (and the key gradient's queries) gives a causal sequence
@@ -78,23 +80,32 @@ MIN_BLOCK_TILES, MAX_KEY_BLOCKS = (2, 64) if _INTERPRET else (16, 32)
 # programs.
 DK_PROGRAMS = 8 if _INTERPRET else 1024
 DK_PARTIAL_BYTES = 256 << 20
-# Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
+# The backward's switches, A/B on an H100 in one process (results/h100/dense_indexer_kl_dq.json;
+# each against all off): at GQA 8k 29.1 -> 13.0 ms (the dq kernel 15.9 -> 2.2), at MLA 4k 17.6 ->
+# 14.0. Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
 # product: each dI and key tile loaded once for them), when it divides the head count.
-DQ_HEADS = 1
+DQ_HEADS = 2
 # Indexer heads per step of the key-gradient kernel's head loop (stacked into one [BN, DK_HEADS BM]
-# product), when it divides the head count.
-DK_HEADS = 1
-# Whether the query-gradient kernel runs its query tiles last first (longest programs first).
+# product), when it divides the head count: dk 4.53 -> 3.81 ms at GQA 8k (255 registers, 72 B
+# spilled under Triton 3.6).
+DK_HEADS = 2
+# Whether the query-gradient kernel runs its query tiles last first (longest programs first):
+# 1% either way in that A/B (13.59 / 13.74 ms at GQA 8k, 14.22 / 14.27 at MLA 4k), left off.
 DQ_LAST_FIRST = False
 # Whether bf16 inputs keep the score-gradient buffer dI in bf16 (half the bytes that the query-
-# and key-gradient kernels read; the products take dI times the weight in bf16 all the same).
-DS_BF16 = False
+# and key-gradient kernels read; the products take dI times the weight in bf16 all the same). The
+# weights' gradient, a sum whose terms cancel (dI sums to 0 over a row's keys), then comes 0.25%
+# from the fp32 reference's (relative RMS; 5e-5 with fp32 dI), the other two as before.
+DS_BF16 = True
 # Whether the score-gradient kernel writes whole key tiles from multiples of BN (0 where a query
 # cannot read), so that the query- and key-gradient kernels load dI without a per-entry mask from
-# aligned addresses (16-byte copies instead of one per element).
-DS_ALIGNED = False
+# aligned addresses (16-byte copies instead of one per element). Alone: GQA 8k 29.1 -> 18.3 ms
+# (dq 15.9 -> 6.3), MLA 4k 17.6 -> 14.4.
+DS_ALIGNED = True
 # Whether the main attention's products take a head dim that is not a power of two in two parts
-# (192 = 128 + 64: two products) instead of one padded to the next power of two (256).
+# (192 = 128 + 64: two products) instead of one padded to the next power of two (256). At MLA 4k
+# in that A/B the lse kernel went 2.17 -> 1.54 ms but the forward 4.17 -> 5.38: 14.68 against
+# 14.27 ms in all, so off.
 SPLIT_HEAD_DIM = False
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
