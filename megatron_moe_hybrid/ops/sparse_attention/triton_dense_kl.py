@@ -29,8 +29,8 @@ Kernels (every one loops only over each tile's readable keys lo[t] <= s <= hi[t]
     _kl_dq_kernel     [BM queries, two indexer heads stacked into one product]: d q_idx and
                       d weights from dI.
     _kl_dk_kernel     [BN keys, one block of the chunk's queries]: d k_idx summed over the
-                      block's queries and every head (two heads a step), into an fp32 partial per query block
-                      (summed in block order) or, with one block, added to the accumulator
+                      block's queries and every head (two heads a step), into an fp32 partial
+                      per query block (summed in block order) or, with one block, added to the accumulator
                       chunk after chunk: no atomics, bitwise repeatable.
 Splitting a row's keys into blocks (and the key gradient's queries) gives a causal sequence
 many programs of at most KB keys each: one program per query tile (or key tile) left the
@@ -347,7 +347,8 @@ def _kl_dscores_kernel(
                                      G, R, D, DP, DP2, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
         m_out = ((o_s < S)[None, :] & m_t[:, None]) if ALIGNED else (m_read & m_t[:, None])
-        tl.store(p_d + o_s[None, :], tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty), mask=m_out)
+        b_ds = tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty)
+        tl.store(p_d + o_s[None, :], b_ds, mask=m_out)
 
 
 @fast_launch
@@ -563,12 +564,14 @@ class DenseIndexerKL(torch.autograd.Function):
             t1 = min(T, t0 + Tc)
             _kl_dscores_kernel[(NKB, cdiv(t1 - t0, BM), B)](
                 q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
-                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, ALIGNED=DS_ALIGNED, **_launch("dscores"),
+                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, ALIGNED=DS_ALIGNED,
+                **_launch("dscores"),
             )
             _kl_dq_kernel[(HI // JH, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, w32, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), dw.stride(0),
                 dw.stride(1), t0, t1, S,
-                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, ALIGNED=DS_ALIGNED, **_launch("dq"),
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, ALIGNED=DS_ALIGNED,
+                **_launch("dq"),
             )
             QB = _query_blocks(t1 - t0, B, S, DI)
             NQB = cdiv(t1 - t0, QB)
