@@ -39,7 +39,7 @@ S3 = {"lse": (4, 2), "fwd": (8, 3), "merge": (4, 1), "dscores": (8, 3), "dq": (8
 S3_FWD = dict(S2, fwd=(8, 3), dscores=(8, 3))
 NO_SPLIT = {"MIN_BLOCK_TILES": 1 << 20, "DK_PROGRAMS": 0}
 OLD_BACKWARD = {"LAUNCH": S3, "DQ_HEADS": 1, "DS_BF16": False, "DS_ALIGNED": False, "DQ_LAST_FIRST": False,
-                "DK_HEADS": 1, "SPLIT_HEAD_DIM": False}
+                "DK_HEADS": 1, "SPLIT_HEAD_DIM": frozenset()}
 VARIANTS = {  # name: (module, switches)
     "before": ("before", {}),
     "split-s2": ("new", {"LAUNCH": S2}),
@@ -62,7 +62,10 @@ VARIANTS = {  # name: (module, switches)
         "s3-dq2-ds16-al": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True},
         "s3-dq2-ds16-al-lf": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DQ_LAST_FIRST": True},
         "s3-dq2-ds16-al-dk2": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DK_HEADS": 2},
-        "s3-dq2-ds16-al-sp": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "SPLIT_HEAD_DIM": True},
+        "s3-dq2-ds16-al-dk2-splse": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True, "DK_HEADS": 2,
+                                     "SPLIT_HEAD_DIM": frozenset({"lse"})},
+        "s3-dq2-ds16-al-sp": {"DQ_HEADS": 2, "DS_BF16": True, "DS_ALIGNED": True,
+                              "SPLIT_HEAD_DIM": frozenset({"lse", "tiles"})},
     }.items()},
 }
 

@@ -75,7 +75,7 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles
     monkeypatch.setattr(triton_dense_kl, "DQ_LAST_FIRST", dq_heads == 2)
     monkeypatch.setattr(triton_dense_kl, "DK_HEADS", dq_heads)
     monkeypatch.setattr(triton_dense_kl, "DS_ALIGNED", dq_heads == 2)
-    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", dq_heads == 2)
+    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset({"lse", "tiles"} if dq_heads == 2 else ()))
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -102,11 +102,13 @@ DS_BF16 = True
 # aligned addresses (16-byte copies instead of one per element). Alone: GQA 8k 29.1 -> 18.3 ms
 # (dq 15.9 -> 6.3), MLA 4k 17.6 -> 14.4.
 DS_ALIGNED = True
-# Whether the main attention's products take a head dim that is not a power of two in two parts
-# (192 = 128 + 64: two products) instead of one padded to the next power of two (256). At MLA 4k
-# in that A/B the lse kernel went 2.17 -> 1.54 ms but the forward 4.17 -> 5.38: 14.68 against
-# 14.27 ms in all, so off.
-SPLIT_HEAD_DIM = False
+# The kernels whose main-attention products take a head dim that is not a power of two in two
+# parts (192 = 128 + 64: two products) instead of one padded to the next power of two (256):
+# "lse" (_lse_kernel) and "tiles" (the forward and score-gradient kernels). At MLA 4k in that A/B
+# (both split) the lse kernel went 2.17 -> 1.54 ms but the forward 4.17 -> 5.38, the score
+# gradients 5.19 -> 4.87: 14.68 against 14.27 ms in all. So the lse kernel alone (the loss with
+# only it split not timed as a whole).
+SPLIT_HEAD_DIM = frozenset({"lse"})
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -490,12 +492,18 @@ def _meta(q: Tensor, k: Tensor, q_idx: Tensor) -> dict:
     H, D = q.shape[2:]
     G = k.shape[2]
     HI, DI = q_idx.shape[2:]
-    DP, DP2 = max(16, next_power_of_2(D)), 0
-    if SPLIT_HEAD_DIM and DP != D and D > 16:  # 192: 128 + 64, not 256 padded
-        DP = next_power_of_2(D) // 2
-        DP2 = max(16, next_power_of_2(D - DP))
+    DP, DP2 = _head_dim_parts(D, "tiles")
     return dict(G=G, R=H // G, D=D, DP=DP, DP2=DP2, HI=HI, DI=DI,
                 DIP=max(16, next_power_of_2(DI)), BM=BM, BN=BN)
+
+
+def _head_dim_parts(D: int, kernels: str) -> tuple[int, int]:
+    """(DP, DP2): the head dim D padded to one power of two (DP2 = 0) or, for the kernels named in
+    SPLIT_HEAD_DIM, in two (192: 128 + 64 rather than 256)."""
+    DP = max(16, next_power_of_2(D))
+    if kernels in SPLIT_HEAD_DIM and DP != D and D > 16:
+        return DP // 2, max(16, next_power_of_2(D - DP // 2))
+    return DP, 0
 
 
 class DenseIndexerKL(torch.autograd.Function):
@@ -516,10 +524,11 @@ class DenseIndexerKL(torch.autograd.Function):
         mass = torch.empty_like(lse_i)
         kl = torch.empty_like(lse_i)
         if T:
+            lse_dp = _head_dim_parts(meta["D"], "lse")
             _lse_kernel[(cdiv(T, BM), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 *_row_strides(lse), T, S, scale,
-                R=meta["R"], D=meta["D"], DP=meta["DP"], DP2=meta["DP2"], BM=BM, BN=BN, **_launch("lse"),
+                R=meta["R"], D=meta["D"], DP=lse_dp[0], DP2=lse_dp[1], BM=BM, BN=BN, **_launch("lse"),
             )
             KB, NKB = _key_blocks(S)
             # m, l, P, A, C per block, kept as the kernel sums them (fp32; fp64 in the interpreter,
