@@ -59,23 +59,21 @@ CASES = {
 
 
 @interpreter
-@pytest.mark.parametrize("block_tiles,dq_heads", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("block_tiles,heads,split", [(1, 1, ()), (2, 2, ("lse", "tiles"))])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, dq_heads, monkeypatch):
+def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, heads, split, monkeypatch):
     """Each query's KL, and the gradients of a sum that weighs every query differently (so that
     per-query errors cannot cancel), in several backward chunks and in one; the keys in blocks
     of one tile (3-4 blocks a row: partial sums merged, tiles that start mid-block cut at its
     end) and of two; the query gradient one indexer head a program and two (stacked; the
-    three-head cases fall back to one) and the query tiles last first, the key gradient's head
-    loop one head a step and two; the score gradients in the key tiles as they come and in whole
-    aligned tiles (read without a per-entry mask); the main attention's head dim 24 padded to 32
-    and in two parts (16 + 8 of 16)."""
+    three-head cases fall back to one), the key gradient's head loop one head a step and two;
+    the main attention's head dim 24 padded to 32 and in two parts (16 + 8 of 16). The score
+    gradients are read unmasked in whole aligned tiles: the interpreter's buffer starts NaN, so
+    an entry read but never written fails this test."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
-    monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", dq_heads)
-    monkeypatch.setattr(triton_dense_kl, "DQ_LAST_FIRST", dq_heads == 2)
-    monkeypatch.setattr(triton_dense_kl, "DK_HEADS", dq_heads)
-    monkeypatch.setattr(triton_dense_kl, "DS_ALIGNED", dq_heads == 2)
-    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset({"lse", "tiles"} if dq_heads == 2 else ()))
+    monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", heads)
+    monkeypatch.setattr(triton_dense_kl, "DK_HEADS", heads)
+    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset(split))
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

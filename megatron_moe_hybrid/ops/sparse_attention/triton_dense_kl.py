@@ -80,28 +80,24 @@ MIN_BLOCK_TILES, MAX_KEY_BLOCKS = (2, 64) if _INTERPRET else (16, 32)
 # programs.
 DK_PROGRAMS = 8 if _INTERPRET else 1024
 DK_PARTIAL_BYTES = 256 << 20
-# The backward's switches, A/B on an H100 in one process (results/h100/dense_indexer_kl_dq.json;
-# each against all off): at GQA 8k 29.1 -> 13.0 ms (the dq kernel 15.9 -> 2.2), at MLA 4k 17.6 ->
-# 14.0. Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
+# The backward, A/B on an H100 in one process (results/h100/dense_indexer_kl_dq.json): at GQA 8k
+# 29.1 -> 13.0 ms (the dq kernel 15.9 -> 2.2), at MLA 4k 17.6 -> 14.0. The score-gradient kernel
+# writes dI in whole key tiles from multiples of BN (0 where a query cannot read), so that the
+# query- and key-gradient kernels load it without a per-entry mask from aligned addresses (16-byte
+# copies instead of one per element): that alone 29.1 -> 18.3 ms (dq 15.9 -> 6.3), MLA 17.6 -> 14.4.
+# (dq's query tiles longest first moved it by 1% either way and is gone.)
+# Indexer heads per program of the query-gradient kernel (stacked into one [DQ_HEADS BM, BN]
 # product: each dI and key tile loaded once for them), when it divides the head count.
 DQ_HEADS = 2
 # Indexer heads per step of the key-gradient kernel's head loop (stacked into one [BN, DK_HEADS BM]
 # product), when it divides the head count: dk 4.53 -> 3.81 ms at GQA 8k (255 registers, 72 B
 # spilled under Triton 3.6).
 DK_HEADS = 2
-# Whether the query-gradient kernel runs its query tiles last first (longest programs first):
-# 1% either way in that A/B (13.59 / 13.74 ms at GQA 8k, 14.22 / 14.27 at MLA 4k), left off.
-DQ_LAST_FIRST = False
 # Whether bf16 inputs keep the score-gradient buffer dI in bf16 (half the bytes that the query-
 # and key-gradient kernels read; the products take dI times the weight in bf16 all the same). The
 # weights' gradient, a sum whose terms cancel (dI sums to 0 over a row's keys), then comes 0.25%
 # from the fp32 reference's (relative RMS; 5e-5 with fp32 dI), the other two as before.
 DS_BF16 = True
-# Whether the score-gradient kernel writes whole key tiles from multiples of BN (0 where a query
-# cannot read), so that the query- and key-gradient kernels load dI without a per-entry mask from
-# aligned addresses (16-byte copies instead of one per element). Alone: GQA 8k 29.1 -> 18.3 ms
-# (dq 15.9 -> 6.3), MLA 4k 17.6 -> 14.4.
-DS_ALIGNED = True
 # The kernels whose main-attention products take a head dim that is not a power of two in two
 # parts (192 = 128 + 64: two products) instead of one padded to the next power of two (256):
 # "lse" (_lse_kernel) and "tiles" (the forward and score-gradient kernels). At MLA 4k in that A/B
@@ -322,13 +318,11 @@ def _kl_dscores_kernel(
     sd_b, sd_t, t0, t1, T, S, KB, scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DP2: tl.constexpr,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    ALIGNED: tl.constexpr,
 ):
     """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys s of
-    block i_k ([i_k KB, + KB)) of queries t0 <= t < t1. ALIGNED: over whole key tiles from a
-    multiple of BN, 0 at the tiles' unreadable entries (so that the readers' tiles, aligned the
-    same way, need no per-entry mask); else other entries are left unwritten (the readers mask
-    them)."""
+    block i_k ([i_k KB, + KB)) of queries t0 <= t < t1, over whole key tiles from a multiple of
+    BN, 0 at the tiles' unreadable entries (so that the readers' tiles, aligned the same way, need
+    no per-entry mask); entries outside those tiles are left unwritten."""
     i_k, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
@@ -341,16 +335,14 @@ def _kl_dscores_kernel(
     b_inv = b_g / tl.where(m_mass, b_mass, 1.0)
     b_lse = tl.load(lse_i + o, mask=m_t, other=0.0)
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
-    if ALIGNED:
-        s_lo = s_lo // BN * BN  # the block starts at a multiple of BN: its tiles stay inside it
+    s_lo = s_lo // BN * BN  # the block starts at a multiple of BN: its tiles stay inside it
     for s0 in range(s_lo, s_hi + 1, BN):
         o_s, m_read, pt, it = _tiles(q, k, lse, qi, ki, w, i_b, o_t, m_t, b_lo, b_hi, s0, S, sq_b, sq_t, sq_h, sk_b,
                                      sk_s, sk_g, sl_b, sl_t, sl_h, si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, scale,
                                      G, R, D, DP, DP2, HI, DI, DIP, BM, BN)
         b_ds = b_g[:, None] * tl.exp(it - b_lse[:, None]) - b_inv[:, None] * pt
-        m_out = ((o_s < S)[None, :] & m_t[:, None]) if ALIGNED else (m_read & m_t[:, None])
         b_ds = tl.where(m_read, b_ds, 0.0).to(ds.dtype.element_ty)
-        tl.store(p_d + o_s[None, :], b_ds, mask=m_out)
+        tl.store(p_d + o_s[None, :], b_ds, mask=(o_s < S)[None, :] & m_t[:, None])
 
 
 @fast_launch
@@ -359,20 +351,16 @@ def _kl_dq_kernel(
     qi, ki, w, lo, hi, ds, dqi, dw,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, sdw_b, sdw_t, t0, t1, S,
     DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, JH: tl.constexpr,
-    LAST_FIRST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """d q_idx[b, t, j] and d weights[b, t, j] of queries t0 <= t < t1, for JH indexer heads
     j = i_j JH + r stacked as the rows (r, t) of one [JH BM, BN] product, so that each dI and key
     tile is loaded once for JH heads (the head axis is the fastest grid axis: the heads of a query
-    tile run side by side and share its dI tiles in L2). LAST_FIRST: the query tiles in reverse
-    order, so that a causal chunk's longest programs start first and the short ones fill the tail.
-    ALIGNED: dI holds whole key tiles from a multiple of BN (0 where unreadable), read as such."""
+    tile run side by side and share its dI tiles in L2). dI holds whole key tiles from a multiple
+    of BN (0 where unreadable), read as such."""
     i_j, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    if LAST_FIRST:
-        i_m = tl.num_programs(1) - 1 - i_m
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
-    b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+    _, _, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
     o_d = tl.arange(0, DIP)
     m_d = o_d < DI
     # row r * BM + i of the stacked tile: head i_j * JH + r, query o_t[i]
@@ -386,15 +374,9 @@ def _kl_dq_kernel(
     p_d = ds + i_b * sd_b + (o_t - t0)[:, None].to(tl.int64) * sd_t
     b_dq = tl.zeros([JH * BM, DIP], dtype=tl.float32)
     b_dw = tl.zeros([JH * BM], dtype=tl.float32)
-    if ALIGNED:
-        s_lo = s_lo // BN * BN
-    for s0 in range(s_lo, s_hi + 1, BN):
+    for s0 in range(s_lo // BN * BN, s_hi + 1, BN):
         o_s = s0 + tl.arange(0, BN)
-        if ALIGNED:
-            m_read = m_t[:, None] & (o_s < S)[None, :]
-        else:
-            m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None]) & m_t[:, None]
-        b_ds = tl.load(p_d + o_s[None, :], mask=m_read, other=0.0).to(tl.float32)
+        b_ds = tl.load(p_d + o_s[None, :], mask=m_t[:, None] & (o_s < S)[None, :], other=0.0).to(tl.float32)
         if JH > 1:
             b_ds = tl.reshape(tl.broadcast_to(b_ds[None, :, :], (JH, BM, BN)), (JH * BM, BN))
         b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
@@ -413,13 +395,13 @@ def _kl_dk_kernel(
     qi, ki, w, lo, hi, ds, dk,
     si_b, si_t, si_h, ski_b, ski_s, sw_b, sw_t, sw_h, sd_b, sd_t, t0, t1, QB, B, S,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    JH: tl.constexpr, ADD: tl.constexpr, ALIGNED: tl.constexpr,
+    JH: tl.constexpr, ADD: tl.constexpr,
 ):
     """The gradient of k_idx[b, s] from the queries of block i_q, [t0 + i_q QB, + QB) within
     [t0, t1): ADD: added into dk[b, s] (fp32 [B, S, DI]); else written to dk[i_q, b, s] (fp32
     [NQB, B, S, DI], summed by the caller in a fixed order). JH indexer heads per step, stacked as
-    the columns (r, t) of one [BN, JH BM] product. ALIGNED: dI holds whole key tiles (0 where
-    unreadable), read without a per-entry mask."""
+    the columns (r, t) of one [BN, JH BM] product. dI holds whole key tiles (0 where unreadable),
+    read without a per-entry mask."""
     i_n, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     q0 = t0 + i_q * QB
     q1 = tl.minimum(t1, q0 + QB)
@@ -430,21 +412,16 @@ def _kl_dk_kernel(
     b_k = tl.load(ki + i_b * ski_b + o_s[:, None].to(tl.int64) * ski_s + o_d[None, :],
                   mask=m_s[:, None] & m_d[None, :], other=0.0)
     b_dk = tl.zeros([BN, DIP], dtype=tl.float32)
+    o_r = tl.arange(0, JH * BM)  # row r * BM + i of the stacked queries: head j + r, query m0 + i
     for m0 in range(q0, q1, BM):
         o_t = m0 + tl.arange(0, BM)
         m_t = o_t < q1
-        b_lo, b_hi, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
+        _, _, s_lo, s_hi = _tile_range(lo, hi, o_t, m_t)
         if (i_n * BN <= s_hi) & (i_n * BN + BN > s_lo):
-            if ALIGNED:
-                m_read = m_s[:, None] & m_t[None, :]
-            else:
-                m_read = (o_s[:, None] >= b_lo[None, :]) & (o_s[:, None] <= b_hi[None, :]) & m_t[None, :]
             p_d = ds + i_b * sd_b + (o_t - t0)[None, :].to(tl.int64) * sd_t + o_s[:, None]
-            b_ds = tl.load(p_d, mask=m_read, other=0.0).to(tl.float32)  # [BN, BM]
+            b_ds = tl.load(p_d, mask=m_s[:, None] & m_t[None, :], other=0.0).to(tl.float32)  # [BN, BM]
             if JH > 1:
                 b_ds = tl.reshape(tl.broadcast_to(b_ds[:, None, :], (BN, JH, BM)), (BN, JH * BM))
-            # row r * BM + i of the stacked queries: head j + r, query m0 + i
-            o_r = tl.arange(0, JH * BM)
             r_t = m0 + o_r % BM
             m_r = r_t < q1
             p_q = qi + i_b * si_b + r_t[:, None].to(tl.int64) * si_t + (o_r // BM)[:, None] * si_h + o_d[None, :]
@@ -452,7 +429,7 @@ def _kl_dk_kernel(
             for j in range(0, HI, JH):
                 b_q = tl.load(p_q + j * si_h, mask=m_r[:, None] & m_d[None, :], other=0.0)
                 b_w = tl.load(p_w + j * sw_h, mask=m_r, other=0.0).to(tl.float32)
-                b_s = tl.dot(b_k, tl.trans(b_q))  # [BN, BM]
+                b_s = tl.dot(b_k, tl.trans(b_q))  # [BN, JH BM]
                 b_dl = tl.where(b_s > 0, b_ds * b_w[None, :], 0.0).to(b_q.dtype)
                 b_dk += tl.dot(b_dl, b_q)
     m_o = m_s[:, None] & m_d[None, :]
@@ -573,14 +550,12 @@ class DenseIndexerKL(torch.autograd.Function):
             t1 = min(T, t0 + Tc)
             _kl_dscores_kernel[(NKB, cdiv(t1 - t0, BM), B)](
                 q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
-                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, ALIGNED=DS_ALIGNED,
-                **_launch("dscores"),
+                ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, **_launch("dscores"),
             )
             _kl_dq_kernel[(HI // JH, cdiv(t1 - t0, BM), B)](
                 q_idx, k_idx, w32, lo, hi, ds, dqi, dw, *istrides, ds.stride(0), ds.stride(1), dw.stride(0),
                 dw.stride(1), t0, t1, S,
-                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, LAST_FIRST=DQ_LAST_FIRST, ALIGNED=DS_ALIGNED,
-                **_launch("dq"),
+                DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=JH, **_launch("dq"),
             )
             QB = _query_blocks(t1 - t0, B, S, DI)
             NQB = cdiv(t1 - t0, QB)
@@ -589,7 +564,7 @@ class DenseIndexerKL(torch.autograd.Function):
             _kl_dk_kernel[(cdiv(S, BN), NQB, B)](
                 q_idx, k_idx, w32, lo, hi, ds, out, *istrides, ds.stride(0), ds.stride(1), t0, t1, QB, B, S,
                 HI=HI, DI=DI, DIP=meta["DIP"], BM=BM, BN=BN, JH=DK_HEADS if HI % DK_HEADS == 0 else 1,
-                ADD=NQB == 1, ALIGNED=DS_ALIGNED, **_launch("dk"),
+                ADD=NQB == 1, **_launch("dk"),
             )
             if NQB > 1:
                 dk += out.sum(0)
