@@ -568,8 +568,11 @@ def main(argv=None) -> int:
             if not ks:
                 raise SystemExit(f"--shape: none of {keys} is a shape of --op {op} ({sorted(shapes[op])})")
     families = _as_on_the_h200()
+    modules = [families[op][0] for op in ops]
+    if "indexer" in ops:  # its recorder also runs the dense warm-up's fused KL loss
+        modules.append(importlib.import_module("megatron_moe_hybrid.ops.sparse_attention.triton_dense_kl"))
     for setting in a.set:
-        apply_setting(list(dict.fromkeys(families[op][0] for op in ops)), setting)
+        apply_setting(list(dict.fromkeys(modules)), setting)
 
     global _FAMILIES
     _FAMILIES = families

@@ -59,27 +59,30 @@ CASES = {
 
 
 @interpreter
-@pytest.mark.parametrize("block_tiles,heads,split", [(1, 1, ()), (2, 2, ("lse", "tiles"))])
+@pytest.mark.parametrize("block_tiles,heads,split,tall", [(1, 1, (), 1), (2, 2, ("lse", "tiles"), 2)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, heads, split, monkeypatch):
+def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, heads, split, tall, monkeypatch):
     """Each query's KL, and the gradients of a sum that weighs every query differently (so that
     per-query errors cannot cancel), in several backward chunks and in one; the keys in blocks
     of one tile (3-4 blocks a row: partial sums merged, tiles that start mid-block cut at its
     end) and of two; the query gradient one indexer head a program and two (stacked; the
     three-head cases fall back to one), the key gradient's head loop one head a step and two;
-    the main attention's head dim 24 padded to 32 and in two parts (16 + 8 of 16). The score
+    the main attention's head dim 24 padded to 32 and in two parts (16 + 8 of 16); the lse,
+    forward and score-gradient kernels' query tiles as tall as the gradient kernels' and twice
+    as tall (each score-gradient tile then writes for two of the readers' tiles). The score
     gradients are read unmasked in whole aligned tiles: the interpreter's buffer starts NaN, so
     an entry read but never written fails this test."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
     monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", heads)
     monkeypatch.setattr(triton_dense_kl, "DK_HEADS", heads)
     monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset(split))
+    monkeypatch.setattr(triton_dense_kl, "TILE_QUERIES", dict.fromkeys(("lse", "fwd", "dscores"), tall * 16))
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5
     want, want_valid = per_query_reference(q, k, q_idx, k_idx, w, cu, pos, scale=0.3)
     want_grads = torch.autograd.grad((want * weigh).sum(), (q_idx, k_idx, w))
-    for budget in (B * S * 4 * 16, None):  # 16-query chunks (the tile); one chunk
+    for budget in (B * S * 4 * 16, None):  # chunks of one score-gradient tile; one chunk
         got, valid = triton_dense_kl.dense_indexer_kl_triton(q, k, q_idx, k_idx, w, 0.3, cu, pos, budget)
         assert torch.equal(valid, want_valid)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

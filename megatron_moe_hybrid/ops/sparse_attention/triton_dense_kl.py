@@ -2,7 +2,8 @@
 
 Shape legend: B batch, T queries, S keys, H query heads, G kv groups, R = H // G (head h reads
 group h // R), D main q/k head dim, HI / DI indexer heads / head dim, BM queries and BN keys
-per tile, Tc queries per backward chunk.
+per tile (the lse, forward and score-gradient kernels' query tiles: TILE_QUERIES, a multiple of
+BM), Tc queries per backward chunk.
 
 DeepSeek-V3.2's warm-up trains the indexer alone on KL(p[t] || softmax(I[t])) over every key
 query t may read, where p[t] is the main attention's probabilities summed over heads,
@@ -105,6 +106,12 @@ DS_BF16 = True
 # gradients 5.19 -> 4.87: 14.68 against 14.27 ms in all. So the lse kernel alone (the loss with
 # only it split not timed as a whole).
 SPLIT_HEAD_DIM = frozenset({"lse"})
+# Queries per tile of the kernels that make the main-attention products (a multiple of BM; the
+# query- and key-gradient kernels keep BM). In the forward and score-gradient kernels each head's
+# [BM, D] query and [BN, D] key tiles are loaded per product (MLA: 128 heads, each its own key),
+# so a taller tile loads each key tile for twice the queries: 2 BM BN D FLOPs per (BM + BN) D
+# elements, 32 -> 43 per byte at 128 x 64.
+TILE_QUERIES = {"lse": BM, "fwd": BM, "dscores": BM}
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -322,7 +329,9 @@ def _kl_dscores_kernel(
     """ds[b, t - t0, s] = dkl[b, t] (softmax(I)[t, s] - p~[t, s] / P[t]) at readable keys s of
     block i_k ([i_k KB, + KB)) of queries t0 <= t < t1, over whole key tiles from a multiple of
     BN, 0 at the tiles' unreadable entries (so that the readers' tiles, aligned the same way, need
-    no per-entry mask); entries outside those tiles are left unwritten."""
+    no per-entry mask); entries outside those tiles are left unwritten. Its query tile (BM here,
+    TILE_QUERIES["dscores"]) is whole reader tiles (the module's BM) from t0, so a reader tile's
+    readable keys lie within the union that its writer covers."""
     i_k, i_m, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_m * BM + tl.arange(0, BM)
     m_t = o_t < t1
@@ -465,13 +474,22 @@ def _launch(kernel: str) -> dict:
     return dict(num_warps=num_warps, num_stages=num_stages)
 
 
-def _meta(q: Tensor, k: Tensor, q_idx: Tensor) -> dict:
+def _meta(q: Tensor, k: Tensor, q_idx: Tensor, kernel: str) -> dict:
+    """The constexprs of the forward / score-gradient kernel (kernel "fwd" / "dscores")."""
     H, D = q.shape[2:]
     G = k.shape[2]
     HI, DI = q_idx.shape[2:]
     DP, DP2 = _head_dim_parts(D, "tiles")
     return dict(G=G, R=H // G, D=D, DP=DP, DP2=DP2, HI=HI, DI=DI,
-                DIP=max(16, next_power_of_2(DI)), BM=BM, BN=BN)
+                DIP=max(16, next_power_of_2(DI)), BM=_tile_queries(kernel), BN=BN)
+
+
+def _tile_queries(kernel: str) -> int:
+    """Queries per tile of kernel ("lse", "fwd", "dscores"): TILE_QUERIES', a multiple of BM."""
+    bm = TILE_QUERIES[kernel]
+    if bm % BM or bm & (bm - 1):
+        raise ValueError(f"triton_dense_kl.TILE_QUERIES[{kernel!r}] must be a power of two multiple of {BM}, got {bm}")
+    return bm
 
 
 def _head_dim_parts(D: int, kernels: str) -> tuple[int, int]:
@@ -490,7 +508,7 @@ class DenseIndexerKL(torch.autograd.Function):
     def forward(ctx, q_idx, k_idx, weights, q, k, lo, hi, scale, budget_bytes):
         B, T, H, _ = q.shape
         S = k.shape[1]
-        meta = _meta(q, k, q_idx)
+        meta = _meta(q, k, q_idx, "fwd")
         dev = q.device
         # per-head rows of T (lse [B, H, T]; the weights as fp32 [B, HI, T]): a head's values for a
         # query tile are one contiguous fp32 run (prefetched in the key-gradient kernel's head loop;
@@ -502,16 +520,17 @@ class DenseIndexerKL(torch.autograd.Function):
         kl = torch.empty_like(lse_i)
         if T:
             lse_dp = _head_dim_parts(meta["D"], "lse")
-            _lse_kernel[(cdiv(T, BM), H, B)](
+            bm = _tile_queries("lse")
+            _lse_kernel[(cdiv(T, bm), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 *_row_strides(lse), T, S, scale,
-                R=meta["R"], D=meta["D"], DP=lse_dp[0], DP2=lse_dp[1], BM=BM, BN=BN, **_launch("lse"),
+                R=meta["R"], D=meta["D"], DP=lse_dp[0], DP2=lse_dp[1], BM=bm, BN=BN, **_launch("lse"),
             )
             KB, NKB = _key_blocks(S)
             # m, l, P, A, C per block, kept as the kernel sums them (fp32; fp64 in the interpreter,
             # whose sums take fp64 inputs' dtype)
             part = torch.empty((5, B, T, NKB), dtype=_compute_dtype(q_idx), device=dev)
-            _kl_fwd_kernel[(NKB, cdiv(T, BM), B)](
+            _kl_fwd_kernel[(NKB, cdiv(T, meta["BM"]), B)](
                 q, k, lse, q_idx, k_idx, w32, lo, hi, part, *_strides(q, k, lse, q_idx, k_idx, w32),
                 part.stride(0), T, S, KB, NKB, scale, **meta, **_launch("fwd"),
             )
@@ -529,13 +548,14 @@ class DenseIndexerKL(torch.autograd.Function):
         B, T = q.shape[:2]
         S, DI = k_idx.shape[1:]
         HI = q_idx.shape[2]
-        meta = _meta(q, k, q_idx)
+        meta = _meta(q, k, q_idx, "dscores")
         dkl = dkl.float().contiguous()
         dqi = torch.empty_like(q_idx)
         dw = torch.empty_like(weights)
         dk = torch.zeros((B, S, DI), dtype=torch.float32, device=q.device)
         ds_dtype = _dscores_dtype(q_idx)
-        Tc = max(BM, ctx.budget // max(1, B * S * ds_dtype.itemsize) // BM * BM)
+        bm = meta["BM"]  # a multiple of BM: the chunk's tiles of either size start at t0
+        Tc = max(bm, ctx.budget // max(1, B * S * ds_dtype.itemsize) // bm * bm)
         ds = None
         if T:
             ds = torch.empty((B, min(T, Tc), S), dtype=ds_dtype, device=q.device)
@@ -548,7 +568,7 @@ class DenseIndexerKL(torch.autograd.Function):
         KB, NKB = _key_blocks(S)
         for t0 in range(0, T, Tc):
             t1 = min(T, t0 + Tc)
-            _kl_dscores_kernel[(NKB, cdiv(t1 - t0, BM), B)](
+            _kl_dscores_kernel[(NKB, cdiv(t1 - t0, meta["BM"]), B)](
                 q, k, lse, q_idx, k_idx, w32, lo, hi, lse_i, mass, dkl, ds, *strides,
                 ds.stride(0), ds.stride(1), t0, t1, T, S, KB, ctx.scale, **meta, **_launch("dscores"),
             )
