@@ -653,7 +653,7 @@ def _lse_of(b_m, b_l):
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["K"])
+@triton.jit  # K specialised (unlike the gathering kernels): K % 16 == 0 known makes the [BK] rows 16-byte vectors
 def _softmax_kernel(s, idx, p, lse, psum, K, H, scale_log2, BK: tl.constexpr, ONE_PASS: tl.constexpr,
                     PSUM: tl.constexpr):
     """One query (b, t): its H rows i_q H + h of s [B n H, K] fp32 (heads in group order): p =
@@ -870,7 +870,7 @@ def _bwd_kernels(sh: _Shape, q, k, v, indices, lse2, delta, do, scale: float, fu
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["K"])
+@triton.jit  # K specialised, as _softmax_kernel: 16-byte loads and stores (4-byte without)
 def _probs_grads_kernel(s, dp, lse2, delta, idx, ps, K, R, G, scale, scale_log2, BK: tl.constexpr):
     """Row i_row = i R + r of s, dp [n G R, K] fp32 (i: a (query, group), r: its head), BK
     slots: p = exp2(scale_log2 s - lse2) (0 at -1 slots of idx [n, K]), ds = scale p (dp - delta);
