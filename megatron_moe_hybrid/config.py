@@ -78,7 +78,7 @@ class SparseAttentionConfig:
     index_rope_dim: int = 16  # non-interleaved RoPE on the first channels of the indexer
     rope_base: float = 10000.0
     indexer_loss_coeff: float = 0.0  # 0 disables the indexer KL loss
-    stage: str = "sparse"  # "sparse" | "dense_warmup" (only the indexer learns)
+    stage: str = "sparse"  # "sparse" | "dense_warmup" (every weight frozen but the S layers' indexers)
     backend: str = "auto"
 
 
@@ -531,6 +531,31 @@ def _validate(c: HybridMoEConfig) -> None:
         f"{sa.stage!r} is not one of {', '.join(SPARSE_ATTENTION_STAGES)}",
     )
     _positive(sa.rope_base, "sparse_attention.rope_base")
+    if sa.stage == "dense_warmup":  # DeepSeek-V3.2's warm-up: everything frozen but the S layers' indexers
+        _require(
+            "S" in c.pattern,
+            "sparse_attention.stage",
+            f"dense_warmup trains the indexers of S layers, and model.pattern {c.pattern!r} has none; "
+            "set stage sparse",
+        )
+        _require(
+            "M" not in c.pattern,
+            "sparse_attention.stage",
+            "dense_warmup runs in S layers only: M (MLA) layers have no dense warm-up and would train on "
+            "their sparse stage; set stage sparse",
+        )
+        _require(
+            sa.indexer_loss_coeff > 0,
+            "sparse_attention.indexer_loss_coeff",
+            "must be > 0 with sparse_attention.stage dense_warmup: the warm-up freezes every weight but the "
+            "indexers, which learn from that loss alone (DeepSeek-V3.2's warm-up: 1000 steps at lr 1e-3)",
+        )
+        _require(
+            not c.lora.enabled,
+            "lora.enabled",
+            "must be false with sparse_attention.stage dense_warmup, which trains the indexers' own weights "
+            "(every other weight frozen); run the warm-up without LoRA, then fine-tune from its checkpoint",
+        )
 
     # gated full attention
     fa = c.full_attention

@@ -29,6 +29,18 @@ def _load_weights(rank, world_size, raw, overrides, path):
     return {k: v.clone() for k, v in model.state_dict().items() if hasattr(v, "clone")}
 
 
+def _initial_weights(rank, world_size, raw, overrides):
+    """The weights a run from scratch starts from (build_model with training.seed draws them)."""
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.testing import init_megatron
+
+    init_megatron(rank, world_size)
+    config = config_from_dict(raw, overrides)
+    model = build_model(config, seed=config.training.seed)
+    return {k: v.clone() for k, v in model.state_dict().items() if hasattr(v, "clone")}
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -164,6 +176,44 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     adapters = [k for k in tuned if "lora_" in k]
     assert adapters and all(torch.equal(again[k], tuned[k]) for k in adapters)
     assert torch.equal(again[tuned_name], tuned[tuned_name])
+
+
+def test_dense_warmup_trains_the_indexers_only(corpus, cache_dir, tmp_path, raw_config):
+    """sparse_attention.stage dense_warmup (DeepSeek-V3.2's first stage): after a few steps every
+    indexer weight has moved and every other tensor (the expert bias buffer among them, which
+    the sparse stage updates each step) is bitwise what the run started from; the indexer KL
+    loss is logged each step and falls."""
+    import torch
+
+    run_dir = str(tmp_path / "warmup")
+    raw, ov = raw_config(corpus, cache_dir, run_dir, **{
+        "training.train_steps": 3, "sparse_attention.stage": "dense_warmup", "moe.expert_bias": True,
+        "training.lr": 1e-2,
+    })
+    (res,) = spawn(_train, 1, raw, ov)
+    assert len(res["losses"]) == 3 and all(x == x for x in res["losses"])
+    (before,) = spawn(_initial_weights, 1, raw, ov)
+    (after,) = spawn(_load_weights, 1, raw, ov, res["checkpoint"])
+    assert set(before) == set(after)
+    indexer = {k for k in before if any(m in k for m in ("linear_index_", "index_k_norm"))}
+    assert indexer and all(".layers.3." in k for k in indexer), sorted(indexer)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == indexer, (sorted(changed - indexer)[:5], sorted(indexer - changed)[:5])
+    assert any("expert_bias" in k for k in before)  # a buffer the sparse stage would have moved
+    kl = [m["indexer_kl_loss"] for m in read_metrics(run_dir)]
+    assert len(kl) == 3 and all(x > 0 for x in kl) and kl[-1] < kl[0], kl  # (deterministic on the CPU)
+
+
+def test_dense_warmup_config_names_what_it_needs(corpus, cache_dir, tmp_path, raw_config):
+    from megatron_moe_hybrid.config import ConfigError, config_from_dict
+
+    warm = {"sparse_attention.stage": "dense_warmup"}
+    for extra, field in (({"sparse_attention.indexer_loss_coeff": 0.0}, "sparse_attention.indexer_loss_coeff"),
+                         ({"lora.enabled": True}, "lora.enabled"),
+                         ({"model.pattern": "LLLL"}, "sparse_attention.stage")):
+        raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "x"), **warm, **extra)
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            config_from_dict(raw, ov)
 
 
 @pytest.mark.slow
