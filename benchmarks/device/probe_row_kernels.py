@@ -23,6 +23,7 @@ import triton
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common import time_and_peak  # noqa: E402
 from sparse_attention import SHAPES, causal_indices  # noqa: E402
 
 from megatron_moe_hybrid.ops import sparse_attention as sa  # noqa: E402
@@ -41,15 +42,8 @@ def forms() -> dict:
 
 
 def events_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of reps calls, each between two CUDA events, after one warm-up call."""
+    return time_and_peak(fn, 1, reps)[0]
 
 
 def main():
@@ -93,7 +87,6 @@ def main():
 
         for kname, fn, nbytes in (("_probs_grads_kernel", probs_grads, N * R * K * 12),
                                   ("_softmax_kernel", softmax, B * n * H * K * 6 + B * n * K * 4)):
-            fn()
             ms = events_ms(fn, args.reps)
             rows.append({"what": f"{kname} alone, {n} queries", "form": name, "ms": round(ms, 4),
                          "TB_per_s": round(nbytes / ms / 1e9, 2)})
