@@ -391,7 +391,7 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
 
 
 def _as_on_the_h200() -> dict:
-    """{op: (Triton module, recorder)}, each module's host code set to choose as on the H200
+    """{op: (Triton modules whose switches --set reaches, recorder)}, each module's host code set to choose as on the H200
     while its kernels are only recorded: the checks that refuse CPU tensors outside the
     interpreter pass, TMA descriptors are made, and sparse attention's "auto" forms are the
     GPU's."""
@@ -421,9 +421,9 @@ def _as_on_the_h200() -> dict:
     from megatron_moe_hybrid.ops.sparse_attention import triton_dense_kl as tdk
 
     tdk.dense_kl_unsupported = lambda *args: None  # its CPU bf16 refusal, as above
-    return {"gdn": (tc, record_linear), "gla": (tc, record_linear), "sparse": (ts, record_sparse),
-            "loss": (ce, record_loss), "moe": (grouped_triton, record_moe), "layer": (tc, record_layer),
-            "indexer": (ti, record_indexer)}
+    return {"gdn": ((tc,), record_linear), "gla": ((tc,), record_linear), "sparse": ((ts,), record_sparse),
+            "loss": ((ce,), record_loss), "moe": ((grouped_triton,), record_moe), "layer": ((tc,), record_layer),
+            "indexer": ((ti, tdk), record_indexer)}
 
 
 def _load_package(tree: str):
@@ -496,7 +496,7 @@ def _plain(constexprs: dict) -> dict:
     return {k: v for k, v in constexprs.items() if isinstance(v, (bool, int))}
 
 
-_FAMILIES: dict = {}  # op -> (module, recorder), set by main before any worker forks
+_FAMILIES: dict = {}  # op -> (its Triton modules, recorder), set by main before any worker forks
 
 
 def _compiled_fields(c, with_sass: bool) -> dict:
@@ -568,11 +568,8 @@ def main(argv=None) -> int:
             if not ks:
                 raise SystemExit(f"--shape: none of {keys} is a shape of --op {op} ({sorted(shapes[op])})")
     families = _as_on_the_h200()
-    modules = [families[op][0] for op in ops]
-    if "indexer" in ops:  # its recorder also runs the dense warm-up's fused KL loss
-        modules.append(importlib.import_module("megatron_moe_hybrid.ops.sparse_attention.triton_dense_kl"))
     for setting in a.set:
-        apply_setting(list(dict.fromkeys(modules)), setting)
+        apply_setting(list(dict.fromkeys(m for op in ops for m in families[op][0])), setting)
 
     global _FAMILIES
     _FAMILIES = families

@@ -51,6 +51,11 @@ class HybridMoEModel(GPTModel):
 
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
+    def indexer_layers(self):
+        """The attention layers with a lightning indexer (S, M): their indexer_parameters() and
+        last_indexer_loss."""
+        return [m for m in self.modules() if hasattr(m, "indexer_parameters")]
+
 
 # -- seeded builds: each piece of the model from its own seed ---------------------------------
 # The embedding draws from `seed` itself, decoder layer n (1-based) from piece_seed(seed, n),

@@ -262,18 +262,17 @@ def _dataset_line(path: str, dataset, data_format: str) -> str:
     return line
 
 
-def freeze_all_but_indexers(model: torch.nn.Module) -> int:
+def freeze_all_but_indexers(model: torch.nn.Module) -> None:
     """The dense warm-up (sparse_attention.stage dense_warmup, DeepSeek-V3.2's first stage): every
     parameter frozen but those of the S layers' indexers (indexer_parameters()), which learn from
-    the indexer KL loss alone; the LM loss's backward then reaches no weight. Returns how many
-    parameters stay trainable (ValueError if none: the model has no indexer)."""
-    keep = {id(p) for m in model.modules() if hasattr(m, "indexer_parameters") for p in m.indexer_parameters()}
+    the indexer KL loss alone; the LM loss's backward then reaches no weight. ValueError if the
+    model has no indexer."""
+    keep = {id(p) for m in model.indexer_layers() for p in m.indexer_parameters()}
     if not keep:
         raise ValueError("sparse_attention.stage dense_warmup: the model has no S layer with an indexer to train")
     for p in model.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
-    return len(keep)
 
 
 class Trainer:
@@ -365,7 +364,8 @@ class Trainer:
                 for p in self.model.parameters():
                     if not p.requires_grad:  # the frozen base; adapters stay fp32
                         p.data = p.data.to(base_dtype)
-        if config.sparse_attention.stage == "dense_warmup":
+        self.dense_warmup = config.sparse_attention.stage == "dense_warmup"
+        if self.dense_warmup:
             freeze_all_but_indexers(self.model)
         if config.parallel.fsdp:
             from megatron_moe_hybrid.parallel.fsdp import apply_fsdp
@@ -392,6 +392,8 @@ class Trainer:
                 raise _start_error("training.init_from", ckpt.CheckpointError(
                     f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}{hint}"
                 ))
+        # the layers whose indexer KL loss each step logs (indexer_kl_loss)
+        self.indexer_layers = self.model.indexer_layers() if config.sparse_attention.indexer_loss_coeff > 0 else []
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(
@@ -661,7 +663,7 @@ class Trainer:
             raise TrainingStopped(self._overflow_message(overflow, "step"))
         aux = torch.stack([layer.last_aux_loss.float().reshape(()) for layer in layers]).mean()
         for layer, c in zip(layers, counts):
-            if self.config.moe.expert_bias and self.config.sparse_attention.stage != "dense_warmup":
+            if self.config.moe.expert_bias and not self.dense_warmup:
                 layer.router.update_expert_bias(c)  # (the dense warm-up leaves the router as it is)
             layer.reset_stats()
         if self.rank == 0:  # the full per-layer, per-expert counts of this step
@@ -694,7 +696,7 @@ class Trainer:
         # the LM loss, so the gradient does not depend on how the batch is split.
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.num_micro, device=self.device))
         loss_sum = torch.zeros((), device=self.device)
-        kl_sum = None  # the indexer KL loss, mean over the S / M layers, summed over micro-batches
+        kl_sum = torch.zeros((), device=self.device)  # the indexer KL, mean over the layers, summed over micro-batches
         # [b, s / CP]: this rank's pieces of each micro-batch (read on the CPU up front)
         batches = [self._local(self.dataset, self._batch_start(self.step, micro)) for micro in range(self.num_micro)]
         # Labels some tokens do not train (records' prompts, fit packing's padding): the loss is
@@ -714,18 +716,18 @@ class Trainer:
                     loss = loss_bs.sum() * scale
                     loss.backward()
             loss_sum += loss.detach()
-            kl = [m.last_indexer_loss for m in self.model.modules()
-                  if getattr(m, "last_indexer_loss", None) is not None and hasattr(m, "indexer_parameters")]
-            if kl and self.config.sparse_attention.indexer_loss_coeff > 0:
-                kl_mean = torch.stack([x.float().reshape(()) for x in kl]).mean()
-                kl_sum = kl_mean if kl_sum is None else kl_sum + kl_mean
+            if self.indexer_layers:
+                kl_sum += torch.stack([m.last_indexer_loss.float().reshape(()) for m in self.indexer_layers]).mean()
         if self.config.lora.enabled:  # replicated LoRA factors hold per-TP-rank partial grads
             from megatron_moe_hybrid.layers.lora import allreduce_lora_partial_grads
 
             allreduce_lora_partial_grads(self.model)
         sync_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
-        loss_value = float(all_reduce_mean(loss_sum / (self.num_micro if scale is None else 1), self.groups.dp))
+        # the loss and the indexer KL in one all-reduce and one read to the host
+        loss_value, kl_value = all_reduce_mean(
+            torch.stack([loss_sum / (self.num_micro if scale is None else 1), kl_sum / self.num_micro]), self.groups.dp
+        ).tolist()
         lr = lr_at(self.step, t)
         finite = math.isfinite(grad_norm) and math.isfinite(loss_value)
         if finite:
@@ -737,8 +739,8 @@ class Trainer:
         else:
             self._bad_step(loss_value, grad_norm)
         metrics = {"step": self.step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-        if kl_sum is not None:  # what the dense warm-up trains; the sparse stage adds it to the loss
-            metrics["indexer_kl_loss"] = float(all_reduce_mean(kl_sum / self.num_micro, self.groups.dp))
+        if self.indexer_layers:  # what the dense warm-up trains; the sparse stage adds it to the loss
+            metrics["indexer_kl_loss"] = kl_value
         if not finite:
             metrics["bad_step"] = True
         metrics.update(self._moe_stats())

@@ -76,7 +76,7 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles
     monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", heads)
     monkeypatch.setattr(triton_dense_kl, "DK_HEADS", heads)
     monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset(split))
-    monkeypatch.setattr(triton_dense_kl, "TILE_QUERIES", dict.fromkeys(("lse", "fwd", "dscores"), tall * 16))
+    monkeypatch.setattr(triton_dense_kl, "TILE_QUERIES", dict.fromkeys(("lse", "fwd", "dscores"), tall * triton_dense_kl.BM))
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5
