@@ -19,7 +19,8 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
   softmax((N + R)^-0.5 q . k) over the kept keys, times v -> linear_proj.
   Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
   KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
-  indexer reads detached inputs), attached like the MoE aux loss; last_indexer_loss keeps it.
+  indexer reads detached inputs), attached like the MoE aux loss (or to indexer_loss_sink, as SparseAttention's); last_indexer_loss
+  keeps it.
 With mla.absorbed (the default) the same function runs in DeepSeek's absorbed form through
 the fused sparse ops: q_nope . k_nope = (W_UK^T q_nope) . c puts every head on the one latent
 kv [kv_layernorm(c) | k_rope] (MQA over C + R channels, v its first C), W_UV maps the latent
@@ -42,7 +43,6 @@ from typing import Mapping, Optional, Union
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 
@@ -50,7 +50,11 @@ from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
 from megatron_moe_hybrid.parallel.context_parallel import local_layout, token_positions
-from megatron_moe_hybrid.parallel.cp_sparse_attention import attach_cp_indexer_loss, cp_sparse_attention_core
+from megatron_moe_hybrid.parallel.cp_sparse_attention import (
+    attach_cp_indexer_loss,
+    carry_indexer_loss,
+    cp_sparse_attention_core,
+)
 
 # DeepSeek's (and HF's) fixed norm epsilon of the q / kv latents and the indexer key,
 # independent of the model's rms_norm_eps.
@@ -203,6 +207,7 @@ class MLAttention(MegatronModule):
         self.topk = sa.topk
         self.indexer_loss_coeff = sa.indexer_loss_coeff
         self.last_indexer_loss = torch.zeros(())
+        self.indexer_loss_sink = None  # or a list: SparseAttention's, the same
         self.index_heads, self.index_dim = sa.index_n_heads, sa.index_head_dim
         self.backend = sa.backend
         self.absorbed = getattr(mla, "absorbed", True)
@@ -229,10 +234,13 @@ class MLAttention(MegatronModule):
         self.linear_index_weights = column(submodules.linear_index_weights, h, self.index_heads)
 
 
+    def indexer_modules(self) -> tuple:
+        """The indexer's modules (SparseAttention's, the same)."""
+        return (self.linear_index_q, self.linear_index_k, self.index_k_norm, self.linear_index_weights)
+
     def indexer_parameters(self) -> list[nn.Parameter]:
         """The indexer's weights: the main loss gives them no gradient (top-k is discrete)."""
-        mods = (self.linear_index_q, self.linear_index_k, self.index_k_norm, self.linear_index_weights)
-        return [p for m in mods for p in m.parameters()]
+        return [p for m in self.indexer_modules() for p in m.parameters()]
 
     def index_scores(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """[B, T, S] fp32 indexer scores sum_j w[t, j] relu(q[t, j] . k[s]) (no mask).
@@ -332,7 +340,7 @@ class MLAttention(MegatronModule):
                 lse=lse.detach(), backend=self.backend, target=target,
             )
             self.last_indexer_loss = loss.detach()
-            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)
+            output = carry_indexer_loss(output, self.indexer_loss_coeff * loss, self.indexer_loss_sink)
         return output, bias
 
     def _cp_tail(self, q_full, kv, q_idx, k_idx, w, w_uv, cu_seqlens, layout, train_indexer):
@@ -346,7 +354,9 @@ class MLAttention(MegatronModule):
         o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
         output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]
         if train_indexer:
-            output, self.last_indexer_loss = attach_cp_indexer_loss(output, loss, self.indexer_loss_coeff, layout)
+            output, self.last_indexer_loss = attach_cp_indexer_loss(
+                output, loss, self.indexer_loss_coeff, layout, self.indexer_loss_sink
+            )
         return output, bias
 
     def forward(
@@ -411,7 +421,7 @@ class MLAttention(MegatronModule):
             selected = scores.gather(-1, indices.clamp(min=0))  # [B, T, K]
             loss = ops.indexer_kl_loss(selected, target, indices, backend=self.backend)
             self.last_indexer_loss = loss.detach()
-            output = MoEAuxLossAutoScaler.apply(output, self.indexer_loss_coeff * loss)
+            output = carry_indexer_loss(output, self.indexer_loss_coeff * loss, self.indexer_loss_sink)
         return output, bias
 
 

@@ -8,7 +8,7 @@ Per forward: qkv projection -> RoPE -> (indexer on detached input -> top-k) -> a
 -> output projection. Stage "dense_warmup" runs dense causal attention and trains only the
 indexer; stage "sparse" attends over the indexer's top-k. The indexer KL loss rides on the
 output through MoEAuxLossAutoScaler, so Megatron's schedule scales its gradient like the
-MoE auxiliary losses.
+MoE auxiliary losses (or goes to indexer_loss_sink, where a caller set one).
 
 Context parallelism (Megatron's context_parallel_size > 1): hidden_states holds this rank's
 s = T / cp tokens in the layout of config.cp_layout ("zigzag" by default), packed
@@ -23,14 +23,17 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from megatron_moe_hybrid.layers.tp_linears import tp_linear_builders
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.context_parallel import local_layout, token_positions
-from megatron_moe_hybrid.parallel.cp_sparse_attention import attach_cp_indexer_loss, cp_sparse_attention_core
+from megatron_moe_hybrid.parallel.cp_sparse_attention import (
+    attach_cp_indexer_loss,
+    carry_indexer_loss,
+    cp_sparse_attention_core,
+)
 from megatron_moe_hybrid.parallel.recompute import reuse_in_recompute
 
 STAGES = ("sparse", "dense_warmup")
@@ -90,7 +93,9 @@ class SparseAttention(MegatronModule):
     After a training forward, last_indexer_loss holds the detached, unscaled KL loss. The
     dense warm-up's freezing of everything but the indexer is the trainer's job
     (indexer_parameters() lists what stays trainable); this layer guarantees that the KL
-    loss reaches nothing but those parameters.
+    loss reaches nothing but those parameters. indexer_loss_sink: None (the loss rides on the
+    output), or a list that each training forward appends the scaled loss to, graph and all,
+    for the caller to backward (parallel/cp_sparse_attention.py: carry_indexer_loss).
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class SparseAttention(MegatronModule):
         self.num_groups = (config.num_query_groups or config.num_attention_heads) // tp
         self.tp_group = getattr(pg_collection, "tp", None)
         self.last_indexer_loss: Optional[Tensor] = None
+        self.indexer_loss_sink: Optional[list] = None
         column, row = tp_linear_builders(config, pg_collection)
         heads, groups, dim, h = config.num_attention_heads, self.num_groups * tp, self.head_dim, config.hidden_size
         self.linear_qkv = column(submodules.linear_qkv, h, (heads + 2 * groups) * dim)
@@ -126,14 +132,13 @@ class SparseAttention(MegatronModule):
             dtype=config.params_dtype,
         )
 
+    def indexer_modules(self) -> tuple:
+        """The indexer's modules (the dense warm-up's own FSDP group: parallel/fsdp.py)."""
+        return (self.linear_index_q, self.linear_index_k, self.linear_index_weights, self.index_k_norm)
+
     def indexer_parameters(self):
         """The parameters trained by the indexer KL loss (and by nothing else)."""
-        for module in (
-            self.linear_index_q,
-            self.linear_index_k,
-            self.linear_index_weights,
-            self.index_k_norm,
-        ):
+        for module in self.indexer_modules():
             yield from module.parameters()
 
     def _qkv(self, hidden_states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -208,7 +213,7 @@ class SparseAttention(MegatronModule):
         if with_loss:
             loss = self._indexer_loss(q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens, target)
             self.last_indexer_loss = loss.detach()
-            output = MoEAuxLossAutoScaler.apply(output, coeff * loss)
+            output = carry_indexer_loss(output, coeff * loss, self.indexer_loss_sink)
         return output, bias
 
     def _tp_group(self):
@@ -241,7 +246,9 @@ class SparseAttention(MegatronModule):
         )
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
         if with_loss:
-            output, self.last_indexer_loss = attach_cp_indexer_loss(output, loss, self.sa.indexer_loss_coeff, layout)
+            output, self.last_indexer_loss = attach_cp_indexer_loss(
+                output, loss, self.sa.indexer_loss_coeff, layout, self.indexer_loss_sink
+            )
         return output, bias
 
     def _indexer_loss(self, q, k, q_idx, k_idx, weights, indices, lse, cu_seqlens, target=None) -> Tensor:

@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_moe_hybrid.ops import sparse_attention as ops
 from megatron_moe_hybrid.parallel.context_parallel import CPLayout
+from megatron_moe_hybrid.parallel.recompute import is_recomputing
 
 STAGES = ("sparse", "dense_warmup")
 
@@ -81,8 +82,24 @@ def _valid_share(loss: Tensor, valid: Tensor, layout: CPLayout) -> Tensor:
     return loss * (num_local / num_global.clamp_min(1))
 
 
-def attach_cp_indexer_loss(output: Tensor, loss: Tensor, coeff: float, layout: CPLayout) -> tuple[Tensor, Tensor]:
-    """A layer's output carrying the indexer KL loss into the backward (MoEAuxLossAutoScaler), and
+def carry_indexer_loss(output: Tensor, scaled_loss: Tensor, sink: Optional[list]) -> Tensor:
+    """output carrying scaled_loss (the coefficient applied) into the backward: through
+    MoEAuxLossAutoScaler, so that Megatron's schedule scales its gradient like the MoE losses'
+    (its main_loss_backward_scale); or, where the caller gave the layer a sink (the trainer's
+    dense warm-up), appended to it with its graph, output untouched: the caller then backwards
+    the sink's sum itself and the layers after this one build no graph for it. The recompute of
+    a checkpointed layer appends nothing (its first forward did)."""
+    if sink is None:
+        return MoEAuxLossAutoScaler.apply(output, scaled_loss)
+    if not is_recomputing():
+        sink.append(scaled_loss)
+    return output
+
+
+def attach_cp_indexer_loss(
+    output: Tensor, loss: Tensor, coeff: float, layout: CPLayout, sink: Optional[list] = None
+) -> tuple[Tensor, Tensor]:
+    """A layer's output carrying the indexer KL loss into the backward (carry_indexer_loss), and
     the global loss for logging. loss is this rank's share of the global loss (the core's); the
     trainer averages gradients over the CP ranks (Megatron's dp-cp group), as it must for the LM
     loss, which each rank takes as the mean over its own tokens; so the layer attaches CP x its
@@ -90,7 +107,7 @@ def attach_cp_indexer_loss(output: Tensor, loss: Tensor, coeff: float, layout: C
     MoE losses). A collective over layout.group."""
     total = loss.detach().clone()
     dist.all_reduce(total, group=layout.group)
-    return MoEAuxLossAutoScaler.apply(output, coeff * layout.size * loss), total
+    return carry_indexer_loss(output, coeff * layout.size * loss, sink), total
 
 
 def cp_sparse_attention_core(

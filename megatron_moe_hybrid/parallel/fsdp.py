@@ -77,6 +77,12 @@ def apply_fsdp(model: nn.Module, config, device_type: str | None = None) -> nn.M
         # there torch 2.13 would divide twice (its no-communication branch divides as well).
         if device == "cpu" and expert_mesh.size() > 1:
             module.set_force_sum_reduction_for_comms(True)
+    if config.sparse_attention.stage == "dense_warmup":
+        # The warm-up's trainer backwards the indexer KL losses alone (no gradient reaches a
+        # layer's output, whose hook would unshard the layer's group for its backward): each
+        # indexer is a group of its own, unsharded again by the hooks on its outputs.
+        for layer in [m for m in model.modules() if hasattr(m, "indexer_modules")]:
+            fully_shard(list(layer.indexer_modules()), mesh=dp_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, TransformerLayer):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy)

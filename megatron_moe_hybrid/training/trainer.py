@@ -265,8 +265,8 @@ def _dataset_line(path: str, dataset, data_format: str) -> str:
 def freeze_all_but_indexers(model: torch.nn.Module) -> None:
     """The dense warm-up (sparse_attention.stage dense_warmup, DeepSeek-V3.2's first stage): every
     parameter frozen but those of the S layers' indexers (indexer_parameters()), which learn from
-    the indexer KL loss alone; the LM loss's backward then reaches no weight. ValueError if the
-    model has no indexer."""
+    the indexer KL loss alone (the trainer backwards those losses by themselves: their layers'
+    indexer_loss_sink). ValueError if the model has no indexer."""
     keep = {id(p) for m in model.indexer_layers() for p in m.indexer_parameters()}
     if not keep:
         raise ValueError("sparse_attention.stage dense_warmup: the model has no S layer with an indexer to train")
@@ -394,6 +394,13 @@ class Trainer:
                 ))
         # the layers whose indexer KL loss each step logs (indexer_kl_loss)
         self.indexer_layers = self.model.indexer_layers() if config.sparse_attention.indexer_loss_coeff > 0 else []
+        # The dense warm-up backwards the KL losses alone: the layers hand them over (with their
+        # graphs) instead of carrying them on their outputs, so the frozen main path, which
+        # needs no gradient, builds no graph after the first S layer either.
+        self.indexer_losses: list = []
+        if self.dense_warmup:
+            for m in self.indexer_layers:
+                m.indexer_loss_sink = self.indexer_losses
         # After fully_shard: the optimizer must hold the sharded parameters, trainable ones only.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(
@@ -709,12 +716,12 @@ class Trainer:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             with self.activation_offload:  # a no-op context unless memory.activation_offload
                 loss_bs = self.model(tokens, position_ids, None, labels=labels, **packed)  # [b, s] fp32
-                if scale is None:
-                    loss = loss_bs.mean()
-                    (loss / self.num_micro).backward()
+                loss = loss_bs.mean() if scale is None else loss_bs.sum() * scale
+                if self.dense_warmup:  # the KL losses, scaled as MoEAuxLossAutoScaler scales them
+                    (torch.stack(self.indexer_losses).sum() / self.num_micro).backward()
+                    self.indexer_losses.clear()
                 else:
-                    loss = loss_bs.sum() * scale
-                    loss.backward()
+                    (loss / self.num_micro if scale is None else loss).backward()
             loss_sum += loss.detach()
             if self.indexer_layers:
                 kl_sum += torch.stack([m.last_indexer_loss.float().reshape(()) for m in self.indexer_layers]).mean()

@@ -187,6 +187,48 @@ def test_recompute_reuses_the_first_forwards_selection(monkeypatch, pattern):
         assert all(len(q) == 0 for st in stashes for q in st.values())
 
 
+@pytest.mark.parametrize("recompute", [0, -1])
+@pytest.mark.parametrize("pattern", ["LLLS", "LLLM"])
+def test_indexer_loss_sink_hands_over_the_loss_once(pattern, recompute):
+    """A layer given an indexer_loss_sink appends its scaled KL loss there instead of carrying it
+    on its output: with every weight but the indexers' frozen (the trainer's dense warm-up) the
+    model's loss has no graph, the sink's backward gives the indexers the carried loss's
+    gradients, and a recompute (run to its end) appends nothing more."""
+    from megatron_moe_hybrid.models import build_model
+    from megatron_moe_hybrid.training.trainer import freeze_all_but_indexers
+
+    b, s, coeff = 2, 32, 0.1
+    tokens = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(s).expand(b, s)
+
+    def run(sink):
+        torch.manual_seed(0)
+        config = tiny_config(**{"memory.recompute_layers": recompute, "model.pattern": pattern,
+                                "sparse_attention.indexer_loss_coeff": coeff})
+        model = build_model(config).double()
+        freeze_all_but_indexers(model)
+        (layer,) = model.indexer_layers()
+        layer.indexer_loss_sink = sink
+        v = config.vocab_size
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            loss = model(tokens % v, pos, None, labels=tokens % v).mean()
+            if sink is None:
+                loss.backward()
+            else:
+                assert not loss.requires_grad and len(sink) == 1
+                torch.testing.assert_close(sink[0].detach(), coeff * layer.last_indexer_loss, rtol=0, atol=0)
+                sink[0].backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    carried, sink = run(None), []
+    handed = run(sink)
+    assert len(sink) == 1
+    assert handed.keys() == carried.keys() and len(carried) >= 4
+    for n in carried:
+        assert carried[n].abs().sum() > 0, n
+        torch.testing.assert_close(handed[n], carried[n], rtol=0, atol=0, msg=n)
+
+
 def _graph_tensors(obj, path: str, seen: set, found: list, depth: int = 0) -> None:
     """Tensors with a grad_fn reachable from obj's attributes (modules, lists, dicts, plain objects)."""
     if id(obj) in seen or depth > 6:

@@ -138,6 +138,26 @@ def test_resume_under_another_layout_equals_single_process(before, after, single
 
 
 @pytest.mark.distributed
+def test_dense_warmup_equals_single_process(corpus, cache_dir, tmp_path, raw_config):
+    """sparse_attention.stage dense_warmup over FSDP2 + EP=2: the frozen majority sharded beside the
+    indexers, which alone train, from the KL losses the trainer backwards by themselves (no
+    gradient reaches a module's output, so FSDP2 must still reduce the indexers' gradients)."""
+    warm = {**FULL, "sparse_attention.stage": "dense_warmup", "training.lr": 1e-2}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "single"), **warm)
+    (single,) = spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **warm, **_layout(2, 2))
+    got = spawn(_train, 2, raw, ov)
+    _assert_losses_close(single["losses"], got[0]["losses"])
+    _assert_grad_norms_close(single["checkpoint"], got[0]["checkpoint"])
+    ref, tensors = _tensors(single["checkpoint"]), _tensors(got[0]["checkpoint"])
+    _assert_tensors_close(ref, tensors)
+    kl = [[json.loads(line)["indexer_kl_loss"] for line in open(os.path.join(str(tmp_path / d), "metrics.jsonl"))]
+          for d in ("single", "fsdp")]
+    torch.testing.assert_close(torch.tensor(kl[1]), torch.tensor(kl[0]), atol=0, rtol=1e-5)
+    assert kl[0][-1] < kl[0][0] and min(_grad_norms(single["checkpoint"])) > 0
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_bf16_optimizer_state_with_resume_equals_single_process(corpus, cache_dir, tmp_path, raw_config):
     """training.optimizer_state_dtype bf16 over FSDP2 + EP=2 (DTensor moments, saved as local

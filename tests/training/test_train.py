@@ -204,6 +204,64 @@ def test_dense_warmup_trains_the_indexers_only(corpus, cache_dir, tmp_path, raw_
     assert len(kl) == 3 and all(x > 0 for x in kl) and kl[-1] < kl[0], kl  # (deterministic on the CPU)
 
 
+def _warmup_step(rank, world_size, raw, overrides):
+    """One dense warm-up step by the trainer, and the same step as it ran before the layers handed
+    their KL losses to the trainer (each loss carried on its layer's output, the LM loss's
+    backward taking it down): gradients, weights after the step, the metrics, and whether the
+    last layer's output had a graph."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_moe_hybrid.config import config_from_dict
+    from megatron_moe_hybrid.training.trainer import Trainer, init_distributed
+
+    runs = {}
+    for form in ("carried", "trainer"):
+        config = config_from_dict(raw, dict(overrides, **{"training.output_dir": overrides["training.output_dir"] + form}))
+        init_distributed(config)
+        trainer = Trainer(config)
+        if form == "carried":
+            for m in trainer.indexer_layers:
+                m.indexer_loss_sink = None
+            trainer.dense_warmup = False  # the LM loss's backward (the expert bias is off here)
+        graphs = []
+        trainer.model.decoder.layers[-1].register_forward_hook(lambda m, i, o: graphs.append(o[0].requires_grad))
+        metrics = trainer.train_step()
+        runs[form] = {
+            "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None},
+            "weights": {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)},
+            "metrics": metrics, "graphs": graphs, "losses_left": len(trainer.indexer_losses),
+        }
+    ps.destroy_model_parallel()
+    return runs
+
+
+@pytest.mark.parametrize("recompute", [0, -1])
+def test_dense_warmup_backwards_the_kl_losses_alone(corpus, cache_dir, tmp_path, raw_config, recompute):
+    """The warm-up step backwards the S layers' KL losses by themselves: the same gradients, bitwise,
+    as the LM loss's backward that carried them (two micro-batches, two S layers), with no graph
+    on the frozen layers after the first S layer; with every layer recomputed too."""
+    import torch
+
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "w"), **{
+        "sparse_attention.stage": "dense_warmup", "model.num_layers": 8, "training.lr": 1e-2,
+        "memory.recompute_layers": recompute,
+    })
+    (runs,) = spawn(_warmup_step, 1, raw, ov)
+    carried, ours = runs["carried"], runs["trainer"]
+    assert carried["graphs"] == [True, True] and ours["graphs"] == [False, False]  # 2 micro-batches
+    assert ours["losses_left"] == 0
+    assert carried["grads"].keys() == ours["grads"].keys()
+    assert len(ours["grads"]) == 2 * 5 and all("linear_index_" in n or "index_k_norm" in n for n in ours["grads"])
+    for name, grad in carried["grads"].items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(ours["grads"][name], grad), name
+    for name, w in carried["weights"].items():
+        assert torch.equal(ours["weights"][name], w), name
+    for key in ("loss", "grad_norm", "indexer_kl_loss"):
+        assert ours["metrics"][key] == carried["metrics"][key], key
+
+
 def test_dense_warmup_config_names_what_it_needs(corpus, cache_dir, tmp_path, raw_config):
     from megatron_moe_hybrid.config import ConfigError, config_from_dict
 
