@@ -476,6 +476,15 @@ class Trainer:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
         state = ckpt.load_rank_state(path)  # checks the layout before touching the model
+        saved = ckpt.read_meta(path).get("config", {}).get("sparse_attention", {}).get("stage")
+        stage = self.config.sparse_attention.stage
+        if saved is not None and saved != stage:  # every rank reads the same meta.json: all stop here
+            raise _start_error("sparse_attention.stage", ckpt.CheckpointError(
+                f"{path} was saved by a {saved} run and this run is {stage}: the stages train other weights "
+                f"(the dense warm-up only the indexers), so one cannot resume the other's optimizer and step; "
+                f"start the {stage} stage in a new training.output_dir with training.init_from: {path} "
+                f"(its weights, a new schedule), or set sparse_attention.stage back to {saved}"
+            ), every_rank=True)
         if self._adapters_only():
             # The frozen base came from training.init_from; the checkpoint holds the rest.
             missing = ckpt.load_model_weights(path, self.model, strict=False)

@@ -32,6 +32,14 @@ def _run(raw, ov, mode="pretrain"):
     return run(config_from_dict(raw, ov), mode)
 
 
+def _tensors(path):
+    """A checkpoint's tensors by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
 def _run_catching(rank, world, raw, ov):
     """Returns ("ok", losses) or (exception type name, message)."""
     try:
@@ -528,12 +536,6 @@ def _worker_weights(rank, world, raw, ov):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deterministic_runs_are_bitwise_equal_with_ep2(corpus, cache_dir, tmp_path, raw_config):
-    from safetensors.torch import load_file
-
-    def tensors(path):
-        return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
-                for k, v in load_file(os.path.join(path, f)).items()}
-
     common = {"training.train_steps": 50, "parallel.world_size": 2, "parallel.expert_model_parallel_size": 2,
               "training.global_batch_size": 4, "training.micro_batch_size": 2, "training.seq_length": 16,
               "training.deterministic": True}
@@ -541,7 +543,7 @@ def test_deterministic_runs_are_bitwise_equal_with_ep2(corpus, cache_dir, tmp_pa
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
         raw, ov = raw_config(corpus, cache_dir, str(tmp_path / name), **common, **{"training.seed": seed})
         (losses, path), _ = spawn(_worker_weights, 2, raw, ov)
-        runs.append((losses, tensors(path)))
+        runs.append((losses, _tensors(path)))
     (la, wa), (lb, wb), (lc, wc) = runs
     assert la == lb
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -587,6 +589,36 @@ def test_lora_without_base_weights_stops_naming_init_from(corpus, cache_dir, tmp
     status, message = spawn(_run_catching, 1, raw, ov)[0]
     assert status == "ConfigError" and message.startswith("training.init_from: LoRA fine-tuning needs base weights")
     assert not os.path.exists(os.path.join(out, "config.yaml"))
+
+
+def test_the_sparse_stage_starts_from_the_warmup_by_init_from_not_resume(corpus, cache_dir, tmp_path, raw_config):
+    """A dense warm-up run's output_dir resumed with sparse_attention.stage sparse: the stages train
+    other weights (the optimizer holds the indexers only), so it stops naming the field and the
+    fix (it used to fail inside torch's optimizer load); the fix, training.init_from, starts the
+    sparse stage from the warm-up's weights."""
+    import torch
+
+    from megatron_moe_hybrid.training.checkpoint import latest_checkpoint
+
+    out = str(tmp_path / "warm")
+    warm = {"training.train_steps": 2, "training.save_interval": 2, "sparse_attention.stage": "dense_warmup",
+            "training.lr": 1e-2}
+    raw, ov = raw_config(corpus, cache_dir, out, **warm)
+    assert spawn(_run_catching, 1, raw, ov)[0][0] == "ok"
+    sparse = {"training.train_steps": 3, "sparse_attention.stage": "sparse"}
+    status, message = spawn(_run_catching, 1, raw, dict(ov, **sparse))[0]
+    assert status == "ConfigError" and message.startswith("sparse_attention.stage: "), message
+    assert "was saved by a dense_warmup run" in message and "training.init_from" in message
+    # the fix: a new output_dir from the warm-up's weights (lr 0: the run keeps them)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "sparse"), **sparse, **{
+        "training.init_from": out, "training.tokenizer_model": os.path.join(out, "tokenizer.model"),
+        "training.lr": 0.0, "training.min_lr": 0.0, "training.save_interval": 3,
+    })
+    status, message = spawn(_run_catching, 1, raw, ov)[0]
+    assert status == "ok", message
+    warmed, started = (_tensors(latest_checkpoint(d)) for d in (out, str(tmp_path / "sparse")))
+    indexer = [k for k in warmed if "linear_index_" in k and not k.startswith("optimizer.")]
+    assert indexer and all(torch.equal(started[k], warmed[k]) for k in indexer)
 
 
 @pytest.mark.slow
