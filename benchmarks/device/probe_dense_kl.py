@@ -40,9 +40,10 @@ S3 = {"lse": (4, 2), "fwd": (8, 3), "merge": (4, 1), "dscores": (8, 3), "dq": (8
 S3_FWD = dict(S2, fwd=(8, 3), dscores=(8, 3))
 NO_SPLIT = {"MIN_BLOCK_TILES": 1 << 20, "DK_PROGRAMS": 0}
 BACKWARD_OFF = {"LAUNCH": S3, "DQ_HEADS": 1, "DK_HEADS": 1, "DS_BF16": False, "SPLIT_HEAD_DIM": frozenset()}
-TQ128 = dict.fromkeys(("lse", "fwd", "dscores"), 128)  # TILE_QUERIES at 128
+TQ128 = dict.fromkeys(("lse", "fwd", "dscores"), (128, 128))  # TILE_QUERIES at 128 (either head layout)
+TQ64 = dict.fromkeys(("lse", "fwd", "dscores"), (64, 64))
 TILES_S2 = dict(new.LAUNCH, fwd=(8, 2), dscores=(8, 2))  # the defaults, the tiles' kernels at 2 stages
-SPLIT = frozenset({"lse", "tiles"})
+SPLIT = frozenset({"lse", "fwd", "dscores"})  # the three kernels that make main-attention products
 VARIANTS = {  # name: (module, switches)
     "before": ("before", {}),
     "split-s2": ("new", {"LAUNCH": S2}),
@@ -64,11 +65,15 @@ VARIANTS = {  # name: (module, switches)
         "s3-dq2-ds16-dk2-sp": {"DQ_HEADS": 2, "DS_BF16": True, "DK_HEADS": 2, "SPLIT_HEAD_DIM": SPLIT},
     }.items()},
     # the lse, forward and score-gradient kernels' query tiles (TILE_QUERIES) against the defaults;
-    # 128-query tiles at MLA's padded 256-wide head dim do not fit 3 stages (288 KB of shared memory)
+    # 128-query tiles at MLA's padded 256-wide head dim do not fit 3 stages (288 KB of shared memory).
+    # results/h100/dense_indexer_kl_tiles.json timed these with the defaults of tiles-64 (the
+    # switches then took one tile height per kernel and "tiles" for both the forward and the
+    # score gradients; the variants here set what those did).
     "defaults": ("new", {}),
-    "sp": ("new", {"SPLIT_HEAD_DIM": SPLIT}),
-    "tq-lse128": ("new", {"TILE_QUERIES": {"lse": 128, "fwd": 64, "dscores": 64}}),
-    "tq128-s2": ("new", {"TILE_QUERIES": TQ128, "LAUNCH": TILES_S2}),
+    "tiles-64": ("new", {"TILE_QUERIES": TQ64, "SPLIT_HEAD_DIM": frozenset({"lse"})}),
+    "sp": ("new", {"TILE_QUERIES": TQ64, "SPLIT_HEAD_DIM": SPLIT}),
+    "tq-lse128": ("new", {"TILE_QUERIES": dict(TQ64, lse=(128, 128)), "SPLIT_HEAD_DIM": frozenset({"lse"})}),
+    "tq128-s2": ("new", {"TILE_QUERIES": TQ128, "SPLIT_HEAD_DIM": frozenset({"lse"}), "LAUNCH": TILES_S2}),
     "tq128-sp": ("new", {"TILE_QUERIES": TQ128, "SPLIT_HEAD_DIM": SPLIT}),
     "tq128-sp-s2": ("new", {"TILE_QUERIES": TQ128, "SPLIT_HEAD_DIM": SPLIT, "LAUNCH": TILES_S2}),
 }

@@ -59,7 +59,8 @@ CASES = {
 
 
 @interpreter
-@pytest.mark.parametrize("block_tiles,heads,split,tall", [(1, 1, (), 1), (2, 2, ("lse", "tiles"), 2)])
+@pytest.mark.parametrize("block_tiles,heads,split,tall", [
+    (1, 1, (), 1), (2, 2, ("lse", "fwd", "dscores"), 2), (2, 2, None, None)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles, heads, split, tall, monkeypatch):
     """Each query's KL, and the gradients of a sum that weighs every query differently (so that
@@ -69,14 +70,18 @@ def test_fused_per_query_kl_and_gradients_equal_the_definition(name, block_tiles
     three-head cases fall back to one), the key gradient's head loop one head a step and two;
     the main attention's head dim 24 padded to 32 and in two parts (16 + 8 of 16); the lse,
     forward and score-gradient kernels' query tiles as tall as the gradient kernels' and twice
-    as tall (each score-gradient tile then writes for two of the readers' tiles). The score
-    gradients are read unmasked in whole aligned tiles: the interpreter's buffer starts NaN, so
-    an entry read but never written fails this test."""
+    as tall (each score-gradient tile then writes for two of the readers' tiles), and the module's
+    own choice (tiles and splits per kernel and the heads' layout: the forward's query tile
+    shorter or taller than the score gradients'). The score gradients are read unmasked in whole
+    aligned tiles: the interpreter's buffer starts NaN, so an entry read but never written fails
+    this test."""
     monkeypatch.setattr(triton_dense_kl, "MIN_BLOCK_TILES", block_tiles)
     monkeypatch.setattr(triton_dense_kl, "DQ_HEADS", heads)
     monkeypatch.setattr(triton_dense_kl, "DK_HEADS", heads)
-    monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset(split))
-    monkeypatch.setattr(triton_dense_kl, "TILE_QUERIES", dict.fromkeys(("lse", "fwd", "dscores"), tall * triton_dense_kl.BM))
+    if split is not None:  # else the module's: some kernels split, tiles by the heads' layout
+        monkeypatch.setattr(triton_dense_kl, "SPLIT_HEAD_DIM", frozenset(split))
+        bm = tall * triton_dense_kl.BM
+        monkeypatch.setattr(triton_dense_kl, "TILE_QUERIES", dict.fromkeys(("lse", "fwd", "dscores"), (bm, bm)))
     B, T, S, H, G, D, HI, DI, cu, pos = CASES[name]
     q, k, q_idx, k_idx, w = inputs(B, T, S, H, G, D, HI, DI, seed=len(name))
     weigh = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -101,17 +101,22 @@ DK_HEADS = 2
 DS_BF16 = True
 # The kernels whose main-attention products take a head dim that is not a power of two in two
 # parts (192 = 128 + 64: two products) instead of one padded to the next power of two (256):
-# "lse" (_lse_kernel) and "tiles" (the forward and score-gradient kernels). At MLA 4k in that A/B
-# (both split) the lse kernel went 2.17 -> 1.54 ms but the forward 4.17 -> 5.38, the score
-# gradients 5.19 -> 4.87: 14.68 against 14.27 ms in all. So the lse kernel alone (the loss with
-# only it split not timed as a whole).
-SPLIT_HEAD_DIM = frozenset({"lse"})
-# Queries per tile of the kernels that make the main-attention products (a multiple of BM; the
-# query- and key-gradient kernels keep BM). In the forward and score-gradient kernels each head's
-# [BM, D] query and [BN, D] key tiles are loaded per product (MLA: 128 heads, each its own key),
-# so a taller tile loads each key tile for twice the queries: 2 BM BN D FLOPs per (BM + BN) D
-# elements, 32 -> 43 per byte at 128 x 64.
-TILE_QUERIES = {"lse": BM, "fwd": BM, "dscores": BM}
+# "lse" (_lse_kernel), "fwd" (_kl_fwd_kernel), "dscores" (_kl_dscores_kernel). At MLA 4k with
+# 64-query tiles (H100, results/h100/dense_indexer_kl_tiles.json) the split forward took 5.51 ms
+# against 4.25 whole, the split score gradients 5.02 against 5.25; at 128-query tiles (which at
+# 256 wide would not fit 3 stages) the score gradients 4.52 split. So the forward takes it whole.
+SPLIT_HEAD_DIM = frozenset({"lse", "dscores"})
+# Queries per tile of the kernels that make the main-attention products, a pair: (where every
+# head has a key of its own, R = 1: MLA's 128 heads; where heads share keys, GQA), each a power of
+# two multiple of BM (the query- and key-gradient kernels keep BM). Where the head dim's (first)
+# part is wider than TALL_TILE_HEAD_DIM a tile is BM tall whatever the pair says (taller ones
+# would not fit the shared memory at 3 stages). Each head's [BM, D] query and [BN, D] key tiles
+# are loaded per product, so a taller tile loads each key tile for more queries (32 -> 43 FLOPs
+# per byte at 128 x 64) but holds more registers. Per kernel on an H100 (the same file; 64 / 128
+# queries): MLA 4k lse 1.58 / 1.43 ms, forward 4.25 (whole) / 4.47 (split), score gradients
+# 5.25 / 4.52 (split); GQA 8k lse 0.656 / 0.648, forward 3.34 / 2.68, score gradients 2.23 / 2.67.
+TILE_QUERIES = {"lse": (2 * BM, 2 * BM), "fwd": (BM, 2 * BM), "dscores": (2 * BM, BM)}
+TALL_TILE_HEAD_DIM = 128
 # The largest head dims the kernels hold in one tile (padded to a power of two).
 MAX_HEAD_DIM = 256
 
@@ -479,24 +484,26 @@ def _meta(q: Tensor, k: Tensor, q_idx: Tensor, kernel: str) -> dict:
     H, D = q.shape[2:]
     G = k.shape[2]
     HI, DI = q_idx.shape[2:]
-    DP, DP2 = _head_dim_parts(D, "tiles")
+    DP, DP2 = _head_dim_parts(D, kernel)
     return dict(G=G, R=H // G, D=D, DP=DP, DP2=DP2, HI=HI, DI=DI,
-                DIP=max(16, next_power_of_2(DI)), BM=_tile_queries(kernel), BN=BN)
+                DIP=max(16, next_power_of_2(DI)), BM=_tile_queries(kernel, H // G, DP), BN=BN)
 
 
-def _tile_queries(kernel: str) -> int:
-    """Queries per tile of kernel ("lse", "fwd", "dscores"): TILE_QUERIES', a multiple of BM."""
-    bm = TILE_QUERIES[kernel]
+def _tile_queries(kernel: str, R: int, DP: int) -> int:
+    """Queries per tile of kernel ("lse", "fwd", "dscores") for R heads per key and a (first) head-
+    dim part DP wide: TILE_QUERIES' (BM above TALL_TILE_HEAD_DIM), a multiple of BM."""
+    own, shared = TILE_QUERIES[kernel]
+    bm = (own if R == 1 else shared) if DP <= TALL_TILE_HEAD_DIM else BM
     if bm % BM or bm & (bm - 1):
-        raise ValueError(f"triton_dense_kl.TILE_QUERIES[{kernel!r}] must be a power of two multiple of {BM}, got {bm}")
+        raise ValueError(f"triton_dense_kl.TILE_QUERIES[{kernel!r}] must hold power of two multiples of {BM}, got {bm}")
     return bm
 
 
-def _head_dim_parts(D: int, kernels: str) -> tuple[int, int]:
+def _head_dim_parts(D: int, kernel: str) -> tuple[int, int]:
     """(DP, DP2): the head dim D padded to one power of two (DP2 = 0) or, for the kernels named in
     SPLIT_HEAD_DIM, in two (192: 128 + 64 rather than 256)."""
     DP = max(16, next_power_of_2(D))
-    if kernels in SPLIT_HEAD_DIM and DP != D and D > 16:
+    if kernel in SPLIT_HEAD_DIM and DP != D and D > 16:
         return DP // 2, max(16, next_power_of_2(D - DP // 2))
     return DP, 0
 
@@ -520,7 +527,7 @@ class DenseIndexerKL(torch.autograd.Function):
         kl = torch.empty_like(lse_i)
         if T:
             lse_dp = _head_dim_parts(meta["D"], "lse")
-            bm = _tile_queries("lse")
+            bm = _tile_queries("lse", meta["R"], lse_dp[0])
             _lse_kernel[(cdiv(T, bm), H, B)](
                 q, k, lo, hi, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 *_row_strides(lse), T, S, scale,
