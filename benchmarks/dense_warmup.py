@@ -22,37 +22,18 @@ the same order, so bitwise on the CPU). The row's speedup is carried_ms / handed
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from offload import MODEL, TINY, build, write  # noqa: E402
+from offload import MODEL, TINY, batch, build, measure, one_process_group, write  # noqa: E402
 
 FORMS = ("carried", "handed")
 WARMUP = dict(stage="dense_warmup", indexer_loss_coeff=0.01)
-
-
-def measure(step, warmup: int, reps: int, cuda: bool) -> tuple[float, int | None]:
-    """(median ms, peak bytes above what was live before the first step; None on CPU)."""
-    if cuda:
-        from common import time_and_peak
-
-        return time_and_peak(step, warmup, reps)
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times), None
 
 
 def run(raw, device, warmup, reps) -> dict:
@@ -66,11 +47,7 @@ def run(raw, device, warmup, reps) -> dict:
     freeze_all_but_indexers(model)
     layers = model.indexer_layers()
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    t = config.training
-    gen = torch.Generator().manual_seed(100)
-    tokens = torch.randint(0, config.vocab_size, (t.micro_batch_size, t.seq_length + 1), generator=gen).to(device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [b, s] each
-    position_ids = torch.arange(t.seq_length, device=device).expand_as(inputs)
+    inputs, labels, position_ids = batch(config, device)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
     results, grads = {}, {}
     for form in FORMS:
@@ -151,22 +128,9 @@ def main(argv=None):
     if args.out is None:
         card = "h100" if "H100" in device_name else "h200"
         args.out = os.path.join(HERE, "results", card if cuda else "cpu", "dense_warmup.json")
-    own_group = not dist.is_initialized()
-    if own_group:
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)  # Megatron's parallel_state needs a group
-    try:
+    with one_process_group():
         results = run(raw, device, args.warmup, args.reps)
         write(args.out, [row(results, raw, args, device_name)], device_name)
-    finally:
-        if own_group:
-            from megatron.core import parallel_state as ps
-
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The row's speedup is recompute_ms / offload_ms (issue 7's target: >= 1.15 with t
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,6 +74,14 @@ def build(raw, device):
     return config, build_model(config).to(device)
 
 
+def batch(config, device) -> tuple:
+    """(inputs, labels, position_ids), each [b, s]: one micro-batch of seeded random tokens."""
+    t = config.training
+    gen = torch.Generator().manual_seed(100)
+    tokens = torch.randint(0, config.vocab_size, (t.micro_batch_size, t.seq_length + 1), generator=gen).to(device)
+    return tokens[:, :-1], tokens[:, 1:], torch.arange(t.seq_length, device=device).expand(t.micro_batch_size, -1)
+
+
 def checkpoint_every_layer(model) -> None:
     """Full recomputation: each transformer layer keeps only its inputs for the backward."""
     import functools
@@ -106,11 +115,7 @@ def run(raw, modules, fraction, min_bytes, device, warmup, reps) -> dict:
 
     cuda = device.type == "cuda"
     config, model = build(raw, device)
-    t = config.training
-    gen = torch.Generator().manual_seed(100)
-    tokens = torch.randint(0, config.vocab_size, (t.micro_batch_size, t.seq_length + 1), generator=gen).to(device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [b, s] each
-    position_ids = torch.arange(t.seq_length, device=device).expand_as(inputs)
+    inputs, labels, position_ids = batch(config, device)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
     offload = ActivationOffload(model, modules, fraction, min_bytes)
     results = {}
@@ -185,6 +190,27 @@ def write(path, rows, device_name) -> None:
                    "command": "python " + " ".join(sys.argv), "versions": versions(), "rows": rows}, f, indent=2)
 
 
+@contextlib.contextmanager
+def one_process_group():
+    """A one-process gloo group for Megatron's parallel_state, unless the caller has one (the CPU
+    smoke test's stays theirs); destroyed, with parallel_state, at the end."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        from megatron_moe_hybrid.parallel.launch import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if own_group:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="the tiny config on CPU (smoke run)")
@@ -208,22 +234,9 @@ def main(argv=None):
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    own_group = not dist.is_initialized()  # a caller's group (the CPU smoke test) stays theirs
-    if own_group:
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)  # Megatron's parallel_state needs a group
-    try:
+    with one_process_group():
         results = run(raw, args.modules, args.fraction, args.min_bytes, device, args.warmup, args.reps)
         write(args.out, [row(results, raw, args, device_name)], device_name)
-    finally:
-        if own_group:
-            from megatron.core import parallel_state as ps
-
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
