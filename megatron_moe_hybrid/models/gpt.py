@@ -6,6 +6,8 @@ cross-entropy run fused over token chunks (ops.cross_entropy), so [s*b, V] logit
 materialised; the per-token loss [b, s] is returned as GPTModel does.
 """
 
+from typing import Optional
+
 import torch
 from megatron.core.models.gpt import GPTModel
 
@@ -212,17 +214,25 @@ def _has_meta(value, depth) -> bool:
     return False
 
 
-def initialize(model: torch.nn.Module, config: HybridMoEConfig, seed: int) -> list[str]:
+def initialize(
+    model: torch.nn.Module, config: HybridMoEConfig, seed: int, only: Optional[set[str]] = None
+) -> list[str]:
     """Fills a materialized model (built on the meta device, possibly LoRA-wrapped and FSDP2-
     sharded, see materialize) with the initial weights build_model(config, seed=seed) would
     draw on this rank, tensor for tensor, holding on the host one decoder layer's weights at a
     time besides the embedding and the output layer (not the whole model): the pieces are
     built on the CPU one after another and each copied into this rank's shards. Returns the
     model tensors that no piece holds (LoRA adapters: drawn by materialize); raises if any
-    other parameter or persistent buffer is left unfilled."""
+    other parameter or persistent buffer is left unfilled. only: fill just these of the
+    model's tensor names (the others keep what they hold; every piece is still built)."""
     from megatron_moe_hybrid.training.checkpoint import _unwrapped_name, copy_whole
 
     targets = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if only is not None:
+        unknown = sorted(set(only) - set(targets))
+        if unknown:
+            raise ValueError(f"initialize: the model has no tensors {unknown[:5]}")
+        targets = {k: v for k, v in targets.items() if k in only}
     unwrapped = _unwrapped_name(model)
     by_source = {unwrapped(name): name for name in targets}  # a freshly built piece's name -> the model's
     filled = set()

@@ -382,16 +382,30 @@ class Trainer:
                 missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
             except ckpt.CheckpointError as e:
                 raise _start_error("training.init_from", e) from e
-            adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
-            lacking = [n for n in missing if n not in adapters]
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            adapters = trainable if config.lora.enabled else set()
+            # The dense warm-up may start from a model trained with dense attention, which has
+            # no indexers (DeepSeek-V3.2's from V3.1): they are drawn as from scratch.
+            fresh = trainable if self.dense_warmup else set()
+            lacking = [n for n in missing if n not in adapters and n not in fresh]
             if lacking:
                 hint = "" if config.lora.enabled else (
                     "; if it is a LoRA run's checkpoint (its base stored as <module>.base.weight), fine-tune "
                     "it with lora.enabled and that run's lora.targets"
                 )
+                if any(".linear_index_" in n or ".index_k_norm." in n for n in lacking) and not self.dense_warmup:
+                    hint += ("; a checkpoint without the S layers' indexers (a model trained with dense attention) "
+                             "starts with sparse_attention.stage: dense_warmup, which draws and trains them")
                 raise _start_error("training.init_from", ckpt.CheckpointError(
                     f"{t.init_from}: missing tensors {lacking[:5]}{' ...' if len(lacking) > 5 else ''}{hint}"
                 ))
+            drawn = [n for n in missing if n in fresh]
+            if drawn:
+                from megatron_moe_hybrid.models import initialize
+
+                initialize(self.model, config, t.seed, only=set(drawn))
+                _print0(f"training.init_from: {len(drawn)} indexer tensors that {t.init_from} lacks drawn as from "
+                        f"scratch (training.seed {t.seed}); the dense warm-up trains them")
         # the layers whose indexer KL loss each step logs (indexer_kl_loss)
         self.indexer_layers = self.model.indexer_layers() if config.sparse_attention.indexer_loss_coeff > 0 else []
         # The dense warm-up backwards the KL losses alone: the layers hand them over (with their

@@ -47,6 +47,26 @@ def test_initialize_equals_the_seeded_build(case, megatron_state):
     assert not torch.equal(_tensors(build_model(config, seed=6))["output_layer.weight"], want["output_layer.weight"])
 
 
+def test_initialize_only_fills_the_named_tensors(megatron_state):
+    """only=: the named tensors get the seeded build's values, every other keeps what it held; a
+    name the model lacks is an error."""
+    from megatron_moe_hybrid.models import build_model, initialize
+
+    config = tiny_config()
+    want = _tensors(build_model(config, seed=5))
+    model = build_model(config, seed=6)
+    before = _tensors(model)
+    only = {k for k in want if "linear_index_" in k}
+    assert only and initialize(model, config, seed=5, only=only) == []
+    got = _tensors(model)
+    for name in want:
+        expect = want[name] if name in only else before[name]
+        assert torch.equal(got[name], expect), name
+    assert any(not torch.equal(want[n], before[n]) for n in only)
+    with pytest.raises(ValueError, match="no tensors.*nope"):
+        initialize(model, config, seed=5, only={"nope"})
+
+
 def test_initialize_builds_one_layer_at_a_time(megatron_state, monkeypatch):
     """The pieces are built and handed over one at a time: when a layer reaches the model, the
     layers built before it hold no storage any more."""

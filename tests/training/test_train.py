@@ -262,6 +262,63 @@ def test_dense_warmup_backwards_the_kl_losses_alone(corpus, cache_dir, tmp_path,
         assert ours["metrics"][key] == carried["metrics"][key], key
 
 
+def _strip_indexers(checkpoint):
+    """Removes the S layers' indexer tensors (weights and optimizer moments) from a checkpoint, as
+    a model trained with dense attention would have none; meta.json's file sizes follow."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(checkpoint, "meta.json")) as f:
+        meta = json.load(f)
+    removed = 0
+    for name in meta["files"]:
+        path = os.path.join(checkpoint, name)
+        if name.endswith(".safetensors"):
+            tensors = load_file(path)
+            kept = {k: v for k, v in tensors.items() if "linear_index_" not in k and "index_k_norm" not in k}
+            removed += len(tensors) - len(kept)
+            save_file(kept, path)
+        meta["files"][name] = os.path.getsize(path)
+    with open(os.path.join(checkpoint, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return removed
+
+
+def test_dense_warmup_starts_from_a_checkpoint_without_indexers(corpus, cache_dir, tmp_path, raw_config):
+    """DeepSeek-V3.2's recipe: the dense warm-up from a model trained with dense attention, whose
+    checkpoint has no indexers. training.init_from loads every other tensor and draws the
+    indexers as a run from scratch would (lr 0 here, so the run keeps what it started from); the
+    sparse stage from that checkpoint stops naming training.init_from and the warm-up as the fix."""
+    import torch
+    from safetensors.torch import load_file
+
+    base = str(tmp_path / "base")
+    raw, ov = raw_config(corpus, cache_dir, base, **{"training.train_steps": 2, "training.save_interval": 2})
+    (res,) = spawn(_train, 1, raw, ov)
+    assert _strip_indexers(res["checkpoint"]) > 0
+    start = {"training.init_from": base, "training.tokenizer_model": os.path.join(base, "tokenizer.model"),
+             "training.train_steps": 1, "training.save_interval": 1}
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "sparse"), **start)
+    with pytest.raises(RuntimeError, match="missing tensors.*sparse_attention.stage: dense_warmup"):
+        spawn(_train, 1, raw, ov)
+    raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "warm"), **start, **{
+        "sparse_attention.stage": "dense_warmup", "training.lr": 0.0, "training.min_lr": 0.0})
+    (warm,) = spawn(_train, 1, raw, ov)
+    assert len(warm["losses"]) == 1 and warm["losses"][0] == warm["losses"][0]
+    (after,) = spawn(_load_weights, 1, raw, ov, warm["checkpoint"])
+    (drawn,) = spawn(_initial_weights, 1, raw, ov)  # training.seed's from-scratch weights
+    indexer = {k for k in after if "linear_index_" in k or "index_k_norm" in k}
+    assert indexer
+    for k in indexer:
+        assert torch.equal(after[k], drawn[k]), k
+    stored = {k: v for f in sorted(os.listdir(res["checkpoint"])) if f.startswith("model")
+              for k, v in load_file(os.path.join(res["checkpoint"], f)).items()}
+    assert stored and not indexer & set(stored)
+    same_names = set(stored) & set(after)  # (the experts are stored one tensor each)
+    assert len(same_names) > 20
+    for k in same_names:
+        assert torch.equal(after[k], stored[k]), k
+
+
 def test_dense_warmup_config_names_what_it_needs(corpus, cache_dir, tmp_path, raw_config):
     from megatron_moe_hybrid.config import ConfigError, config_from_dict
 
