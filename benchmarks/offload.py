@@ -193,14 +193,12 @@ def write(path, rows, device_name) -> None:
 @contextlib.contextmanager
 def one_process_group():
     """A one-process gloo group for Megatron's parallel_state, unless the caller has one (the CPU
-    smoke test's stays theirs); destroyed, with parallel_state, at the end."""
+    smoke test's stays theirs); destroyed, with parallel_state, at the end. Its store is an
+    in-process HashStore: no port to take (a free port picked first could be taken by another
+    process before the group binds it)."""
     own_group = not dist.is_initialized()
     if own_group:
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
