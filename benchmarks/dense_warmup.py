@@ -97,7 +97,8 @@ def row(results, raw, args, device_name) -> dict:
         "trained_tensors": results["trained_tensors"],
         "notes": f"forward+backward, no optimizer; median of {args.reps} steps after {args.warmup} on "
                  f"{device_name}; every weight frozen but the S layers' indexers (freeze_all_but_indexers); "
-                 f"indexer_loss_coeff {raw['sparse_attention']['indexer_loss_coeff']}",
+                 f"indexer_loss_coeff {raw['sparse_attention']['indexer_loss_coeff']}; memory.recompute_layers "
+                 f"{raw['memory']['recompute_layers']}",
     }
 
 
@@ -106,6 +107,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (smoke run)")
     ap.add_argument("--cpu", action="store_true", help="the CPU, at --seq tokens of a mid-size model")
     ap.add_argument("--seq", type=int, default=None, help="override training.seq_length")
+    ap.add_argument("--recompute", type=int, default=0,
+                    help="memory.recompute_layers of the model (the trainer applies none in the warm-up)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -121,6 +124,7 @@ def main(argv=None):
         raw["training"]["seq_length"] = 1024
     if args.seq is not None:
         raw["training"]["seq_length"] = args.seq
+    raw["memory"] = dict(raw["memory"], recompute_layers=args.recompute)
     args.reps = args.reps or (3 if (args.tiny or args.cpu) else 8)
     cuda = torch.cuda.is_available() and not (args.tiny or args.cpu)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -111,9 +111,12 @@ class SeededBuild:
             torch.manual_seed(piece_seed(self.seed, num_layers + 1))
 
 
-def build_model(config: HybridMoEConfig, device=None, seed: int | None = None) -> HybridMoEModel:
+def build_model(
+    config: HybridMoEConfig, device=None, seed: int | None = None, recompute: int | None = None
+) -> HybridMoEModel:
     """Builds the model on CPU in config.params_dtype; call after parallel_state is initialised.
-    memory.recompute_layers turns on activation checkpointing (recompute_layers).
+    memory.recompute_layers (or recompute, where given) turns on activation checkpointing
+    (recompute_layers).
 
     seed: each piece drawn from its own seed (see piece_seed; the same weights as
     initialize(model, config, seed) gives a model built on the meta device); None: one stream
@@ -131,7 +134,7 @@ def build_model(config: HybridMoEConfig, device=None, seed: int | None = None) -
         model = HybridMoEModel(config)
     if config.params_dtype != torch.float32:
         model = model.to(config.params_dtype)
-    n = config.memory.recompute_layers
+    n = config.memory.recompute_layers if recompute is None else recompute
     if n:
         recompute_layers(model, len(model.decoder.layers) if n < 0 else n)
     return model

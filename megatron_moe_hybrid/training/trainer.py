@@ -301,7 +301,13 @@ class Trainer:
         self.cp_layout = CPLayout.from_parallel_state(t.seq_length, config.parallel.cp_layout)
         # Every run builds the model on the meta device (no storage): from scratch, its size
         # is checked against host memory before anything is written or allocated.
-        self.model = build_model(config, device="meta")
+        # The dense warm-up backwards the indexer KL losses alone: its frozen layers keep no
+        # activations, so recomputing layers would only run the S layers' forward again.
+        self.dense_warmup = config.sparse_attention.stage == "dense_warmup"
+        if self.dense_warmup and config.memory.recompute_layers:
+            _print0("memory.recompute_layers is not applied in the dense warm-up: its frozen layers keep no "
+                    "activations for a backward (only the indexers' KL losses are backwarded)")
+        self.model = build_model(config, device="meta", recompute=0 if self.dense_warmup else None)
         if t.init_from is None:
             _check_host_memory_for_initialize(self.model, self.device)
         self.output_dir = t.output_dir
@@ -364,7 +370,6 @@ class Trainer:
                 for p in self.model.parameters():
                     if not p.requires_grad:  # the frozen base; adapters stay fp32
                         p.data = p.data.to(base_dtype)
-        self.dense_warmup = config.sparse_attention.stage == "dense_warmup"
         if self.dense_warmup:
             freeze_all_but_indexers(self.model)
         if config.parallel.fsdp:
