@@ -6,6 +6,7 @@ cross-entropy run fused over token chunks (ops.cross_entropy), so [s*b, V] logit
 materialised; the per-token loss [b, s] is returned as GPTModel does.
 """
 
+import re
 from typing import Optional
 
 import torch
@@ -83,10 +84,15 @@ class SeededBuild:
 
     sink(layer_number, layer) (optional) takes each layer as soon as it is built (its weights
     on the CPU), after which the layer is moved to the meta device: the construction then holds
-    one layer's weights at a time."""
+    one layer's weights at a time. layers (optional): the layer numbers to draw; the others are
+    built on the meta device (nothing drawn: each layer has its own seed, so the rest come out
+    the same) and not handed to the sink."""
 
-    def __init__(self, seed: int, sink=None):
-        self.seed, self.sink = int(seed), sink
+    def __init__(self, seed: int, sink=None, layers=None):
+        self.seed, self.sink, self.layers = int(seed), sink, layers
+
+    def draws(self, layer_number: int) -> bool:
+        return self.layers is None or layer_number in self.layers
 
     def __enter__(self):
         global _SEEDED_BUILD
@@ -104,7 +110,7 @@ class SeededBuild:
         torch.manual_seed(piece_seed(self.seed, layer_number))
 
     def after_layer(self, layer_number: int, layer: torch.nn.Module, num_layers: int) -> None:
-        if self.sink is not None:
+        if self.sink is not None and self.draws(layer_number):
             self.sink(layer_number, layer)
             layer.to_empty(device="meta")  # its storage freed; the construction goes on
         if layer_number == num_layers:  # next to draw: the output layer
@@ -217,6 +223,9 @@ def _has_meta(value, depth) -> bool:
     return False
 
 
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
 def initialize(
     model: torch.nn.Module, config: HybridMoEConfig, seed: int, only: Optional[set[str]] = None
 ) -> list[str]:
@@ -227,7 +236,9 @@ def initialize(
     built on the CPU one after another and each copied into this rank's shards. Returns the
     model tensors that no piece holds (LoRA adapters: drawn by materialize); raises if any
     other parameter or persistent buffer is left unfilled. only: fill just these of the
-    model's tensor names (the others keep what they hold; every piece is still built)."""
+    model's tensor names (the others keep what they hold); the decoder layers holding none of
+    them are built on the meta device, nothing drawn (the embedding and the output layer are
+    always drawn)."""
     from megatron_moe_hybrid.training.checkpoint import _unwrapped_name, copy_whole
 
     targets = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -251,7 +262,10 @@ def initialize(
             copy_whole(targets[name], value)  # every rank built the whole piece
             filled.add(name)
 
-    with SeededBuild(seed, sink=lambda n, layer: fill(f"decoder.layers.{n - 1}.", layer)):
+    layers = None  # the decoder layers holding a target (1-based); only those are drawn
+    if only is not None:
+        layers = {int(m.group(1)) + 1 for m in map(_LAYER_NAME.match, targets) if m}
+    with SeededBuild(seed, sink=lambda n, layer: fill(f"decoder.layers.{n - 1}.", layer), layers=layers):
         rest = HybridMoEModel(config)  # each layer filled and freed as it is built
     fill("", rest)  # the embedding, the final norm, the output layer
     del rest

@@ -9,6 +9,7 @@ linears (no Transformer Engine needed).
 
 import sys
 
+import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -56,8 +57,12 @@ class SeededTransformerLayer(TransformerLayer):
         if build is None:
             super().__init__(config, submodules, layer_number=layer_number, **kwargs)
             return
-        build.before_layer(layer_number)
-        super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        if build.draws(layer_number):
+            build.before_layer(layer_number)
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        else:  # a layer the build does not need: no storage, nothing drawn
+            with torch.device("meta"):
+                super().__init__(config, submodules, layer_number=layer_number, **kwargs)
         build.after_layer(layer_number, self, config.num_layers)
 
 

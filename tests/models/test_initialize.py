@@ -47,17 +47,22 @@ def test_initialize_equals_the_seeded_build(case, megatron_state):
     assert not torch.equal(_tensors(build_model(config, seed=6))["output_layer.weight"], want["output_layer.weight"])
 
 
-def test_initialize_only_fills_the_named_tensors(megatron_state):
-    """only=: the named tensors get the seeded build's values, every other keeps what it held; a
+def test_initialize_only_fills_the_named_tensors(megatron_state, monkeypatch):
+    """only=: the named tensors get the seeded build's values, every other keeps what it held, and
+    only the decoder layers holding them are drawn (the others built on the meta device); a
     name the model lacks is an error."""
-    from megatron_moe_hybrid.models import build_model, initialize
+    from megatron_moe_hybrid.models import build_model, gpt, initialize
 
-    config = tiny_config()
+    config = tiny_config(**{"model.num_layers": 8})
     want = _tensors(build_model(config, seed=5))
     model = build_model(config, seed=6)
     before = _tensors(model)
-    only = {k for k in want if "linear_index_" in k}
+    only = {k for k in want if "linear_index_" in k and ".layers.3." in k}  # layer 4's indexer
+    drawn = []
+    draw = gpt.SeededBuild.before_layer
+    monkeypatch.setattr(gpt.SeededBuild, "before_layer", lambda self, n: drawn.append(n) or draw(self, n))
     assert only and initialize(model, config, seed=5, only=only) == []
+    assert drawn == [4]
     got = _tensors(model)
     for name in want:
         expect = want[name] if name in only else before[name]
