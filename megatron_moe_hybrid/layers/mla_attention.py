@@ -19,8 +19,8 @@ Per forward, as transformers' DeepseekV32Attention (with DeepseekV32Indexer):
   softmax((N + R)^-0.5 q . k) over the kept keys, times v -> linear_proj.
   Training with sparse_attention.indexer_loss_coeff > 0 adds DSA's sparse-stage indexer loss
   KL(p || softmax(score)) over the kept keys (p: the attention summed over heads, detached; the
-  indexer reads detached inputs), attached like the MoE aux loss (or to indexer_loss_sink, as SparseAttention's); last_indexer_loss
-  keeps it.
+  indexer reads detached inputs), attached like the MoE aux loss (or handed to indexer_loss_sink,
+  as SparseAttention's); last_indexer_loss keeps it.
 With mla.absorbed (the default) the same function runs in DeepSeek's absorbed form through
 the fused sparse ops: q_nope . k_nope = (W_UK^T q_nope) . c puts every head on the one latent
 kv [kv_layernorm(c) | k_rope] (MQA over C + R channels, v its first C), W_UV maps the latent

@@ -81,7 +81,7 @@ def apply_fsdp(model: nn.Module, config, device_type: str | None = None) -> nn.M
         # The warm-up's trainer backwards the indexer KL losses alone (no gradient reaches a
         # layer's output, whose hook would unshard the layer's group for its backward): each
         # indexer is a group of its own, unsharded again by the hooks on its outputs.
-        for layer in [m for m in model.modules() if hasattr(m, "indexer_modules")]:
+        for layer in model.indexer_layers():
             fully_shard(list(layer.indexer_modules()), mesh=dp_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, TransformerLayer):

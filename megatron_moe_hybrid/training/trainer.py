@@ -387,18 +387,19 @@ class Trainer:
                 missing = ckpt.load_model_weights(t.init_from, self.model, strict=False)
             except ckpt.CheckpointError as e:
                 raise _start_error("training.init_from", e) from e
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            adapters = trainable if config.lora.enabled else set()
+            adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
+            ids = {id(p) for m in self.model.indexer_layers() for p in m.indexer_parameters()}
+            indexer = {n for n, p in self.model.named_parameters() if id(p) in ids}  # the indexers' tensors
             # The dense warm-up may start from a model trained with dense attention, which has
             # no indexers (DeepSeek-V3.2's from V3.1): they are drawn as from scratch.
-            fresh = trainable if self.dense_warmup else set()
+            fresh = indexer if self.dense_warmup else set()
             lacking = [n for n in missing if n not in adapters and n not in fresh]
             if lacking:
                 hint = "" if config.lora.enabled else (
                     "; if it is a LoRA run's checkpoint (its base stored as <module>.base.weight), fine-tune "
                     "it with lora.enabled and that run's lora.targets"
                 )
-                if any(".linear_index_" in n or ".index_k_norm." in n for n in lacking) and not self.dense_warmup:
+                if indexer & set(lacking):  # (not in the warm-up: it draws them)
                     hint += ("; a checkpoint without the S layers' indexers (a model trained with dense attention) "
                              "starts with sparse_attention.stage: dense_warmup, which draws and trains them")
                 raise _start_error("training.init_from", ckpt.CheckpointError(
@@ -495,7 +496,8 @@ class Trainer:
         from megatron_moe_hybrid.training import checkpoint as ckpt
 
         state = ckpt.load_rank_state(path)  # checks the layout before touching the model
-        saved = ckpt.read_meta(path).get("config", {}).get("sparse_attention", {}).get("stage")
+        meta = ckpt.read_meta(ckpt.resolve_checkpoint(path))  # (path may name a run's output_dir)
+        saved = meta.get("config", {}).get("sparse_attention", {}).get("stage")
         stage = self.config.sparse_attention.stage
         if saved is not None and saved != stage:  # every rank reads the same meta.json: all stop here
             raise _start_error("sparse_attention.stage", ckpt.CheckpointError(
