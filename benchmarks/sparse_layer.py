@@ -12,6 +12,9 @@ idx<S>: the lightning indexer + top-2048 alone (DeepSeek-V3.2's 64 heads x 128, 
   per memory-bounded chunk); anchor = the reference (einsum, relu, weighted head sum,
   masked, stable sort, 256 queries at a time); also torch.topk alone over one chunk's fp32
   scores, to say what top-k costs. TFLOP/s count the scoring, 2 HI DI per readable (t, s).
+  --fp8: also ours with fp8 scoring (fp8=True: rows Hadamard-rotated and quantized, then the
+  kernel's products on fp8 tensor cores), its scoring kernel alone, and the share of the bf16
+  selection it keeps (fp8_recall_vs_bf16).
 mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no gradient),
   sparse attention over the selection (gradients to q, k, v), and the sparse-stage indexer
   KL loss (gradients to the indexer's q, k and weights; target from the detached q and k).
@@ -81,6 +84,9 @@ def bench_indexer(key, args, rows, log):
     def ours():
         return sa.lightning_indexer_topk(q_idx, k_idx, w, K, q_positions=pos)
 
+    def ours_fp8():  # rotation and quantization included, as the layer runs it
+        return sa.lightning_indexer_topk(q_idx, k_idx, w, K, q_positions=pos, fp8=True)
+
     block = 256 if S <= 131072 else 32  # the reference's [block, HI, S] fp32 logits: 8.6 GB
 
     def naive():
@@ -92,17 +98,33 @@ def bench_indexer(key, args, rows, log):
     row.update(ours_ms=round(ms, 3), ours_peak_mem_bytes=peak, tflops=round(flops / ms / 1e9, 1))
     log(f"ours {ms:.3f} ms peak {peak / 2**30:.2f} GiB (first {first:.0f} ms)")
     got = ours()
+    if args.fp8:
+        ms8, peak8, _, first8 = measure(ours_fp8)
+        got8 = ours_fp8()
+        row.update(fp8_ms=round(ms8, 3), fp8_peak_mem_bytes=peak8, fp8_speedup=round(ms / ms8, 3),
+                   fp8_recall_vs_bf16=round(_recall(got8.long(), got.long()), 6))
+        log(f"fp8 {ms8:.3f} ms peak {peak8 / 2**30:.2f} GiB (first {first8:.0f} ms), "
+            f"{ms / ms8:.3f}x bf16, recall of bf16's selection {row['fp8_recall_vs_bf16']}")
+        del got8
     # the scoring kernel alone and the selection alone over the same chunk, to split the time
     lo, hi = triton_indexer.read_ranges(1, T, S, True, None, pos, "cuda")
     keys = torch.empty((1, T, S), dtype=torch.int32, device="cuda") if T * S * 4 <= 40e9 else None
     if keys is not None:
-        def score(c):
+        def score(c, fp8=None):  # fp8: (q8, k8, w8, k_scale) from indexer_fp8_inputs
             grid = (triton.cdiv(S, c["BS"]), triton.cdiv(T, c["BQ"]), 1)
+            q, k, ww, ks = fp8 if fp8 is not None else (q_idx, k_idx, w, w)
             triton_indexer._score_keys_kernel[grid](
-                q_idx, k_idx, w, lo, hi, keys, *q_idx.stride()[:3], *k_idx.stride()[:2],
-                *w.stride()[:2], *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
-                BQ=c["BQ"], BS=c["BS"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+                q, k, ww, ks, lo, hi, keys, *q.stride()[:3], *k.stride()[:2],
+                *ww.stride()[:2], ks.stride(0), *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
+                BQ=c["BQ"], BS=c["BS"], HAS_KS=fp8 is not None,
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
 
+        if args.fp8:
+            inputs8 = sa.indexer_fp8_inputs(q_idx, k_idx, w)
+            ms_s8, _, _, _ = measure(lambda: score(triton_indexer.CONFIG, inputs8))
+            row.update(fp8_scoring_ms=round(ms_s8, 3), fp8_scoring_tflops=round(flops / ms_s8 / 1e9, 1))
+            log(f"fp8 scoring {ms_s8:.3f} ms ({flops / ms_s8 / 1e9:.0f} TFLOP/s)")
+            del inputs8
         ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
         ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None))
         fp = torch.randn(1, T, S, device="cuda")
@@ -276,6 +298,8 @@ def main():
     parser.add_argument("--jobs", default="idx8k,idx32k,idx128k,idx1m,mla8k,mla32k,mla128k,gqa32k,gqa128k")
     parser.add_argument("--budget-s", type=float, default=math.inf)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true",
+                        help="idx jobs: also time fp8 scoring (fp8=True) and its recall of the bf16 selection")
     parser.add_argument("--out", default="benchmarks/results/h200/sparse_layer.json")
     args = parser.parse_args()
     args.start = time.time()

@@ -80,6 +80,11 @@ class SparseAttentionConfig:
     indexer_loss_coeff: float = 0.0  # 0 disables the indexer KL loss
     stage: str = "sparse"  # "sparse" | "dense_warmup" (every weight frozen but the S layers' indexers)
     backend: str = "auto"
+    # true: the top-k selects by fp8 index scores, as DeepSeek-V3.2 does (its fp8_index): each
+    # q / k row Hadamard-rotated and quantized to float8_e4m3fn with its own power-of-two scale,
+    # the products on fp8 tensor cores. The KL loss keeps the 16-bit scores. index_head_dim a
+    # power of 2.
+    indexer_fp8: bool = False
 
 
 @dataclass
@@ -531,6 +536,17 @@ def _validate(c: HybridMoEConfig) -> None:
         f"{sa.stage!r} is not one of {', '.join(SPARSE_ATTENTION_STAGES)}",
     )
     _positive(sa.rope_base, "sparse_attention.rope_base")
+    _require(
+        isinstance(sa.indexer_fp8, bool),
+        "sparse_attention.indexer_fp8",
+        f"must be true or false, got {sa.indexer_fp8!r}",
+    )
+    _require(
+        not sa.indexer_fp8 or sa.index_head_dim & (sa.index_head_dim - 1) == 0,
+        "sparse_attention.index_head_dim",
+        f"{sa.index_head_dim} must be a power of 2 with sparse_attention.indexer_fp8 (its rows are "
+        "Hadamard-rotated before quantizing, DeepSeek-V3.2 uses 128); or set indexer_fp8 false",
+    )
     if sa.stage == "dense_warmup":  # DeepSeek-V3.2's warm-up: everything frozen but the S layers' indexers
         _require(
             "S" in c.pattern,
@@ -605,6 +621,12 @@ def _validate(c: HybridMoEConfig) -> None:
         f"{mla.qk_rope_head_dim} must be even (RoPE rotates channel pairs); DeepSeek-V3.2 uses 64",
     )
     if "M" in c.pattern:
+        _require(
+            mla.absorbed or not sa.indexer_fp8,
+            "sparse_attention.indexer_fp8",
+            "must be false with mla.absorbed false: that form keeps HF's DeepseekV32Attention step for step "
+            "(16-bit dense index scores, HF's torch.topk); set mla.absorbed true for the fp8 selection",
+        )
         _require(
             mla.qk_rope_head_dim <= sa.index_head_dim,
             "mla.qk_rope_head_dim",

@@ -339,8 +339,8 @@ def record_layer(op: str, shape: tuple, head_dim: int | None = None, dtype: str 
 
 def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: str = "bfloat16") -> list:
     """The kernel launches of the lightning indexer (ops/sparse_attention/triton_indexer.py):
-    the top-k selection (token and block mode: scoring, then the compaction after torch's
-    selection on the CPU) and the index scores at selected keys, forward and backward (the
+    the top-k selection (token and block mode, and fp8 scoring: scoring, then the compaction
+    after torch's selection on the CPU) and the index scores at selected keys, forward and backward (the
     sparse stage's KL loss input; its per-key reduce is sparse attention's)."""
     import torch
 
@@ -372,6 +372,10 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
         with _aot.recording() as launches:
             for block_size in (None, 64):
                 ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K, block_size=block_size)
+            # fp8 scoring (sparse_attention.indexer_fp8): float8_e4m3fn rows, fp32 scaled weights
+            f8 = torch.float8_e4m3fn
+            ti.lightning_indexer_topk_triton(q.detach().to(f8), k.detach().to(f8), w.detach().float(), K,
+                                             k_scale=torch.ones(B, T))
             scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
             torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
             # the dense warm-up's fused KL loss (triton_dense_kl), forward and backward, with the

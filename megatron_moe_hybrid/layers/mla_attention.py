@@ -205,6 +205,7 @@ class MLAttention(MegatronModule):
         self._inv_freq = {inv_freq.device: inv_freq}
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_factor
         self.topk = sa.topk
+        self.indexer_fp8 = sa.indexer_fp8
         self.indexer_loss_coeff = sa.indexer_loss_coeff
         self.last_indexer_loss = torch.zeros(())
         self.indexer_loss_sink = None  # or a list: SparseAttention's, the same
@@ -323,7 +324,7 @@ class MLAttention(MegatronModule):
         # first forward's (parallel/recompute.py)
         indices = reuse_in_recompute(self, "indices", (w, cu_seqlens), lambda: ops.lightning_indexer_topk(
             q_idx.detach(), k_idx.detach(), w.detach(), min(self.topk, S), cu_seqlens=cu_seqlens,
-            backend=self.backend,
+            backend=self.backend, fp8=self.indexer_fp8,
         ))
         target = None
         if train_indexer:  # the KL target too, from the attention's own probabilities where it can
@@ -350,6 +351,7 @@ class MLAttention(MegatronModule):
         o, loss = cp_sparse_attention_core(
             q_full, kv, None, q_idx, k_idx, w, layout=layout, topk=min(self.topk, layout.seq_len),
             cu_seqlens=cu_seqlens, indexer_loss=train_indexer, backend=self.backend, scale=self.scale, value_dim=C,
+            indexer_fp8=self.indexer_fp8,
         )  # fmt: skip
         o = torch.einsum("bthc,hvc->bthv", o, w_uv.to(o.dtype))  # [B, T, H, V]
         output, bias = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())  # [s, b, h]

@@ -74,6 +74,11 @@ def _validate(config) -> None:
             f"config.sparse_attention.index_rope_dim must be even and <= index_head_dim="
             f"{sa.index_head_dim}, got {sa.index_rope_dim!r}"
         )
+    if sa.indexer_fp8 and sa.index_head_dim & (sa.index_head_dim - 1):
+        raise ValueError(
+            f"config.sparse_attention.index_head_dim must be a power of 2 with indexer_fp8 (Hadamard-rotated "
+            f"rows), got {sa.index_head_dim}"
+        )
     if config.kv_channels % 2:
         raise ValueError(f"config.kv_channels must be even for RoPE, got {config.kv_channels}")
     num_groups = config.num_query_groups or config.num_attention_heads
@@ -198,6 +203,7 @@ class SparseAttention(MegatronModule):
                 self.sa.topk,
                 cu_seqlens=cu_seqlens,
                 backend=backend,
+                fp8=self.sa.indexer_fp8,
             ))
             if with_loss:  # the KL target too, from the attention's own probabilities where it can
                 o, lse, target = ops.sparse_attention_with_target(q, k, v, indices, backend=backend)
@@ -243,6 +249,7 @@ class SparseAttention(MegatronModule):
             indexer_loss=with_loss,
             tp_group=self._tp_group(),
             backend=self.sa.backend,
+            indexer_fp8=self.sa.indexer_fp8,
         )
         output, bias = self.linear_proj(o.reshape(b, s, -1).transpose(0, 1))  # [s, b, h]
         if with_loss:

@@ -128,6 +128,7 @@ def cp_sparse_attention_core(
     backend: str = "auto",
     scale: Optional[float] = None,
     value_dim: Optional[int] = None,
+    indexer_fp8: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Attention of this rank's queries over all earlier global tokens.
 
@@ -143,6 +144,8 @@ def cp_sparse_attention_core(
 
     scale: the attention's softmax scale (None: D^-0.5). v None with value_dim: the values are
     the keys' first value_dim channels (absorbed MLA's one latent kv), so only k is gathered.
+    indexer_fp8: the top-k by fp8 index scores (ops.indexer_fp8_inputs; each key row quantized
+    alone, so gathering then quantizing equals the CP == 1 rows).
     """
     if v is None and value_dim is None:
         raise ValueError("v: give v [B, Tl, G, DV], or value_dim for values that are k's first channels")
@@ -168,6 +171,7 @@ def cp_sparse_attention_core(
             cu_seqlens=cu_seqlens,
             backend=backend,
             q_positions=q_pos,
+            fp8=indexer_fp8,
         )
         o, lse = ops.sparse_attention(q, k_all, v_all, indices, scale=scale, backend=backend)
     else:

@@ -254,3 +254,30 @@ def test_absorbed_bf16_on_cuda(topk):
     for n in INDEXER:
         if g0[n] is not None:
             assert rel_rms(g1[n], g0[n]) < 8e-2, n
+
+
+def test_absorbed_indexer_fp8_selects_by_the_fp8_scores(monkeypatch):
+    """sparse_attention.indexer_fp8: the absorbed layer's top-k is lightning_indexer_topk(fp8=True)
+    (rows rotated and quantized: tests/ops/test_sparse_indexer_triton.py); its selection differs
+    from the full-precision one somewhere, and so does the output."""
+    from megatron_moe_hybrid.ops import sparse_attention as sa
+
+    _, plain = pair(topk=5)
+    cfg = plain.config
+    cfg.sparse_attention = SparseAttentionConfig(topk=5, index_n_heads=3, index_head_dim=8, indexer_fp8=True)
+    fp8 = MLAttention(cfg, MLAttentionSubmodules())
+    fp8.load_state_dict(plain.state_dict())
+    calls, real = [], sa.lightning_indexer_topk
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["fp8"], real(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(sa, "lightning_indexer_topk", spy)
+    torch.manual_seed(1)
+    x, dy = torch.randn(23, 2, 48, dtype=F64), torch.randn(23, 2, 48, dtype=F64)
+    y, _, _ = run(plain, x, dy)
+    y8, gx8, _ = run(fp8, x, dy)
+    assert [c[0] for c in calls] == [False, True]
+    assert not torch.equal(calls[0][1], calls[1][1]) and not torch.allclose(y, y8)
+    assert torch.isfinite(gx8).all()

@@ -50,6 +50,7 @@ def make_config(**sparse):
         indexer_loss_coeff=0.01,
         stage="sparse",
         backend="auto",
+        indexer_fp8=False,
     )
     fields.update(sparse)
     cfg.sparse_attention = types.SimpleNamespace(**fields)
@@ -275,10 +276,15 @@ def test_eval_and_no_grad_skip_the_indexer_loss():
         ("indexer_loss_coeff", -0.1, "indexer_loss_coeff must be >= 0"),
         ("topk", 0, "topk must be a positive int"),
         ("index_rope_dim", 7, "index_rope_dim must be even"),
+        ("indexer_fp8", True, None),  # with index_head_dim 12 below
     ],
-    ids=["stage", "coeff", "topk", "rope-dim"],
+    ids=["stage", "coeff", "topk", "rope-dim", "fp8-dim"],
 )
 def test_bad_config_raises_value_error_naming_the_field(field, value, match):
+    if field == "indexer_fp8":
+        with pytest.raises(ValueError, match="index_head_dim must be a power of 2 with indexer_fp8"):
+            make_layer(indexer_fp8=True, index_head_dim=12)
+        return
     with pytest.raises(ValueError, match=match):
         make_layer(**{field: value})
 
@@ -328,3 +334,25 @@ def test_dense_warmup_fused_indexer_loss_equals_the_reference(lengths):
         else:
             torch.testing.assert_close(grads_f[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(),
                                        msg=lambda m: f"{name}: {m}")
+
+
+def test_indexer_fp8_selects_by_the_fp8_scores(monkeypatch):
+    """sparse_attention.indexer_fp8: the layer's top-k is lightning_indexer_topk(fp8=True) of its
+    index inputs (rows rotated and quantized, ops tests check the scoring); the selection then
+    differs from the full-precision one somewhere, and so does the output, while every
+    parameter still gets its gradient (the indexer's through the KL loss)."""
+    layer = make_layer(topk=4)
+    fp8 = clone_with(layer, topk=4, indexer_fp8=True)
+    calls, real = [], sa.lightning_indexer_topk
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["fp8"], real(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(sa, "lightning_indexer_topk", spy)
+    x, grad_out = torch.randn(33, 2, HIDDEN, dtype=torch.float64), torch.randn(33, 2, HIDDEN, dtype=torch.float64)
+    out, grads = run(layer, x, grad_out)
+    out8, grads8 = run(fp8, x, grad_out)
+    assert [c[0] for c in calls] == [False, True]
+    assert not torch.equal(calls[0][1], calls[1][1]) and not torch.allclose(out, out8)
+    assert all(g is not None for g in grads8.values())

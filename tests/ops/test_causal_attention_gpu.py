@@ -112,7 +112,8 @@ def _dense_warmup_layers(indexer_loss_coeff, weight_scale, seed):
     for backend in ("torch", "auto"):
         cfg.sparse_attention = types.SimpleNamespace(
             topk=64, index_n_heads=4, index_head_dim=32, index_rope_dim=16, rope_base=10000.0,
-            indexer_loss_coeff=indexer_loss_coeff, stage="dense_warmup", backend=backend)  # fmt: skip
+            indexer_loss_coeff=indexer_loss_coeff, stage="dense_warmup", backend=backend,
+            indexer_fp8=False)  # fmt: skip
         torch.manual_seed(0)
         layers[backend] = SparseAttention(cfg, SparseAttentionSubmodules()).cuda()
         with torch.no_grad():

@@ -288,6 +288,7 @@ def make_config(cp_layout, **sparse):
         indexer_loss_coeff=0.05,
         stage="sparse",
         backend="auto",
+        indexer_fp8=False,
     )
     fields.update(sparse)
     cfg.sparse_attention = types.SimpleNamespace(**fields)
@@ -348,6 +349,10 @@ def _cp_cases(P):
                         cu=cu if packed else None,
                     )
                 )
+    # the top-k by fp8 index scores (sparse_attention.indexer_fp8): each key row is quantized
+    # alone, so the gathered keys' rows are the CP == 1 rows
+    cases.append(dict(name=f"P{P}-zigzag-sparse-K3-fp8-b2", kind="zigzag", stage="sparse", topk=3, T=T, b=2,
+                      cu=None, fp8=True))
     return cases
 
 
@@ -369,8 +374,8 @@ def _memory_check(rank, P):
     blocks = []
     index_scores = reference._index_scores
 
-    def recording(q_blk, k_all, w_blk):
-        scores = index_scores(q_blk, k_all, w_blk)
+    def recording(q_blk, k_all, w_blk, k_scale=None):
+        scores = index_scores(q_blk, k_all, w_blk, k_scale)
         blocks.append(tuple(scores.shape))
         return scores
 
@@ -401,7 +406,8 @@ def _cp_worker(rank, world, cases_by_cp, state, inputs_by_cp):
         _memory_check(rank, P)
         results[P] = []
         for case, (x, grad_out) in zip(cases, inputs_by_cp[P]):
-            layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"])
+            layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"],
+                               indexer_fp8=case.get("fp8", False))
             layout = CPLayout.from_parallel_state(case["T"], case["kind"])
             assert local_layout(layout.local_len, layer.config.cp_layout) == layout
             # The trainer's convention: each rank's loss is P x its share of the global loss
@@ -462,9 +468,13 @@ def test_cp_layer_equals_single_process(megatron):
     expected = {P: [] for P in cases}
     for P in cases:
         for case, (x, grad_out) in zip(cases[P], inputs[P]):
-            layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"])
+            layer = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"],
+                               indexer_fp8=case.get("fp8", False))
             assert local_layout(case["T"], layer.config.cp_layout) is None  # CP == 1: the old path
             expected[P].append(run_layer(layer, x, grad_out, case["cu"]))
+            if case.get("fp8"):  # the case selects other keys than full precision does (it can fail)
+                plain = make_layer(state, case["kind"], stage=case["stage"], topk=case["topk"])
+                assert not torch.allclose(run_layer(plain, x, grad_out, case["cu"])[0], expected[P][-1][0])
 
     results = spawn(_cp_worker, 4, cases, state, inputs)
     for P, cases_p in cases.items():

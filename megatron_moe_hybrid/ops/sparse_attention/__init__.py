@@ -29,10 +29,13 @@ from . import reference
 from .reference import (
     dense_attention,
     dense_masked_attention,
+    hadamard_rotate,
+    indexer_fp8_inputs,
     indexer_kl_valid_queries,
     indices_to_mask,
     mark_valid_indices,
     positions_from_cu_seqlens,
+    quantize_fp8_rows,
 )
 
 
@@ -116,12 +119,13 @@ def _triton_sparse_attention(q, k, v, indices, scale=None):
 
 
 def _triton_lightning_indexer_topk(
-    q_idx, k_idx, weights, topk, cu_seqlens=None, block_size=None, causal=True, q_positions=None
+    q_idx, k_idx, weights, topk, cu_seqlens=None, block_size=None, causal=True, q_positions=None,
+    k_scale=None,
 ):
     from .triton_indexer import lightning_indexer_topk_triton
 
     return lightning_indexer_topk_triton(
-        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
+        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions, k_scale=k_scale
     )
 
 
@@ -132,21 +136,27 @@ def _triton_lightning_indexer_sparse(q_idx, k_idx, weights, indices):
 
 
 def _triton_indexer_topk(
-    q_idx, k_idx, weights, topk, block_size=256, causal=True, cu_seqlens=None, q_positions=None
+    q_idx, k_idx, weights, topk, block_size=256, causal=True, cu_seqlens=None, q_positions=None,
+    k_scale=None,
 ):
     """indexer_topk's contract (int64) from the fused kernel; block_size (the reference's
     queries per block) is checked but not needed: the kernel bounds its memory itself."""
     reference.check_query_block(block_size)
     return _triton_lightning_indexer_topk(
-        q_idx, k_idx, weights, topk, cu_seqlens, None, causal, q_positions
+        q_idx, k_idx, weights, topk, cu_seqlens, None, causal, q_positions, k_scale
     ).long()
 
 
+_FP8_OPS = ("lightning_indexer_topk", "indexer_topk")  # the ops taking float8_e4m3fn rows
+
+
 def _triton_supports(op: str, x: Tensor) -> bool:
-    """What auto sends to Triton: bf16/fp16 CUDA tensors. CPU tensors stay on the reference
-    (backend="triton" runs them in Triton's interpreter, fp32 only, for tests), and so do fp32
-    CUDA tensors, which the kernels refuse (their tiles are sized for 16-bit operands)."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] <= 1024
+    """What auto sends to Triton: bf16/fp16 CUDA tensors, and the indexer's selection on
+    float8_e4m3fn ones. CPU tensors stay on the reference (backend="triton" runs them in
+    Triton's interpreter, fp32 / fp16 / fp8 only, for tests), and so do fp32 CUDA tensors,
+    which the kernels refuse (their tiles are sized for 16-bit operands)."""
+    dtypes = (torch.bfloat16, torch.float16) + (reference.FP8_DTYPES if op in _FP8_OPS else ())
+    return x.is_cuda and x.dtype in dtypes and x.shape[-1] <= 1024
 
 
 if importlib.util.find_spec("triton") is not None:
@@ -176,9 +186,10 @@ def lightning_indexer(
     cu_seqlens: Optional[Tensor] = None,
     backend: str = "auto",
     q_positions: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
 ) -> Tensor:
     return get_op("lightning_indexer", backend)(
-        q_idx, k_idx, weights, causal, cu_seqlens, q_positions=q_positions
+        q_idx, k_idx, weights, causal, cu_seqlens, q_positions=q_positions, k_scale=k_scale
     )
 
 
@@ -202,10 +213,26 @@ def indexer_topk(
     cu_seqlens: Optional[Tensor] = None,
     backend: str = "auto",
     q_positions: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    fp8: bool = False,
 ) -> Tensor:
+    q_idx, k_idx, weights, k_scale = _fp8_selection_inputs(q_idx, k_idx, weights, k_scale, fp8)
     return get_op("indexer_topk", backend, q_idx)(
-        q_idx, k_idx, weights, topk, block_size, causal, cu_seqlens, q_positions=q_positions
+        q_idx, k_idx, weights, topk, block_size, causal, cu_seqlens, q_positions=q_positions,
+        k_scale=k_scale,
     )
+
+
+def _fp8_selection_inputs(q_idx, k_idx, weights, k_scale, fp8: bool):
+    """fp8=True: the inputs rotated and quantized for fp8 scoring (indexer_fp8_inputs)."""
+    if not fp8:
+        return q_idx, k_idx, weights, k_scale
+    reference._check(
+        k_scale is None and q_idx.dtype not in reference.FP8_DTYPES,
+        "fp8=True quantizes 16/32-bit q_idx / k_idx itself; already-quantized inputs go with k_scale "
+        "and fp8=False",
+    )
+    return indexer_fp8_inputs(q_idx, k_idx, weights)
 
 
 def lightning_indexer_topk(
@@ -218,9 +245,15 @@ def lightning_indexer_topk(
     causal: bool = True,
     q_positions: Optional[Tensor] = None,
     backend: str = "auto",
+    k_scale: Optional[Tensor] = None,
+    fp8: bool = False,
 ) -> Tensor:
+    """The indexer's key selection (reference.lightning_indexer_topk). fp8 scoring
+    (DeepSeek-V3.2's): fp8=True rotates and quantizes 16/32-bit inputs itself
+    (indexer_fp8_inputs); or pass its q8, k8, scaled weights and k_scale."""
+    q_idx, k_idx, weights, k_scale = _fp8_selection_inputs(q_idx, k_idx, weights, k_scale, fp8)
     indices = get_op("lightning_indexer_topk", backend, q_idx)(
-        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions
+        q_idx, k_idx, weights, topk, cu_seqlens, block_size, causal, q_positions, k_scale=k_scale
     )
     return reference.mark_valid_indices(indices, k_idx.shape[1])  # the fused ops then skip their checks of it
 
@@ -708,10 +741,13 @@ __all__ = [
     "dense_attention",
     "dense_masked_attention",
     "get_op",
+    "hadamard_rotate",
+    "indexer_fp8_inputs",
     "indexer_kl_valid_queries",
     "indices_to_mask",
     "mark_valid_indices",
     "positions_from_cu_seqlens",
+    "quantize_fp8_rows",
     "register_backend",
     "registered_backends",
 ]

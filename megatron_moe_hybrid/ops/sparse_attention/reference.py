@@ -23,6 +23,8 @@ from .._checks import positive_finite
 from .._packed import host_offsets
 
 NEG_INF = float("-inf")
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -31,6 +33,8 @@ def _check(ok: bool, msg: str) -> None:
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
+    if x.dtype in FP8_DTYPES:  # torch does not promote float8 types
+        return torch.float32
     return torch.promote_types(x.dtype, torch.float32)
 
 
@@ -190,12 +194,82 @@ def check_kl_args(q: Tensor, k: Tensor, q_idx: Tensor, k_idx: Tensor, weights: T
     return B, T, S, H, G, D
 
 
-def _index_scores(q_idx: Tensor, k_idx: Tensor, weights: Tensor) -> Tensor:
-    """[B, Tq, S] = sum_j w[t, j] * relu(q_idx[t, j] . k_idx[s]), no mask."""
-    dtype = _compute_dtype(q_idx)
+def _index_scores(q_idx: Tensor, k_idx: Tensor, weights: Tensor, k_scale: Tensor | None = None) -> Tensor:
+    """[B, Tq, S] = k_scale[s] * sum_j w[t, j] * relu(q_idx[t, j] . k_idx[s]), no mask
+    (k_scale None: 1)."""
+    # fp8 rows compute in the (scaled) weights' dtype: fp32, or fp64 for exact tests
+    dtype = _compute_dtype(weights if q_idx.dtype in FP8_DTYPES else q_idx)
     # [B, Tq, HI, S]: one relu'd logit per indexer head
     logits = torch.einsum("bthd,bsd->bths", q_idx.to(dtype), k_idx.to(dtype)).relu()
-    return (logits * weights.to(dtype)[..., None]).sum(2)
+    scores = (logits * weights.to(dtype)[..., None]).sum(2)
+    return scores if k_scale is None else scores * k_scale.to(dtype)[:, None, :]
+
+
+def _check_k_scale(q_idx: Tensor, k_idx: Tensor, k_scale: Tensor | None) -> None:
+    """fp8 index inputs come with k_scale [B, S] (positive, fp32), 16/32-bit ones without."""
+    fp8 = k_idx.dtype in FP8_DTYPES
+    _check(
+        (q_idx.dtype in FP8_DTYPES) == fp8,
+        f"q_idx and k_idx must both be float8_e4m3fn or neither, got {q_idx.dtype} and {k_idx.dtype}",
+    )
+    if not fp8:
+        _check(k_scale is None, "k_scale: only for float8_e4m3fn q_idx / k_idx (see indexer_fp8_inputs)")
+        return
+    _check(
+        k_scale is not None,
+        "k_scale: float8_e4m3fn k_idx needs its per-key scales [B, S] (indexer_fp8_inputs makes both)",
+    )
+    _check(
+        tuple(k_scale.shape) == tuple(k_idx.shape[:2]) and k_scale.dtype == torch.float32,
+        f"k_scale must be fp32 [B, S] = {list(k_idx.shape[:2])}, got {k_scale.dtype} {list(k_scale.shape)}",
+    )
+
+
+def hadamard_rotate(x: Tensor) -> Tensor:
+    """x [..., D] times the orthonormal Walsh-Hadamard matrix H_D / sqrt(D) (D a power of 2):
+    dot products are kept (H orthogonal), while a few large channels spread over all D, so a
+    row quantizes to fp8 with less error (DeepSeek-V3.2's rotate_activation before fp8_index)."""
+    D = x.shape[-1]
+    _check(D > 0 and D & (D - 1) == 0, f"hadamard_rotate: the last dim must be a power of 2, got {D}")
+    h = torch.ones(1, 1, dtype=torch.float32, device=x.device)
+    while h.shape[0] < D:  # Sylvester's construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    dtype = _compute_dtype(x)
+    return (x.to(dtype) @ (h.to(dtype) * D**-0.5)).to(x.dtype)
+
+
+def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> (x8 float8_e4m3fn [..., D], scale fp32 [...]) with x ~ x8 * scale.
+
+    scale is the power of two 2^ceil(log2(amax / 448)) of each row, so x / scale is exact and
+    every row lands in fp8's top range (|x8| <= 448, 3 mantissa bits: about 6% relative error
+    at worst, half that on average); an all-zero row gets scale 1."""
+    amax = x.detach().abs().amax(-1).float()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    x8 = (x.detach().float() / scale[..., None]).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def indexer_fp8_inputs(
+    q_idx: Tensor, k_idx: Tensor, weights: Tensor, rotate: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The indexer's inputs for fp8 scoring (DeepSeek-V3.2's fp8_index), no gradient:
+    q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] ->
+    (q8 [B, T, HI, DI], k8 [B, S, DI] float8_e4m3fn, weights * q_scale fp32 [B, T, HI],
+    k_scale fp32 [B, S]), each row of q and k rotated (hadamard_rotate, when rotate) and
+    quantized with its own power-of-two scale. Since relu(a x) = a relu(x) for a > 0,
+
+        k_scale[s] * sum_j (w q_scale)[t, j] relu(q8[t, j] . k8[s])
+
+    is the index score of the dequantized rows: lightning_indexer_topk(q8, k8, w8, ...,
+    k_scale=k_scale) selects by it, its products on fp8 tensor cores on a GPU."""
+    _check_indexer_args(q_idx, k_idx, weights)
+    if rotate:
+        q_idx, k_idx = hadamard_rotate(q_idx.detach()), hadamard_rotate(k_idx.detach())
+    q8, q_scale = quantize_fp8_rows(q_idx)
+    k8, k_scale = quantize_fp8_rows(k_idx)
+    return q8, k8, weights.detach().float() * q_scale, k_scale
 
 
 def lightning_indexer(
@@ -205,17 +279,21 @@ def lightning_indexer(
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
     q_positions: Tensor | None = None,
+    k_scale: Tensor | None = None,
 ) -> Tensor:
     """Index scores I[b, t, s] = sum_j weights[b, t, j] * relu(q_idx[b, t, j] . k_idx[b, s]).
 
     q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> [B, T, S] fp32, -inf where
     query t may not read key s (s > q_positions[t] when causal; another sequence when
     cu_seqlens [N + 1] over the S keys). q_positions [T]: None means arange(T) with T == S.
+    float8_e4m3fn q_idx and k_idx (indexer_fp8_inputs) come with k_scale [B, S]: I is then
+    k_scale[b, s] times the sum above.
     """
     B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_k_scale(q_idx, k_idx, k_scale)
     q_pos = _query_positions(q_positions, T, S, q_idx.device)
     seg = _segment_ids(cu_seqlens, B, S)
-    scores = _index_scores(q_idx, k_idx, weights)  # [B, T, S]
+    scores = _index_scores(q_idx, k_idx, weights, k_scale)  # [B, T, S]
     return scores.masked_fill(~_key_mask(q_pos, S, causal, seg), NEG_INF)
 
 
@@ -266,17 +344,19 @@ def indexer_topk(
     causal: bool = True,
     cu_seqlens: Tensor | None = None,
     q_positions: Tensor | None = None,
+    k_scale: Tensor | None = None,
 ) -> Tensor:
     """topk_indices(lightning_indexer(...), topk), computed block_size queries at a time.
 
     Only [B, block_size, HI, S] scores are alive at once instead of [B, T, HI, S]. Returns
     [B, T, topk] int64 key indices in [-1, S) (no gradient: selection is not differentiable).
-    q_positions as in lightning_indexer.
+    q_positions and k_scale (fp8 inputs) as in lightning_indexer.
     """
     B, T, S = _check_indexer_args(q_idx, k_idx, weights)
+    _check_k_scale(q_idx, k_idx, k_scale)
     _check_topk(topk)
     check_query_block(block_size)
-    return _select(q_idx, k_idx, weights, topk, block_size, None, causal, cu_seqlens, q_positions)
+    return _select(q_idx, k_idx, weights, topk, block_size, None, causal, cu_seqlens, q_positions, k_scale)
 
 
 def check_query_block(block_size) -> None:
@@ -286,7 +366,8 @@ def check_query_block(block_size) -> None:
     )
 
 
-def _select(q_idx, k_idx, weights, topk, query_block, key_block, causal, cu_seqlens, q_positions) -> Tensor:
+def _select(q_idx, k_idx, weights, topk, query_block, key_block, causal, cu_seqlens, q_positions,
+            k_scale=None) -> Tensor:
     """indexer_topk / lightning_indexer_topk: masked scores query_block queries at a time, then
     token mode (key_block None) or block mode -> [B, T, topk] int64."""
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
@@ -295,7 +376,7 @@ def _select(q_idx, k_idx, weights, topk, query_block, key_block, causal, cu_seql
     blocks = []
     for t0 in range(0, T, query_block):
         t1 = min(t0 + query_block, T)
-        scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1])  # [B, t1 - t0, S]
+        scores = _index_scores(q_idx[:, t0:t1], k_idx, weights[:, t0:t1], k_scale)  # [B, t1 - t0, S]
         scores = scores.masked_fill(~_key_mask(q_pos[t0:t1], S, causal, seg), NEG_INF)
         if key_block is None:
             blocks.append(topk_indices(scores, topk))
@@ -346,6 +427,7 @@ def lightning_indexer_topk(
     block_size: int | None = None,
     causal: bool = True,
     q_positions: Tensor | None = None,
+    k_scale: Tensor | None = None,
 ) -> Tensor:
     """The indexer's key selection: int32 [B, T, topk] key indices in [-1, S), -1 padded.
 
@@ -357,10 +439,15 @@ def lightning_indexer_topk(
     kept (equal blocks: the lower one), and the topk best readable keys inside them are
     returned in the same order. No gradient: selection is not differentiable. This
     reference scores 256 queries at a time; the Triton backend never holds the per-head
-    [T, HI, S] logits and works through the queries in memory-bounded chunks.
+    [T, HI, S] logits and works through the queries in memory-bounded chunks. fp8 scoring:
+    float8_e4m3fn q_idx and k_idx with k_scale [B, S], from indexer_fp8_inputs (the scores
+    as in lightning_indexer).
     """
     _check_selection_args(q_idx, k_idx, weights, topk, block_size)
-    return _select(q_idx, k_idx, weights, topk, 256, block_size, causal, cu_seqlens, q_positions).to(torch.int32)
+    _check_k_scale(q_idx, k_idx, k_scale)
+    return _select(
+        q_idx, k_idx, weights, topk, 256, block_size, causal, cu_seqlens, q_positions, k_scale
+    ).to(torch.int32)
 
 
 def _select_keys(x: Tensor, indices: Tensor) -> Tensor:

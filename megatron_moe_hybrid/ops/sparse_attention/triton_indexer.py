@@ -42,6 +42,7 @@ from torch import Tensor
 from .reference import (
     _check,
     _check_indexer_args,
+    _check_k_scale,
     _check_selection_args,
     _query_positions,
     _segment_ids,
@@ -67,14 +68,16 @@ CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
 @fast_launch
 @triton.jit
 def _score_keys_kernel(
-    q, k, w, lo, hi, out,
-    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, so_b, so_t,
+    q, k, w, ks, lo, hi, out,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, sks_b, so_b, so_t,
     t0, t1, S_out,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
+    HAS_KS: tl.constexpr,
 ):
     """int32 order keys of queries [t0 + i_q BQ, + BQ) x keys [i_s BS, + BS) into out[b, t - t0, s].
 
-    lo[t] <= s <= hi[t] is what query t may read (hi < lo: nothing)."""
+    lo[t] <= s <= hi[t] is what query t may read (hi < lo: nothing). HAS_KS: fp8 q and k, the
+    scores times the keys' scales ks[b, s] (the queries' are in w)."""
     i_s, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_q * BQ + tl.arange(0, BQ)
     o_s = i_s * BS + tl.arange(0, BS)
@@ -95,6 +98,9 @@ def _score_keys_kernel(
             b_w = tl.load(p_w + j, mask=m_t, other=0.0).to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_k))
             b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
+        if HAS_KS:
+            b_ks = tl.load(ks + i_b * sks_b + o_s, mask=o_s < S_out, other=0.0)
+            b_acc *= b_ks[None, :]
     m_read = (o_s[None, :] >= b_lo[:, None]) & (o_s[None, :] <= b_hi[:, None])
     # + 0.0 turns -0.0 into +0.0, which the reference's sort takes as equal.
     b_i = tl.where(m_read, b_acc + 0.0, float("-inf"))
@@ -224,10 +230,14 @@ def lightning_indexer_topk_triton(
     causal: bool = True,
     q_positions: Tensor | None = None,
     budget_bytes: int | None = None,
+    k_scale: Tensor | None = None,
 ) -> Tensor:
-    """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> int32 [B, T, topk]."""
+    """q_idx [B, T, HI, DI], k_idx [B, S, DI], weights [B, T, HI] -> int32 [B, T, topk].
+    float8_e4m3fn q_idx / k_idx with k_scale [B, S] (reference.indexer_fp8_inputs): the
+    products on fp8 tensor cores, the scores scaled by k_scale."""
     B, T, S = _check_selection_args(q_idx, k_idx, weights, topk, block_size)
     _check_triton_dtypes(q_idx, k_idx, weights)
+    _check_k_scale(q_idx, k_idx, k_scale)
     DI = q_idx.shape[-1]
     _check(DI <= 256, f"q_idx: indexer head dim {DI} > 256 is not supported by the Triton indexer")
     _check(
@@ -243,7 +253,9 @@ def lightning_indexer_topk_triton(
     lo, hi = read_ranges(B, T, S, causal, cu_seqlens, q_positions, q_idx.device)
     cfg = dict(CONFIG, BQ=16, BS=16) if _INTERPRET else dict(CONFIG)
     BQ, BS = cfg["BQ"], cfg["BS"]
-    DIP = max(16, next_power_of_2(DI))
+    fp8 = k_scale is not None
+    DIP = max(32 if fp8 else 16, next_power_of_2(DI))  # an fp8 product's depth is at least 32
+    ks = k_scale.contiguous() if fp8 else weights  # (a placeholder pointer without scales)
     budget = SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     # The last key each query can read decides how many keys its chunk scores: known on the
     # host for the causal, unshifted queries of training (and the whole-sequence case), else
@@ -260,11 +272,11 @@ def lightning_indexer_topk_triton(
         keys = torch.empty((B, t1 - t0, Sc), dtype=torch.int32, device=q_idx.device)
         grid = (cdiv(Sc, BS), cdiv(t1 - t0, BQ), B)
         _score_keys_kernel[grid](
-            q_idx, k_idx, weights, lo, hi, keys,
+            q_idx, k_idx, weights, ks, lo, hi, keys,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
-            weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
+            weights.stride(0), weights.stride(1), ks.stride(0), keys.stride(0), keys.stride(1),
             t0, t1, Sc,
-            HI=q_idx.shape[2], DI=DI, DIP=DIP, BQ=BQ, BS=BS,
+            HI=q_idx.shape[2], DI=DI, DIP=DIP, BQ=BQ, BS=BS, HAS_KS=fp8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         out[:, t0:t1] = _select(keys, topk, block_size)
