@@ -14,7 +14,9 @@ idx<S>: the lightning indexer + top-2048 alone (DeepSeek-V3.2's 64 heads x 128, 
   scores, to say what top-k costs. TFLOP/s count the scoring, 2 HI DI per readable (t, s).
   --fp8: also ours with fp8 scoring (fp8=True: rows Hadamard-rotated and quantized, then the
   kernel's products on fp8 tensor cores), its scoring kernel alone, and the share of the bf16
-  selection it keeps (fp8_recall_vs_bf16).
+  selection it keeps (fp8_recall_vs_bf16). From SELECT_BLOCK_MIN_KEYS keys the selection goes
+  through the runs' maxima (triton_indexer._select_by_blocks); ours_whole_rows_ms and
+  selection_whole_rows_ms time the whole-row selection it replaced, in the same run.
 mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no gradient),
   sparse attention over the selection (gradients to q, k, v), and the sparse-stage indexer
   KL loss (gradients to the indexer's q, k and weights; target from the detached q and k).
@@ -98,6 +100,15 @@ def bench_indexer(key, args, rows, log):
     row.update(ours_ms=round(ms, 3), ours_peak_mem_bytes=peak, tflops=round(flops / ms / 1e9, 1))
     log(f"ours {ms:.3f} ms peak {peak / 2**30:.2f} GiB (first {first:.0f} ms)")
     got = ours()
+    if S >= triton_indexer.SELECT_BLOCK_MIN_KEYS:  # A/B: the selection over whole rows, as before the runs
+        saved, triton_indexer.SELECT_BLOCK_MIN_KEYS = triton_indexer.SELECT_BLOCK_MIN_KEYS, 1 << 62
+        try:
+            ms_w, _, _, _ = measure(ours)
+            same = torch.equal(ours(), got)
+        finally:
+            triton_indexer.SELECT_BLOCK_MIN_KEYS = saved
+        row.update(ours_whole_rows_ms=round(ms_w, 3), by_runs_speedup=round(ms_w / ms, 3), by_runs_equal=same)
+        log(f"whole-row selection {ms_w:.3f} ms ({ms_w / ms:.3f}x ours), equal {same}")
     if args.fp8:
         ms8, peak8, _, first8 = measure(ours_fp8)
         got8 = ours_fp8()
@@ -110,13 +121,18 @@ def bench_indexer(key, args, rows, log):
     lo, hi = triton_indexer.read_ranges(1, T, S, True, None, pos, "cuda")
     keys = torch.empty((1, T, S), dtype=torch.int32, device="cuda") if T * S * 4 <= 40e9 else None
     if keys is not None:
+        # rows of SELECT_BLOCK_MIN_KEYS keys or more: the kernel also writes the runs' maxima
+        runs = S >= triton_indexer.SELECT_BLOCK_MIN_KEYS
+        SB = triton_indexer.SELECT_BLOCK if runs else 0
+        bmax = torch.empty((1, T, triton.cdiv(S, SB) if runs else 0), dtype=torch.int32, device="cuda")
+
         def score(c, fp8=None):  # fp8: (q8, k8, w8, k_scale) from indexer_fp8_inputs
             grid = (triton.cdiv(S, c["BS"]), triton.cdiv(T, c["BQ"]), 1)
             q, k, ww, ks = fp8 if fp8 is not None else (q_idx, k_idx, w, w)
             triton_indexer._score_keys_kernel[grid](
-                q, k, ww, ks, lo, hi, keys, *q.stride()[:3], *k.stride()[:2],
-                *ww.stride()[:2], ks.stride(0), *keys.stride()[:2], 0, T, S, HI=HI, DI=DI, DIP=DI,
-                BQ=c["BQ"], BS=c["BS"], HAS_KS=fp8 is not None,
+                q, k, ww, ks, lo, hi, keys, bmax, *q.stride()[:3], *k.stride()[:2],
+                *ww.stride()[:2], ks.stride(0), *keys.stride()[:2], *bmax.stride()[:2], 0, T, S, HI=HI, DI=DI,
+                DIP=DI, BQ=c["BQ"], BS=c["BS"], HAS_KS=fp8 is not None, SB=SB,
                 num_warps=c["num_warps"], num_stages=c["num_stages"])
 
         if args.fp8:
@@ -126,7 +142,12 @@ def bench_indexer(key, args, rows, log):
             log(f"fp8 scoring {ms_s8:.3f} ms ({flops / ms_s8 / 1e9:.0f} TFLOP/s)")
             del inputs8
         ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
-        ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None))
+        ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None, bmax if runs else None))
+        if runs:  # the whole-row selection it replaced, on the same keys
+            ms_rows, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None))
+            same = torch.equal(triton_indexer._select(keys, K, None, bmax), triton_indexer._select(keys, K, None))
+            row.update(selection_whole_rows_ms=round(ms_rows, 3), selection_by_runs_equal=same)
+            log(f"selection by runs {ms_k:.3f} ms against whole rows {ms_rows:.3f} ms, equal {same}")
         fp = torch.randn(1, T, S, device="cuda")
         ms_f, _, _, _ = measure(lambda: fp.topk(K, dim=-1))
         del fp

@@ -376,6 +376,12 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
             f8 = torch.float8_e4m3fn
             ti.lightning_indexer_topk_triton(q.detach().to(f8), k.detach().to(f8), w.detach().float(), K,
                                              k_scale=torch.ones(B, T))
+            # long rows (from SELECT_BLOCK_MIN_KEYS keys): the kernel also writes the runs' maxima
+            saved_min, ti.SELECT_BLOCK_MIN_KEYS = ti.SELECT_BLOCK_MIN_KEYS, 0
+            try:
+                ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K)
+            finally:
+                ti.SELECT_BLOCK_MIN_KEYS = saved_min
             scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
             torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
             # the dense warm-up's fused KL loss (triton_dense_kl), forward and backward, with the

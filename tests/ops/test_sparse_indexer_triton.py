@@ -174,6 +174,62 @@ def test_select_rows_keeps_the_lowest_ties(monkeypatch, block):
         assert torch.equal(got, want), (topk, (got != want).nonzero()[:5].tolist())
 
 
+def _run_maxima(ords, run):
+    """The scoring kernel's bmax: each run of `run` keys' largest order key (past the row: -inf)."""
+    N, Sc = ords.shape
+    pad = -Sc % run
+    padded = torch.cat([ords, ords.new_full((N, pad), triton_indexer.ORD_NEG_INF)], 1)
+    return padded.view(N, -1, run).amax(-1).contiguous()
+
+
+@interpreter
+@pytest.mark.parametrize("run", [1, 3, 4, 8])
+def test_select_by_blocks_equals_select_rows(monkeypatch, run):
+    """The runs-first selection of long rows equals the whole-row one, ties included: rows of a
+    few values (ties at the threshold spread over many runs), one value throughout, unreadable
+    keys (fewer readable than topk, a causal tail), signed zeros; row chunks crossed."""
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_ROWS", 3)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(-3, 4, (8, 203), generator=gen).float()
+    scores[1] = 2.0
+    scores[2, 30:] = float("-inf")
+    scores[3] = torch.where(scores[3] > 0, 0.0, -0.0)
+    scores[4, ::3] = float("-inf")
+    scores[5] = torch.randn(203, generator=gen)
+    scores[6, 150:] = float("-inf")
+    ords = order_keys(scores)
+    for topk in (1, 5, 17, 40):
+        if -(-203 // run) <= topk:
+            continue
+        want = triton_indexer._select_rows(ords, topk)
+        got = triton_indexer._select_by_blocks(ords, _run_maxima(ords, run), topk, run)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, want), (run, topk, (got != want).nonzero()[:5].tolist())
+
+
+@interpreter
+@pytest.mark.parametrize("cu, q_positions, fp8", [(None, None, False), (PACKED, None, False),
+                                                  (None, torch.arange(30, 70), True)])
+def test_triton_selects_long_rows_by_runs(monkeypatch, cu, q_positions, fp8):
+    """Rows of at least SELECT_BLOCK_MIN_KEYS keys: the kernel writes the runs' maxima and the
+    selection goes through them; equal to the reference element for element (integer inputs,
+    many ties), causal and full, packed, queries among keys, fp8 rows."""
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK", 4)
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 32)
+    calls, real = [], triton_indexer._select_by_blocks
+    monkeypatch.setattr(triton_indexer, "_select_by_blocks", lambda *a: calls.append(a[3]) or real(*a))
+    q_idx, k_idx, w = indexer_inputs(1, 70 if q_positions is None else 40, 2, 32, S=70, seed=9)
+    ks = None
+    if fp8:
+        q_idx, k_idx, w, ks = sa.indexer_fp8_inputs(q_idx, k_idx, w, rotate=False)
+    for causal in (True, False):
+        for topk in (3, 9):
+            want = reference.lightning_indexer_topk(q_idx, k_idx, w, topk, cu, None, causal, q_positions, k_scale=ks)
+            got = sa.lightning_indexer_topk(q_idx, k_idx, w, topk, cu, None, causal, q_positions, "triton", k_scale=ks)
+            assert torch.equal(got, want), (causal, topk, (got != want).sum())
+    assert calls and set(calls) == {4}
+
+
 @interpreter
 def test_triton_chunks_bound_memory(monkeypatch):
     """A small budget splits the queries into chunks; each chunk's [Tc, Sc] int32 keys stay
@@ -183,9 +239,9 @@ def test_triton_chunks_bound_memory(monkeypatch):
     shapes = []
     select = triton_indexer._select
 
-    def spy(keys, topk, block_size):
+    def spy(keys, topk, block_size, bmax=None):
         shapes.append(tuple(keys.shape))
-        return select(keys, topk, block_size)
+        return select(keys, topk, block_size, bmax)
 
     monkeypatch.setattr(triton_indexer, "_select", spy)
     budget = 16 * 96 * 4 * 2  # two 16-query tiles at the full width
@@ -303,7 +359,10 @@ def test_chunked_kl_loss_holds_one_chunk_at_a_time():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("HI, DI, T", [(64, 128, 4096), (16, 64, 8192)])
-def test_gpu_bf16_selection(HI, DI, T):
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])  # runs: the long rows' selection
+def test_gpu_bf16_selection(HI, DI, T, runs, monkeypatch):
+    if runs:
+        monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 2048)
     # integer-valued bf16: exact scores, so the selection equals the reference's exactly
     q_idx, k_idx, w = indexer_inputs(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
     want = reference.lightning_indexer_topk(q_idx, k_idx, w, 2048)
@@ -601,10 +660,13 @@ def test_fp8_bad_arguments_name_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("HI, DI, T", [(64, 128, 4096), (16, 64, 8192)])
-def test_gpu_fp8_selection(HI, DI, T):
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])
+def test_gpu_fp8_selection(HI, DI, T, runs, monkeypatch):
     """The kernel's products on fp8 tensor cores: integer rows (exact in fp8 with power-of-two
     scales) select exactly the reference's keys; real-valued rows select keys whose reference
     scores (on the same fp8 rows) are the top ones, and keep most of the bf16 selection."""
+    if runs:
+        monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 2048)
     q_idx, k_idx, w = indexer_inputs(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
     q8, k8, w8, ks = sa.indexer_fp8_inputs(q_idx, k_idx, w, rotate=False)
     got = sa.lightning_indexer_topk(q8, k8, w8, 2048, k_scale=ks)  # auto: the Triton kernel

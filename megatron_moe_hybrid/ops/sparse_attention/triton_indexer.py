@@ -25,6 +25,13 @@ memory is linear in T for a fixed budget, and no [T, S] tensor is ever held. Eac
 reads only the keys up to its last readable one (Sc), so a causal chunk early in the sequence
 costs little.
 
+Long rows (Sc >= SELECT_BLOCK_MIN_KEYS, token mode): the scoring kernel also writes the largest
+order key of each run of SELECT_BLOCK keys; _select_by_blocks keeps the K best runs (the same
+selection over the runs' maxima: ties to the lower run) and selects among their K *
+SELECT_BLOCK keys, in key order, instead of the whole row. The keys above the K-th value lie in
+fewer than K runs, all kept, and the tie rule's lowest keys equal to it lie in the lowest runs
+whose best equals it, which the runs' own tie rule keeps: the result is the whole row's.
+
 Block mode (block_size=bs): the keys are cut into blocks [i bs, (i + 1) bs); a block scores
 its best key (ties to the lower block), the ceil(K / bs) best blocks are kept, and the top-K
 readable keys inside them are returned in order (an int64 sort key ord << 32 | (2^32 - 1 - s)
@@ -52,7 +59,8 @@ from .._launch import fast_launch
 from .._intmath import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Bytes of one chunk's [B, Tc, Sc] int32 order keys (torch.topk's working set comes on top).
+# Bytes of one chunk's [B, Tc, Sc] int32 order keys and, on long rows, its runs' maxima
+# (the selection's working set comes on top).
 SCORE_BUDGET_BYTES = 2 << 30
 KEY_BYTES = 4
 LOW_MASK = (1 << 32) - 1
@@ -63,21 +71,30 @@ COMPACT_BLOCK, COMPACT_WARPS = 2048, 4  # _compact_kernel's columns per step and
 # Launch config on a GPU (benchmarks/sparse_layer.py --sweep times others); the interpreter
 # takes 16 x 16 tiles so that small tests cross tile edges.
 CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
+# Token mode over long rows selects in two steps (_select_by_blocks): the scoring kernel also
+# writes each run of SELECT_BLOCK keys' best order key, the topk best runs are kept (ties to
+# the lower run), and the top-k is taken among their keys only: topk * SELECT_BLOCK
+# candidates instead of the whole row. Rows of at least SELECT_BLOCK_MIN_KEYS keys take it.
+SELECT_BLOCK = 16
+SELECT_BLOCK_MIN_KEYS = 65536
+# Rows of the candidate step at a time (its [rows, topk * SELECT_BLOCK] int64 columns).
+SELECT_BLOCK_ROWS = 1024
 
 
 @fast_launch
 @triton.jit
 def _score_keys_kernel(
-    q, k, w, ks, lo, hi, out,
-    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, sks_b, so_b, so_t,
+    q, k, w, ks, lo, hi, out, bmax,
+    sq_b, sq_t, sq_h, sk_b, sk_s, sw_b, sw_t, sks_b, so_b, so_t, sm_b, sm_t,
     t0, t1, S_out,
     HI: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
-    HAS_KS: tl.constexpr,
+    HAS_KS: tl.constexpr, SB: tl.constexpr,
 ):
     """int32 order keys of queries [t0 + i_q BQ, + BQ) x keys [i_s BS, + BS) into out[b, t - t0, s].
 
     lo[t] <= s <= hi[t] is what query t may read (hi < lo: nothing). HAS_KS: fp8 q and k, the
-    scores times the keys' scales ks[b, s] (the queries' are in w)."""
+    scores times the keys' scales ks[b, s] (the queries' are in w). SB > 0: also the largest
+    key of each run [i SB, (i + 1) SB) into bmax[b, t - t0, i] (keys past S_out count as -inf)."""
     i_s, i_q, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = t0 + i_q * BQ + tl.arange(0, BQ)
     o_s = i_s * BS + tl.arange(0, BS)
@@ -108,6 +125,11 @@ def _score_keys_kernel(
     b_ord = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
     p_o = out + i_b * so_b + (o_t - t0)[:, None].to(tl.int64) * so_t + o_s[None, :]
     tl.store(p_o, b_ord, mask=m_t[:, None] & (o_s < S_out)[None, :])
+    if SB > 0:
+        b_max = tl.max(tl.reshape(b_ord, (BQ, BS // SB, SB)), axis=2)  # [BQ, BS // SB]
+        o_r = i_s * (BS // SB) + tl.arange(0, BS // SB)
+        p_m = bmax + i_b * sm_b + (o_t - t0)[:, None].to(tl.int64) * sm_t + o_r[None, :]
+        tl.store(p_m, b_max, mask=m_t[:, None] & (o_r * SB < S_out)[None, :])
 
 
 @fast_launch
@@ -195,8 +217,30 @@ def _select_rows(ords: Tensor, topk: int) -> Tensor:
     return cols.gather(1, order).masked_fill(picked <= ORD_NEG_INF, -1)
 
 
-def _select(ords: Tensor, topk: int, block_size: int | None) -> Tensor:
-    """[B, Tc, Sc] int32 order keys -> [B, Tc, topk] int32 indices (descending, -1 padded)."""
+def _select_by_blocks(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
+    """_select_rows(ords, topk) from the runs' best keys bmax [N, ceil(Sc / run)] (run keys
+    each): the topk best runs (ties to the lower run) hold the row's top-k. Every key above
+    the k-th value v lies in a run whose best is above v, and there are fewer than topk such
+    runs; the keys equal to v that the tie rule keeps (the lowest ones) lie in the lowest runs
+    whose best is v, which the runs' own tie rule keeps. So the top-k among the kept runs'
+    keys, taken in key order, is the row's."""
+    N, Sc = ords.shape
+    out = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
+    offsets = torch.arange(run, device=ords.device)
+    for r0 in range(0, N, SELECT_BLOCK_ROWS):
+        r1 = min(N, r0 + SELECT_BLOCK_ROWS)
+        runs = _select_rows(bmax[r0:r1], topk).sort(-1).values  # [n, topk] ascending, -1 (all -inf) first
+        cols = (runs.clamp(min=0).long()[:, :, None] * run + offsets).flatten(1)  # [n, topk * run], key order
+        void = ((runs < 0)[:, :, None] | (cols.view(r1 - r0, topk, run) >= Sc)).flatten(1)
+        cand = ords[r0:r1].gather(1, cols.clamp(max=Sc - 1)).masked_fill_(void, INT32_MIN)
+        picked = _select_rows(cand, topk)  # positions in cand; -1 where unreadable
+        out[r0:r1] = cols.gather(1, picked.clamp(min=0).long()).masked_fill_(picked < 0, -1)
+    return out
+
+
+def _select(ords: Tensor, topk: int, block_size: int | None, bmax: Tensor | None = None) -> Tensor:
+    """[B, Tc, Sc] int32 order keys -> [B, Tc, topk] int32 indices (descending, -1 padded).
+    bmax [B, Tc, ceil(Sc / SELECT_BLOCK)]: the runs' best keys (token mode: _select_by_blocks)."""
     B, Tc, Sc = ords.shape
     if block_size is not None:
         nb = -(-Sc // block_size)
@@ -208,6 +252,8 @@ def _select(ords: Tensor, topk: int, block_size: int | None) -> Tensor:
         best = sort_keys(blocks.amax(-1), block_ids).topk(min(-(-topk // block_size), nb), dim=-1).indices
         cols = (best[..., None] * block_size + torch.arange(block_size, device=ords.device)).flatten(2)
         keys = sort_keys(blocks.gather(2, best[..., None].expand(-1, -1, -1, block_size)).flatten(2), cols)
+    elif bmax is not None and bmax.shape[-1] > topk:
+        return _select_by_blocks(ords.view(B * Tc, Sc), bmax.view(B * Tc, -1), topk, SELECT_BLOCK).view(B, Tc, topk)
     elif Sc > topk:
         return _select_rows(ords.view(B * Tc, Sc), topk).view(B, Tc, topk)
     else:  # every key is kept: one short sort
@@ -266,21 +312,27 @@ def lightning_indexer_topk_triton(
     while t0 < T:
         # As many queries as fit the budget at the widest key range they could reach.
         Sc_max = int(reach[t0]) + 1
-        Tc = max(BQ, (budget // max(1, KEY_BYTES * B * max(Sc_max, 1))) // BQ * BQ)
+        row_bytes = KEY_BYTES * B * max(Sc_max, 1)
+        if Sc_max >= SELECT_BLOCK_MIN_KEYS:  # the runs' maxima too
+            row_bytes += KEY_BYTES * B * cdiv(Sc_max, SELECT_BLOCK)
+        Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
         keys = torch.empty((B, t1 - t0, Sc), dtype=torch.int32, device=q_idx.device)
+        runs = block_size is None and Sc >= SELECT_BLOCK_MIN_KEYS and BS % SELECT_BLOCK == 0
+        bmax = torch.empty((B, t1 - t0, cdiv(Sc, SELECT_BLOCK) if runs else 0), dtype=torch.int32, device=q_idx.device)
         grid = (cdiv(Sc, BS), cdiv(t1 - t0, BQ), B)
         _score_keys_kernel[grid](
-            q_idx, k_idx, weights, ks, lo, hi, keys,
+            q_idx, k_idx, weights, ks, lo, hi, keys, bmax,
             q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), k_idx.stride(0), k_idx.stride(1),
             weights.stride(0), weights.stride(1), ks.stride(0), keys.stride(0), keys.stride(1),
+            bmax.stride(0), bmax.stride(1),
             t0, t1, Sc,
-            HI=q_idx.shape[2], DI=DI, DIP=DIP, BQ=BQ, BS=BS, HAS_KS=fp8,
+            HI=q_idx.shape[2], DI=DI, DIP=DIP, BQ=BQ, BS=BS, HAS_KS=fp8, SB=SELECT_BLOCK if runs else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        out[:, t0:t1] = _select(keys, topk, block_size)
-        del keys
+        out[:, t0:t1] = _select(keys, topk, block_size, bmax if runs else None)
+        del keys, bmax
         t0 = t1
     return out
 
