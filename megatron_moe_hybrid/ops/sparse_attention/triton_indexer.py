@@ -76,7 +76,7 @@ CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
 # the lower run), and the top-k is taken among their keys only: topk * SELECT_BLOCK
 # candidates instead of the whole row. Rows of at least SELECT_BLOCK_MIN_KEYS keys take it.
 SELECT_BLOCK = 16
-SELECT_BLOCK_MIN_KEYS = 65536
+SELECT_BLOCK_MIN_KEYS = 196608  # on an H100: 0.92x at 128k keys, 5.1x at 1M (results/h100/indexer_select_runs.json)
 # Rows of the candidate step at a time (its [rows, topk * SELECT_BLOCK] int64 columns).
 SELECT_BLOCK_ROWS = 1024
 
