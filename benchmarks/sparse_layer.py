@@ -218,7 +218,7 @@ def bench_layer(key, args, rows, log):
         return (k, k[..., :DV]) if shared else (k, v)
 
     def ours():
-        idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
+        idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos, fp8=args.fp8)
         kk, vv = attn_inputs()
         # as the layers do: the KL target from the attention's own probabilities where it can
         o, lse, target = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
@@ -240,18 +240,20 @@ def bench_layer(key, args, rows, log):
         return fn
 
     shape = (f"MLA-B1-T{T}-S{S}-H{H}-D{D}-DV{DV}" if shared else f"GQA-B1-T{T}-H{H}-G{G}-D{D}") + f"-K{K}-HI{HI}-DI{DI}"
+    shape += "-fp8-indexer" if args.fp8 else ""
     row = {"name": "sparse layer attention part fwd+bwd (indexer + top-k + sparse attention + KL loss)",
            "shape": shape, "anchor": "naive: reference indexer top-k + gather chain + reference KL loss"}
     ms, peak, reps, first = measure(step(ours), budget_ms=3000)
     row.update(ours_ms=round(ms, 2), ours_peak_mem_bytes=peak)
     log(f"ours {ms:.1f} ms peak {peak / 2**30:.2f} GiB (first {first:.0f} ms)")
     # the parts of ours, one at a time
-    idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos)
+    idx = sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos, fp8=args.fp8)
     kk, vv = attn_inputs()
     with torch.no_grad():
         _, lse, target = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
     parts = {}
-    parts["indexer_topk"] = measure(lambda: sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos))[0]
+    parts["indexer_topk"] = measure(lambda: sa.lightning_indexer_topk(q_idx.detach(), k_idx.detach(), w.detach(), K, q_positions=pos,
+                                                                       fp8=args.fp8))[0]
 
     def attn():  # with the KL target (made in the forward, or after it from the lse)
         o, _, _ = sa.sparse_attention_with_target(q, kk, vv, idx, backend="triton")
@@ -320,7 +322,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=math.inf)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fp8", action="store_true",
-                        help="idx jobs: also time fp8 scoring (fp8=True) and its recall of the bf16 selection")
+                        help="idx jobs: also time fp8 scoring (fp8=True) and its recall of the bf16 selection; "
+                             "layer jobs: ours selects by fp8 scores (sparse_attention.indexer_fp8)")
     parser.add_argument("--out", default="benchmarks/results/h200/sparse_layer.json")
     args = parser.parse_args()
     args.start = time.time()
