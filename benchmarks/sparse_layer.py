@@ -61,7 +61,9 @@ JOBS = {  # key -> (kind, T queries, S keys, H, G, D, DV)
 }
 SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2},
          {"BQ": 128, "BS": 64, "num_warps": 8, "num_stages": 2},
-         {"BQ": 128, "BS": 128, "num_warps": 8, "num_stages": 2}]
+         {"BQ": 128, "BS": 128, "num_warps": 8, "num_stages": 2},
+         {"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
+         {"BQ": 128, "BS": 128, "num_warps": 8, "num_stages": 3}]
 NAIVE_BYTES_LIMIT = 90e9  # the naive layer's whole-[T, K] tensors, before we skip it
 
 
@@ -135,12 +137,11 @@ def bench_indexer(key, args, rows, log):
                 DIP=DI, BQ=c["BQ"], BS=c["BS"], HAS_KS=fp8 is not None, SB=SB,
                 num_warps=c["num_warps"], num_stages=c["num_stages"])
 
+        inputs8 = sa.indexer_fp8_inputs(q_idx, k_idx, w) if args.fp8 else None
         if args.fp8:
-            inputs8 = sa.indexer_fp8_inputs(q_idx, k_idx, w)
-            ms_s8, _, _, _ = measure(lambda: score(triton_indexer.CONFIG, inputs8))
+            ms_s8, _, _, _ = measure(lambda: score(triton_indexer.CONFIG_FP8, inputs8))
             row.update(fp8_scoring_ms=round(ms_s8, 3), fp8_scoring_tflops=round(flops / ms_s8 / 1e9, 1))
             log(f"fp8 scoring {ms_s8:.3f} ms ({flops / ms_s8 / 1e9:.0f} TFLOP/s)")
-            del inputs8
         ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
         ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None, bmax if runs else None))
         if runs:  # the whole-row selection it replaced, on the same keys
@@ -158,14 +159,17 @@ def bench_indexer(key, args, rows, log):
         if args.sweep:
             sweep = []
             for c in SWEEP:
-                try:
-                    m, _, _, _ = measure(lambda c=c: score(c))
-                    sweep.append({**c, "scoring_ms": round(m, 3)})
-                except Exception as err:  # noqa: BLE001 - a config that fails is recorded
-                    sweep.append({**c, "error": f"{type(err).__name__}: {str(err)[:100]}"})
-                log(f"sweep {sweep[-1]}")
+                for name, fp8 in (("scoring_ms", None), ("fp8_scoring_ms", inputs8)):
+                    if name.startswith("fp8") and fp8 is None:
+                        continue
+                    try:
+                        m, _, _, _ = measure(lambda c=c, fp8=fp8: score(c, fp8))
+                        sweep.append({**c, name: round(m, 3)})
+                    except Exception as err:  # noqa: BLE001 - a config that fails is recorded
+                        sweep.append({**c, name: None, "error": f"{type(err).__name__}: {str(err)[:100]}"})
+                    log(f"sweep {sweep[-1]}")
             row["sweep"] = sweep
-        del keys
+        del keys, inputs8
     torch.cuda.empty_cache()
     try:
         ms, peak, reps, _ = measure(naive, budget_ms=500)

@@ -651,6 +651,8 @@ def test_fp8_bad_arguments_name_the_field():
             sa.lightning_indexer_topk(q_idx, k_idx, w, 2, backend=backend, k_scale=ks)
         with pytest.raises(ValueError, match=r"k_scale must be fp32 \[B, S\]"):
             sa.lightning_indexer_topk(q8, k8, w8, 2, backend=backend, k_scale=ks[:, :4])
+        with pytest.raises(ValueError, match="k_scale must be on k_idx's device"):
+            sa.lightning_indexer_topk(q8, k8, w8, 2, backend=backend, k_scale=ks.to("meta"))
         with pytest.raises(ValueError, match="fp8=True quantizes"):
             sa.lightning_indexer_topk(q8, k8, w8, 2, backend=backend, k_scale=ks, fp8=True)
     with pytest.raises(ValueError, match="power of 2"):

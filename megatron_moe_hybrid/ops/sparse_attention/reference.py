@@ -223,6 +223,7 @@ def _check_k_scale(q_idx: Tensor, k_idx: Tensor, k_scale: Tensor | None) -> None
         tuple(k_scale.shape) == tuple(k_idx.shape[:2]) and k_scale.dtype == torch.float32,
         f"k_scale must be fp32 [B, S] = {list(k_idx.shape[:2])}, got {k_scale.dtype} {list(k_scale.shape)}",
     )
+    _check(k_scale.device == k_idx.device, f"k_scale must be on k_idx's device {k_idx.device}, got {k_scale.device}")
 
 
 def hadamard_rotate(x: Tensor) -> Tensor:

@@ -71,6 +71,7 @@ COMPACT_BLOCK, COMPACT_WARPS = 2048, 4  # _compact_kernel's columns per step and
 # Launch config on a GPU (benchmarks/sparse_layer.py --sweep times others); the interpreter
 # takes 16 x 16 tiles so that small tests cross tile edges.
 CONFIG = {"BQ": 64, "BS": 64, "num_warps": 4, "num_stages": 2}
+CONFIG_FP8 = dict(CONFIG)  # fp8 rows (sparse_layer.py --fp8 --sweep times others)
 # Token mode over long rows selects in two steps (_select_by_blocks): the scoring kernel also
 # writes each run of SELECT_BLOCK keys' best order key, the topk best runs are kept (ties to
 # the lower run), and the top-k is taken among their keys only: topk * SELECT_BLOCK
@@ -297,7 +298,9 @@ def lightning_indexer_topk_triton(
     k_idx = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     lo, hi = read_ranges(B, T, S, causal, cu_seqlens, q_positions, q_idx.device)
-    cfg = dict(CONFIG, BQ=16, BS=16) if _INTERPRET else dict(CONFIG)
+    cfg = dict(CONFIG_FP8 if k_scale is not None else CONFIG)
+    if _INTERPRET:
+        cfg.update(BQ=16, BS=16)
     BQ, BS = cfg["BQ"], cfg["BS"]
     fp8 = k_scale is not None
     DIP = max(32 if fp8 else 16, next_power_of_2(DI))  # an fp8 product's depth is at least 32
