@@ -13,6 +13,7 @@ Scores and softmax run in fp32, or in fp64 when the inputs are fp64 so that test
 be exact. The math (indexer, selection, attention, KL loss) is in README.md.
 """
 
+import functools
 import weakref
 from itertools import pairwise
 
@@ -232,11 +233,17 @@ def hadamard_rotate(x: Tensor) -> Tensor:
     row quantizes to fp8 with less error (DeepSeek-V3.2's rotate_activation before fp8_index)."""
     D = x.shape[-1]
     _check(D > 0 and D & (D - 1) == 0, f"hadamard_rotate: the last dim must be a power of 2, got {D}")
-    h = torch.ones(1, 1, dtype=torch.float32, device=x.device)
-    while h.shape[0] < D:  # Sylvester's construction
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     dtype = _compute_dtype(x)
-    return (x.to(dtype) @ (h.to(dtype) * D**-0.5)).to(x.dtype)
+    return (x.to(dtype) @ _hadamard(D, x.device, dtype)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(D: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """H_D / sqrt(D) by Sylvester's construction (entries +-1 / sqrt(D)), made once per device."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * D**-0.5).to(device=device, dtype=dtype)
 
 
 def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
