@@ -59,11 +59,12 @@ JOBS = {  # key -> (kind, T queries, S keys, H, G, D, DV)
     "gqa64k": ("layer", 65536, 65536, 64, 4, 128, 128),
     "gqa128k": ("layer", 131072, 131072, 64, 4, 128, 128),
 }
-SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2},
-         {"BQ": 128, "BS": 64, "num_warps": 8, "num_stages": 2},
-         {"BQ": 128, "BS": 128, "num_warps": 8, "num_stages": 2},
-         {"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
-         {"BQ": 128, "BS": 128, "num_warps": 8, "num_stages": 3}]
+SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
+         {"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 3},
+         {"BQ": 128, "BS": 128, "num_warps": 4, "num_stages": 2},
+         {"BQ": 64, "BS": 256, "num_warps": 4, "num_stages": 2},
+         {"BQ": 32, "BS": 128, "num_warps": 4, "num_stages": 2},
+         {"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2}]
 NAIVE_BYTES_LIMIT = 90e9  # the naive layer's whole-[T, K] tensors, before we skip it
 
 
