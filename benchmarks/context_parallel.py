@@ -117,14 +117,17 @@ def main():
     ap.add_argument("--plan", default=None, help="the planner's JSON projection to add to the results")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    if "RANK" not in os.environ:
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    alone = "RANK" not in os.environ  # plain `python`: a group of one over an in-process store
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if alone:
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+
+        init_one_process_group("nccl" if cuda else "gloo")
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     raw = TINY if args.tiny else MODEL

@@ -637,10 +637,9 @@ def main():
     jobs = [parse_job(j) for j in args.jobs.split(",") if j]
 
     cuda = torch.cuda.is_available() and not args.tiny
-    if "RANK" not in os.environ:
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    alone = "RANK" not in os.environ  # plain `python`: a group of one over an in-process store
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -648,7 +647,12 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float32
     clock = Clock(cuda)
     # rank 0 builds, saves, trains the anchor and converts while the others wait at a barrier
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    if alone:
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+
+        init_one_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world > 1 and args.emulate_ranks > 1:
         raise SystemExit("error: --emulate_ranks: only for a single process (it stands in for an EP run's global batch)")

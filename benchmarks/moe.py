@@ -814,13 +814,17 @@ def launch_free_rows(timed, case, byte_counts, args):
 
 
 def init_distributed():
-    if "RANK" not in os.environ:  # plain `python`: a group of one, which Megatron's parallel_state needs
-        from megatron_moe_hybrid.parallel.launch import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    alone = "RANK" not in os.environ  # plain `python`: a group of one, which Megatron's parallel_state needs
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if alone:  # over an in-process store: no port to pick
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+
+        init_one_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     return dist.get_rank(), dist.get_world_size()
 
 

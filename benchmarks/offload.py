@@ -198,7 +198,9 @@ def one_process_group():
     process before the group binds it)."""
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+
+        init_one_process_group("gloo")
     try:
         yield
     finally:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_moe_hybrid.parallel.launch import free_port  # noqa: F401  (re-exported for tests)
+from megatron_moe_hybrid.parallel.launch import free_port, init_one_process_group  # noqa: F401  (free_port: re-exported for tests)
 
 
 def tiny_config(**overrides):
@@ -45,9 +45,12 @@ def init_megatron(
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port or free_port())
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if world_size == 1 and port is None:  # this process alone: no port to race for
+            init_one_process_group("gloo")
+        else:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(port or free_port())
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

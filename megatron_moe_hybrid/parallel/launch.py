@@ -1,4 +1,4 @@
-"""Process-group launch helpers shared by the trainer and the tests."""
+"""Process-group launch helpers shared by the trainer, the tests and the benchmarks."""
 
 import socket
 
@@ -8,3 +8,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_one_process_group(backend: str, **kwargs) -> None:
+    """torch.distributed.init_process_group for a group of this one process (launched without
+    torchrun), over an in-process HashStore: no port to pick, so none for another process to
+    take between the pick and the bind (EADDRINUSE, seen in CI). kwargs: timeout, device_id."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)

@@ -81,23 +81,21 @@ def init_distributed(config: HybridMoEConfig) -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        # Not under torchrun: a group of this one process, through its own port and without
-        # touching the environment (a caller's later runs and children would inherit a stale
-        # RANK / MASTER_PORT and skip this branch).
-        alone = {}
-        if "RANK" not in os.environ:
-            from megatron_moe_hybrid.parallel.launch import free_port
+        # Not under torchrun: a group of this one process, over an in-process store (no port)
+        # and without touching the environment (a caller's later runs and children would
+        # inherit a stale RANK and skip this branch).
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
 
-            alone = dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init = init_one_process_group if "RANK" not in os.environ else dist.init_process_group
         device = training_device(config)
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         if device.type == "cuda":
             if config.training.deterministic:  # cuBLAS is deterministic only with a fixed workspace
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
+            init("nccl", timeout=timeout, device_id=device)
         else:
-            dist.init_process_group("gloo", timeout=timeout, **alone)
+            init("gloo", timeout=timeout)
     _check_launch(config)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
