@@ -207,14 +207,15 @@ def test_absorbed_on_the_triton_kernels(form, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("topk", [4096, 128], ids=["all-keys", "top128"])
-def test_absorbed_bf16_on_cuda(topk):
+@pytest.mark.parametrize("topk, fp8", [(4096, False), (128, False), (128, True)], ids=["all-keys", "top128", "top128-fp8"])
+def test_absorbed_bf16_on_cuda(topk, fp8):
     """bf16 on the GPU through the auto backends (the Triton kernels) at DeepSeek-V3.2's per-head
     dims (latent 512 + rope 64, nope 128, value 128): against the HF form in fp32 on the same
     (bf16-rounded) weights, output and every gradient within bf16's error. With top-128 of 1024
     keys the indexer's head weights are zero, so every score is exactly 0 in both precisions and
     both forms select by the tie rule (the lowest keys): the same keys, however bf16 rounds
-    (random weights make near-ties that bf16 may order otherwise than fp32)."""
+    (random weights make near-ties that bf16 may order otherwise than fp32); so too with fp8
+    index scores (sparse_attention.indexer_fp8 on the absorbed layer: its fp8 kernel path)."""
     from megatron_moe_hybrid.testing import rel_rms
 
     layers = []
@@ -223,8 +224,10 @@ def test_absorbed_bf16_on_cuda(topk):
                                 params_dtype=torch.float32)
         cfg.mla = MLAConfig(q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                             v_head_dim=128, absorbed=absorbed)
-        cfg.sparse_attention = SparseAttentionConfig(topk=topk, index_n_heads=16, index_head_dim=128)
+        cfg.sparse_attention = SparseAttentionConfig(topk=topk, index_n_heads=16, index_head_dim=128,
+                                                     indexer_fp8=fp8 and absorbed)
         layers.append(MLAttention(cfg, MLAttentionSubmodules()))
+    assert layers[1].indexer_fp8 == fp8
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in layers[0].named_parameters():
