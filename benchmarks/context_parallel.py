@@ -117,17 +117,11 @@ def main():
     ap.add_argument("--plan", default=None, help="the planner's JSON projection to add to the results")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    alone = "RANK" not in os.environ  # plain `python`: a group of one over an in-process store
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if alone:
-        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron_moe_hybrid.parallel.launch import init_process_group  # plain `python`: a group of one
 
-        init_one_process_group("nccl" if cuda else "gloo")
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     raw = TINY if args.tiny else MODEL

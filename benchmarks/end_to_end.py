@@ -637,22 +637,16 @@ def main():
     jobs = [parse_job(j) for j in args.jobs.split(",") if j]
 
     cuda = torch.cuda.is_available() and not args.tiny
-    alone = "RANK" not in os.environ  # plain `python`: a group of one over an in-process store
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(local_rank)
     dtype = torch.bfloat16 if cuda else torch.float32
     clock = Clock(cuda)
     # rank 0 builds, saves, trains the anchor and converts while the others wait at a barrier
-    if alone:
-        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+    from megatron_moe_hybrid.parallel.launch import init_process_group  # plain `python`: a group of one
 
-        init_one_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world > 1 and args.emulate_ranks > 1:
         raise SystemExit("error: --emulate_ranks: only for a single process (it stands in for an EP run's global batch)")

@@ -814,17 +814,11 @@ def launch_free_rows(timed, case, byte_counts, args):
 
 
 def init_distributed():
-    alone = "RANK" not in os.environ  # plain `python`: a group of one, which Megatron's parallel_state needs
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from megatron_moe_hybrid.parallel.launch import init_process_group  # plain `python`: a group of one,
+    # which Megatron's parallel_state needs
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    if alone:  # over an in-process store: no port to pick
-        from megatron_moe_hybrid.parallel.launch import init_one_process_group
-
-        init_one_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     return dist.get_rank(), dist.get_world_size()
 
 

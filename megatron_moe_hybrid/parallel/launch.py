@@ -1,5 +1,6 @@
 """Process-group launch helpers shared by the trainer, the tests and the benchmarks."""
 
+import os
 import socket
 
 
@@ -17,3 +18,15 @@ def init_one_process_group(backend: str, **kwargs) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """Under torchrun (RANK set): its env:// rendezvous; launched without it, a group of this one
+    process (init_one_process_group). The environment is left as it is: a child started later
+    would take a RANK set here for torchrun's."""
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, **kwargs)
+    else:
+        init_one_process_group(backend, **kwargs)

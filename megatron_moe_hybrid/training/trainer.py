@@ -81,12 +81,9 @@ def init_distributed(config: HybridMoEConfig) -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        # Not under torchrun: a group of this one process, over an in-process store (no port)
-        # and without touching the environment (a caller's later runs and children would
-        # inherit a stale RANK and skip this branch).
-        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+        # Not under torchrun: a group of this one process, over an in-process store (no port).
+        from megatron_moe_hybrid.parallel.launch import init_process_group as init
 
-        init = init_one_process_group if "RANK" not in os.environ else dist.init_process_group
         device = training_device(config)
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         if device.type == "cuda":
@@ -260,12 +257,17 @@ def _dataset_line(path: str, dataset, data_format: str) -> str:
     return line
 
 
+def _indexer_parameter_ids(model: torch.nn.Module) -> set[int]:
+    """id() of every parameter of the model's lightning indexers (S and M layers)."""
+    return {id(p) for m in model.indexer_layers() for p in m.indexer_parameters()}
+
+
 def freeze_all_but_indexers(model: torch.nn.Module) -> None:
     """The dense warm-up (sparse_attention.stage dense_warmup, DeepSeek-V3.2's first stage): every
     parameter frozen but those of the S layers' indexers (indexer_parameters()), which learn from
     the indexer KL loss alone (the trainer backwards those losses by themselves: their layers'
     indexer_loss_sink). ValueError if the model has no indexer."""
-    keep = {id(p) for m in model.indexer_layers() for p in m.indexer_parameters()}
+    keep = _indexer_parameter_ids(model)
     if not keep:
         raise ValueError("sparse_attention.stage dense_warmup: the model has no S layer with an indexer to train")
     for p in model.parameters():
@@ -386,7 +388,7 @@ class Trainer:
             except ckpt.CheckpointError as e:
                 raise _start_error("training.init_from", e) from e
             adapters = {n for n, p in self.model.named_parameters() if p.requires_grad} if config.lora.enabled else set()
-            ids = {id(p) for m in self.model.indexer_layers() for p in m.indexer_parameters()}
+            ids = _indexer_parameter_ids(self.model)
             indexer = {n for n, p in self.model.named_parameters() if id(p) in ids}  # the indexers' tensors
             # The dense warm-up may start from a model trained with dense attention, which has
             # no indexers (DeepSeek-V3.2's from V3.1): they are drawn as from scratch.

@@ -230,11 +230,13 @@ def _check_k_scale(q_idx: Tensor, k_idx: Tensor, k_scale: Tensor | None) -> None
 def hadamard_rotate(x: Tensor) -> Tensor:
     """x [..., D] times the orthonormal Walsh-Hadamard matrix H_D / sqrt(D) (D a power of 2):
     dot products are kept (H orthogonal), while a few large channels spread over all D, so a
-    row quantizes to fp8 with less error (DeepSeek-V3.2's rotate_activation before fp8_index)."""
+    row quantizes to fp8 with less error (DeepSeek-V3.2's rotate_activation before fp8_index).
+    The product runs in x's dtype (16-bit rows on tensor cores, accumulated in fp32): every
+    entry of H has one magnitude, so rounding it to 16 bits only scales H by a number within
+    2^-9 of 1."""
     D = x.shape[-1]
     _check(D > 0 and D & (D - 1) == 0, f"hadamard_rotate: the last dim must be a power of 2, got {D}")
-    dtype = _compute_dtype(x)
-    return (x.to(dtype) @ _hadamard(D, x.device, dtype)).to(x.dtype)
+    return x @ _hadamard(D, x.device, x.dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,11 +253,16 @@ def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
     scale is the power of two 2^ceil(log2(amax / 448)) of each row, so x / scale is exact and
     every row lands in fp8's top range (|x8| <= 448, 3 mantissa bits: about 6% relative error
-    at worst, half that on average); an all-zero row gets scale 1."""
-    amax = x.detach().abs().amax(-1).float()
+    at worst, half that on average); an all-zero row gets scale 1. The division runs in x's
+    dtype where its exponent range holds every scale (bf16, fp32, fp64: exact, no fp32 copy of
+    x), else in fp32."""
+    x = x.detach()
+    amax = x.abs().amax(-1).float()
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-    x8 = (x.detach().float() / scale[..., None]).to(torch.float8_e4m3fn)
+    if x.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        x = x.float()
+    x8 = (x / scale.to(x.dtype)[..., None]).to(torch.float8_e4m3fn)
     return x8, scale
 
 
