@@ -15,8 +15,11 @@ idx<S>: the lightning indexer + top-2048 alone (DeepSeek-V3.2's 64 heads x 128, 
   --fp8: also ours with fp8 scoring (fp8=True: rows Hadamard-rotated and quantized, then the
   kernel's products on fp8 tensor cores), its scoring kernel alone, and the share of the bf16
   selection it keeps (fp8_recall_vs_bf16). From SELECT_BLOCK_MIN_KEYS keys the selection goes
-  through the runs' maxima (triton_indexer._select_by_blocks); ours_whole_rows_ms and
-  selection_whole_rows_ms time the whole-row selection it replaced, in the same run.
+  through the runs' maxima. In the same run, each of FORMS' selection forms (torch.topk's
+  threshold, the radix select) times the whole indexer (<form>_ms) and the selection alone
+  (selection_<form>_ms), by runs and over whole rows (<form>_whole_rows_ms) where it would take
+  the runs, each checked equal to the default's; --radix-sweep times the whole-row selection and
+  the thresholds alone at RADIX_SWEEP's radix configs.
 mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no gradient),
   sparse attention over the selection (gradients to q, k, v), and the sparse-stage indexer
   KL loss (gradients to the indexer's q, k and weights; target from the detached q and k).
@@ -30,6 +33,7 @@ mla<S> / gqa<L>: the layer's attention part, forward+backward: indexer top-k (no
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -49,6 +53,7 @@ K, HI, DI = 2048, 64, 128
 JOBS = {  # key -> (kind, T queries, S keys, H, G, D, DV)
     "idx8k": ("indexer", 4096, 8192, 0, 0, 0, 0),
     "idx32k": ("indexer", 4096, 32768, 0, 0, 0, 0),
+    "idx64k": ("indexer", 4096, 65536, 0, 0, 0, 0),
     "idx128k": ("indexer", 4096, 131072, 0, 0, 0, 0),
     "idx1m": ("indexer", 4096, 1048576, 0, 0, 0, 0),
     "mla8k": ("layer", 4096, 8192, 128, 1, 576, 512),
@@ -65,6 +70,16 @@ SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 64, "BS": 256, "num_warps": 4, "num_stages": 2},
          {"BQ": 32, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2}]
+# The selection's forms timed against each other in every idx job: torch.topk's threshold with
+# the runs' maxima from 196608 keys (the form of 8d5e6d1), and the radix select's kernels with
+# the runs from 65536 keys.
+FORMS = {"topk_form": {"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196608},
+         "radix_form": {"SELECT_THRESHOLD": "radix", "SELECT_BLOCK_MIN_KEYS": 65536}}
+# --radix-sweep: (RADIX_BITS, RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS, SELECT_SORT) of triton_indexer's radix select
+RADIX_SWEEP = [(8, 4096, 1024, 8, "kernel"), (8, 4096, 1024, 8, "torch"), (8, 4096, 2048, 8, "kernel"),
+               (8, 2048, 1024, 4, "kernel"), (8, 8192, 1024, 8, "kernel"), (8, 4096, 1024, 16, "kernel"),
+               (6, 4096, 1024, 8, "kernel"), (5, 4096, 1024, 8, "kernel"), (4, 4096, 1024, 8, "kernel"),
+               (4, 8192, 1024, 16, "kernel")]
 NAIVE_BYTES_LIMIT = 90e9  # the naive layer's whole-[T, K] tensors, before we skip it
 
 
@@ -77,6 +92,20 @@ def indexer_inputs(T, S, gen):
 
 def readable_pairs(T, S):
     return sum(S - T + t + 1 for t in range(T))
+
+
+@contextlib.contextmanager
+def selection_form(**settings):
+    """triton_indexer's selection settings (SELECT_THRESHOLD, SELECT_BLOCK_MIN_KEYS, RADIX_*, ...)
+    for a block."""
+    saved = {n: getattr(triton_indexer, n) for n in settings}
+    for n, v in settings.items():
+        setattr(triton_indexer, n, v)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(triton_indexer, n, v)
 
 
 def bench_indexer(key, args, rows, log):
@@ -103,15 +132,18 @@ def bench_indexer(key, args, rows, log):
     row.update(ours_ms=round(ms, 3), ours_peak_mem_bytes=peak, tflops=round(flops / ms / 1e9, 1))
     log(f"ours {ms:.3f} ms peak {peak / 2**30:.2f} GiB (first {first:.0f} ms)")
     got = ours()
-    if S >= triton_indexer.SELECT_BLOCK_MIN_KEYS:  # A/B: the selection over whole rows, as before the runs
-        saved, triton_indexer.SELECT_BLOCK_MIN_KEYS = triton_indexer.SELECT_BLOCK_MIN_KEYS, 1 << 62
-        try:
-            ms_w, _, _, _ = measure(ours)
-            same = torch.equal(ours(), got)
-        finally:
-            triton_indexer.SELECT_BLOCK_MIN_KEYS = saved
-        row.update(ours_whole_rows_ms=round(ms_w, 3), by_runs_speedup=round(ms_w / ms, 3), by_runs_equal=same)
-        log(f"whole-row selection {ms_w:.3f} ms ({ms_w / ms:.3f}x ours), equal {same}")
+    # A/B in this process: each selection form (FORMS), by the runs' maxima where it takes them and
+    # over whole rows, against the default's selection
+    for name, form in FORMS.items():
+        variants = [("", form)]
+        if S >= form["SELECT_BLOCK_MIN_KEYS"]:
+            variants.append(("_whole_rows", {**form, "SELECT_BLOCK_MIN_KEYS": 1 << 62}))
+        for suffix, settings in variants:
+            with selection_form(**settings):
+                m, _, _, _ = measure(ours)
+                same = torch.equal(ours(), got)
+            row.update({f"{name}{suffix}_ms": round(m, 3), f"{name}{suffix}_equal": same})
+            log(f"{name}{suffix} {m:.3f} ms ({m / ms:.3f}x ours), equal {same}")
     if args.fp8:
         ms8, peak8, _, first8 = measure(ours_fp8)
         got8 = ours_fp8()
@@ -124,8 +156,8 @@ def bench_indexer(key, args, rows, log):
     lo, hi = triton_indexer.read_ranges(1, T, S, True, None, pos, "cuda")
     keys = torch.empty((1, T, S), dtype=torch.int32, device="cuda") if T * S * 4 <= 40e9 else None
     if keys is not None:
-        # rows of SELECT_BLOCK_MIN_KEYS keys or more: the kernel also writes the runs' maxima
-        runs = S >= triton_indexer.SELECT_BLOCK_MIN_KEYS
+        # from the fewest keys any form selects by runs at, the kernel also writes the runs' maxima
+        runs = S >= min(f["SELECT_BLOCK_MIN_KEYS"] for f in FORMS.values())
         SB = triton_indexer.SELECT_BLOCK if runs else 0
         bmax = torch.empty((1, T, triton.cdiv(S, SB) if runs else 0), dtype=torch.int32, device="cuda")
 
@@ -144,12 +176,42 @@ def bench_indexer(key, args, rows, log):
             row.update(fp8_scoring_ms=round(ms_s8, 3), fp8_scoring_tflops=round(flops / ms_s8 / 1e9, 1))
             log(f"fp8 scoring {ms_s8:.3f} ms ({flops / ms_s8 / 1e9:.0f} TFLOP/s)")
         ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
-        ms_k, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None, bmax if runs else None))
-        if runs:  # the whole-row selection it replaced, on the same keys
-            ms_rows, _, _, _ = measure(lambda: triton_indexer._select(keys, K, None))
-            same = torch.equal(triton_indexer._select(keys, K, None, bmax), triton_indexer._select(keys, K, None))
-            row.update(selection_whole_rows_ms=round(ms_rows, 3), selection_by_runs_equal=same)
-            log(f"selection by runs {ms_k:.3f} ms against whole rows {ms_rows:.3f} ms, equal {same}")
+
+        def select():  # as lightning_indexer_topk would select these keys
+            return triton_indexer._select(keys, K, None, bmax if S >= triton_indexer.SELECT_BLOCK_MIN_KEYS else None)
+
+        ms_k, _, _, _ = measure(select)
+        want = select()
+        for name, form in FORMS.items():  # the selection alone, per form and with or without the runs
+            variants = [("", form)]
+            if S >= form["SELECT_BLOCK_MIN_KEYS"]:
+                variants.append(("_whole_rows", {**form, "SELECT_BLOCK_MIN_KEYS": 1 << 62}))
+            for suffix, settings in variants:
+                with selection_form(**settings):
+                    m, _, _, _ = measure(select)
+                    same = torch.equal(select(), want)
+                row.update({f"selection_{name}{suffix}_ms": round(m, 3), f"selection_{name}{suffix}_equal": same})
+                log(f"selection {name}{suffix} {m:.3f} ms, equal {same}")
+        del want
+        if args.radix_sweep:  # the whole-row selection of the chunk's keys, per radix config
+            flat = keys.view(T, S)
+            with selection_form(SELECT_THRESHOLD="topk"):
+                want = triton_indexer._select_rows(flat, K)
+                m, _, _, _ = measure(lambda: triton_indexer._select_rows(flat, K))
+                mt, _, _, _ = measure(lambda: triton_indexer._thresholds(flat, K))
+            sweep = [{"threshold": "topk", "select_rows_ms": round(m, 3), "thresholds_ms": round(mt, 3)}]
+            log(f"radix sweep {sweep[-1]}")
+            for bits, block, cblock, warps, order in RADIX_SWEEP:
+                with selection_form(SELECT_THRESHOLD="radix", RADIX_BITS=bits, RADIX_BLOCK=block, RADIX_CBLOCK=cblock,
+                                    RADIX_WARPS=warps, SELECT_SORT=order):
+                    same = torch.equal(triton_indexer._select_rows(flat, K), want)
+                    m, _, _, _ = measure(lambda: triton_indexer._select_rows(flat, K))
+                    mt, _, _, _ = measure(lambda: triton_indexer._thresholds(flat, K))
+                sweep.append({"bits": bits, "block": block, "cblock": cblock, "warps": warps, "sort": order,
+                              "select_rows_ms": round(m, 3), "thresholds_ms": round(mt, 3), "equal": same})
+                log(f"radix sweep {sweep[-1]}")
+            del want
+            row["radix_sweep"] = sweep
         fp = torch.randn(1, T, S, device="cuda")
         ms_f, _, _, _ = measure(lambda: fp.topk(K, dim=-1))
         del fp
@@ -329,6 +391,8 @@ def main():
     parser.add_argument("--fp8", action="store_true",
                         help="idx jobs: also time fp8 scoring (fp8=True) and its recall of the bf16 selection; "
                              "layer jobs: ours selects by fp8 scores (sparse_attention.indexer_fp8)")
+    parser.add_argument("--radix-sweep", action="store_true",
+                        help="idx jobs: also time the selection's thresholds at RADIX_SWEEP's radix configs")
     parser.add_argument("--out", default="benchmarks/results/h200/sparse_layer.json")
     args = parser.parse_args()
     args.start = time.time()

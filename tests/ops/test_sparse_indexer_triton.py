@@ -106,7 +106,9 @@ def test_triton_equals_reference_with_ties(B, T, HI, DI, causal, block_size):
 @interpreter
 @pytest.mark.parametrize("block_size", [None, 4, 16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_packed_sequences(block_size, causal):
+def test_triton_packed_sequences(block_size, causal, monkeypatch):
+    if block_size is None and causal:  # the radix select's form (the default is torch.topk's)
+        monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     q_idx, k_idx, w = indexer_inputs(1, 70, 2, 16, seed=3)
     want = reference.lightning_indexer_topk(q_idx, k_idx, w, 12, PACKED, block_size, causal)
     got = sa.lightning_indexer_topk(q_idx, k_idx, w, 12, PACKED, block_size, causal, backend="triton")
@@ -156,10 +158,16 @@ def order_keys(scores):
 
 @interpreter
 @pytest.mark.parametrize("block", [16, 1024])  # 16: each row crosses many blocks of the scan
-def test_select_rows_keeps_the_lowest_ties(monkeypatch, block):
+@pytest.mark.parametrize("threshold, order", [("radix", "kernel"), ("radix", "torch"), ("topk", "torch")])
+def test_select_rows_keeps_the_lowest_ties(monkeypatch, block, threshold, order):
     """The threshold + compaction + short sort selection equals the stable sort's, row by row,
-    with ties at the threshold, a row of one value, signed zeros and unreadable keys."""
+    with ties at the threshold, a row of one value, signed zeros and unreadable keys; the radix
+    form ordering its selection in the kernel or with torch.sort."""
     monkeypatch.setattr(triton_indexer, "COMPACT_BLOCK", block)
+    monkeypatch.setattr(triton_indexer, "RADIX_BLOCK", block)
+    monkeypatch.setattr(triton_indexer, "RADIX_CBLOCK", block)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", threshold)
+    monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
     gen = torch.Generator().manual_seed(0)
     scores = torch.randint(-3, 4, (7, 100), generator=gen).float()
     scores[1] = 2.0
@@ -174,6 +182,58 @@ def test_select_rows_keeps_the_lowest_ties(monkeypatch, block):
         assert torch.equal(got, want), (topk, (got != want).nonzero()[:5].tolist())
 
 
+def _thresholds_by_sort(ords, topk):
+    """Each row's topk-th largest key and the count above it, from a full sort."""
+    kth = ords.sort(-1, descending=True).values[:, topk - 1]
+    return kth, (ords > kth[:, None]).sum(-1, dtype=torch.int32)
+
+
+@interpreter
+@pytest.mark.parametrize("bits, block", [(8, 16), (8, 4096), (11, 64), (6, 32), (12, 128)])
+def test_radix_thresholds(monkeypatch, bits, block):
+    """_radix_kth_kernel's k-th largest key and count above it equal a full sort's, at digit
+    widths that divide 32 and ones that do not (the last digit shorter), over rows of ties, one
+    value, the int32 extremes (INT32_MIN is block mode's padding), -inf and signed zeros, and
+    random scores; blocks of 16 make each row cross many blocks of every pass."""
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
+    monkeypatch.setattr(triton_indexer, "RADIX_BITS", bits)
+    monkeypatch.setattr(triton_indexer, "RADIX_BLOCK", block)
+    calls, real = [], triton_indexer._radix_kth_kernel
+    monkeypatch.setattr(triton_indexer, "_radix_kth_kernel", Spy(real, calls))
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(-3, 4, (8, 301), generator=gen).float()
+    scores[1] = 2.0
+    scores[2, 40:] = float("-inf")
+    scores[3] = torch.where(scores[3] > 0, 0.0, -0.0)
+    scores[4] = torch.randn(301, generator=gen) * 1e3
+    scores[5] = torch.randn(301, generator=gen) * 1e-30
+    ords = order_keys(scores)
+    ords[6] = torch.randint(-(1 << 31), (1 << 31) - 1, (301,), generator=gen, dtype=torch.int64).to(torch.int32)
+    ords[6, ::7] = triton_indexer.INT32_MIN
+    ords[7, ::2] = (1 << 31) - 1
+    ords[7, 1::2] = triton_indexer.INT32_MIN
+    for topk in (1, 2, 37, 150, 151, 300, 301):
+        kth, above = triton_indexer._thresholds(ords, topk)
+        want_kth, want_above = _thresholds_by_sort(ords, topk)
+        assert torch.equal(kth, want_kth), (bits, topk, (kth != want_kth).nonzero()[:3].tolist())
+        assert torch.equal(above, want_above), (bits, topk)
+    # a strided view: rows of a wider buffer
+    wide = torch.cat([ords, ords.flip(-1)], -1)[:, :301]
+    assert torch.equal(triton_indexer._thresholds(wide, 37)[0], _thresholds_by_sort(wide.contiguous(), 37)[0])
+    assert len(calls) == 8  # every threshold above came from the radix kernel
+
+
+class Spy:
+    """A launched kernel's stand-in that records each launch's grid and runs the kernel."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 def _run_maxima(ords, run):
     """The scoring kernel's bmax: each run of `run` keys' largest order key (past the row: -inf)."""
     N, Sc = ords.shape
@@ -183,12 +243,13 @@ def _run_maxima(ords, run):
 
 
 @interpreter
-@pytest.mark.parametrize("run", [1, 3, 4, 8])
-def test_select_by_blocks_equals_select_rows(monkeypatch, run):
+@pytest.mark.parametrize("run, threshold", [(1, "topk"), (3, "radix"), (4, "topk"), (8, "radix")])
+def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
     """The runs-first selection of long rows equals the whole-row one, ties included: rows of a
     few values (ties at the threshold spread over many runs), one value throughout, unreadable
     keys (fewer readable than topk, a causal tail), signed zeros; row chunks crossed."""
     monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_ROWS", 3)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", threshold)
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(-3, 4, (8, 203), generator=gen).float()
     scores[1] = 2.0
@@ -208,16 +269,56 @@ def test_select_by_blocks_equals_select_rows(monkeypatch, run):
 
 
 @interpreter
+@pytest.mark.parametrize("run, cap, order", [(1, 2, "kernel"), (3, 2, "torch"), (4, 1, "kernel"), (8, 2, "torch")])
+def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order):
+    """The radix form's runs-first selection (_select_by_runs_kernel: only the runs that reach
+    the K-th best run's key are read) equals the whole-row one, ties included, on the rows of
+    test_select_by_blocks_equals_select_rows; with room for cap * topk candidates, rows of many
+    ties overflow it and take the whole row (both branches run: counted below)."""
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
+    monkeypatch.setattr(triton_indexer, "SELECT_CANDIDATES", cap)
+    monkeypatch.setattr(triton_indexer, "SELECT_RUNS_KEYS", 16)  # many steps a row
+    monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(-3, 4, (8, 203), generator=gen).float()
+    scores[1] = 2.0
+    scores[2, 30:] = float("-inf")
+    scores[3] = torch.where(scores[3] > 0, 0.0, -0.0)
+    scores[4, ::3] = float("-inf")
+    scores[5] = torch.randn(203, generator=gen)
+    scores[6, 150:] = float("-inf")
+    scores[7] = torch.randn(203, generator=gen)
+    ords = order_keys(scores)
+    overflowed = set()
+    for topk in (1, 5, 17, 40):
+        if -(-203 // run) <= topk:
+            continue
+        want = triton_indexer._select_rows(ords, topk)
+        bmax = _run_maxima(ords, run)
+        got = triton_indexer._select_by_runs(ords, bmax, topk, run)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, want), (run, topk, (got != want).nonzero()[:5].tolist())
+        # which rows had more than cap * topk keys at or above the K-th best run's key
+        run_kth = bmax.sort(-1, descending=True).values[:, topk - 1]
+        overflowed |= {bool(c > cap * topk) for c in (ords >= run_kth[:, None]).sum(-1).tolist()}
+    assert overflowed == {True, False}
+
+
+@interpreter
 @pytest.mark.parametrize("cu, q_positions, fp8", [(None, None, False), (PACKED, None, False),
                                                   (None, torch.arange(30, 70), True)])
 def test_triton_selects_long_rows_by_runs(monkeypatch, cu, q_positions, fp8):
     """Rows of at least SELECT_BLOCK_MIN_KEYS keys: the kernel writes the runs' maxima and the
     selection goes through them; equal to the reference element for element (integer inputs,
-    many ties), causal and full, packed, queries among keys, fp8 rows."""
+    many ties), causal and full, packed, queries among keys, fp8 rows (with the radix select's
+    form: its runs kernel)."""
+    radix = fp8
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix" if radix else "topk")
     monkeypatch.setattr(triton_indexer, "SELECT_BLOCK", 4)
     monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 32)
-    calls, real = [], triton_indexer._select_by_blocks
-    monkeypatch.setattr(triton_indexer, "_select_by_blocks", lambda *a: calls.append(a[3]) or real(*a))
+    name = "_select_by_runs" if radix else "_select_by_blocks"
+    calls, real = [], getattr(triton_indexer, name)
+    monkeypatch.setattr(triton_indexer, name, lambda *a: calls.append(a[3]) or real(*a))
     q_idx, k_idx, w = indexer_inputs(1, 70 if q_positions is None else 40, 2, 32, S=70, seed=9)
     ks = None
     if fp8:
@@ -380,6 +481,53 @@ def test_gpu_bf16_selection(HI, DI, T, runs, monkeypatch):
     picked = scores.gather(-1, got[:, rows].clamp(min=0)).masked_fill(got[:, rows] < 0, 0)
     best = scores.gather(-1, want[:, rows].clamp(min=0)).masked_fill(want[:, rows] < 0, 0)
     torch.testing.assert_close(picked, best, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [8, 11])
+def test_gpu_radix_thresholds(bits, monkeypatch):
+    """The radix select's thresholds on the GPU equal torch.topk's over long rows: random fp32
+    order keys with a causal -inf tail, many ties, and block mode's INT32_MIN padding."""
+    monkeypatch.setattr(triton_indexer, "RADIX_BITS", bits)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(512, 40000, generator=gen, device="cuda")
+    scores[:, 30000:] = float("-inf")
+    scores[1] = torch.randint(-2, 3, (40000,), generator=gen, device="cuda").float()
+    scores[2, ::3] = 0.5
+    ords = order_keys(scores)
+    ords[3, 100:] = triton_indexer.INT32_MIN
+    for topk in (2048, 512, 39999):
+        got = triton_indexer._thresholds(ords, topk)
+        monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "topk")
+        want = triton_indexer._thresholds(ords, topk)
+        monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), topk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("order", ["kernel", "torch"])
+def test_gpu_radix_selection(order, monkeypatch):
+    """The radix form's whole-row and runs-first selections on the GPU (8 warps, the barriers
+    between one thread's stores and another's loads) equal torch.topk's form over long rows:
+    random scores with causal tails, rows of few values (their candidates overflow the runs'
+    room and take the whole row) and one value throughout."""
+    monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    S, K, run = 131072, 2048, triton_indexer.SELECT_BLOCK
+    scores = torch.randn(384, S, generator=gen, device="cuda")
+    scores[::3, S // 2:] = float("-inf")
+    scores[1:64:4] = torch.randint(-2, 3, (16, S), generator=gen, device="cuda").float()
+    scores[5] = 1.0
+    ords = order_keys(scores)
+    bmax = _run_maxima(ords, run)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "topk")
+    want = triton_indexer._select_rows(ords, K)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
+    assert torch.equal(triton_indexer._select_rows(ords, K), want)
+    assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want)
 
 
 @pytest.mark.gpu

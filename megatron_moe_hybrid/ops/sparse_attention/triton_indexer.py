@@ -13,24 +13,33 @@ never exist) and writes it as one int32 order key per (query, key):
 
 Keys a query may not read (after it, or in another packed sequence) get I = -inf and decode
 to -1. Selection (_select_rows) then takes the reference's tie rule (a stable descending
-sort: among equal scores the lowest key index) without sorting a whole row:
-torch.topk (unsorted) over the int32 order keys gives the K-th largest value v of each row;
-_compact_kernel streams the row once and keeps, in key order, every key above v and the
-first K - #(above v) keys equal to v; a stable descending sort of those K keys orders them.
-int32 keys halve the bytes written and read, and torch.topk over int32 runs in about half the
-time of int64 (benchmarks/device/topk_probe.py; sparse_layer.json's selection_ms beside
-topk_int64_ms: 8.1 against 12.2 ms at 128k keys). Queries are
-processed Tc at a time so that the [Tc, Sc] key buffer stays under SCORE_BUDGET_BYTES:
-memory is linear in T for a fixed budget, and no [T, S] tensor is ever held. Each chunk
-reads only the keys up to its last readable one (Sc), so a causal chunk early in the sequence
-costs little.
+sort: among equal scores the lowest key index) without sorting a whole row: find the K-th
+largest value v of each row, stream the row once keeping, in key order, every key above v and
+the first K - #(above v) keys equal to v, then a stable descending sort of those K keys orders
+them. Two forms (SELECT_THRESHOLD):
+- "topk" (the default): torch.topk (unsorted) gives v, _compact_kernel keeps the keys, torch.sort
+  orders them. int32 keys halve the bytes against int64 sort keys
+  (benchmarks/device/topk_probe.py: 8.1 against 12.2 ms at 128k keys).
+- "radix": one program per row finds v by a radix select (_radix_kth: RADIX_BITS bits a pass,
+  each a histogram of the next digit among the keys that match the digits fixed so far), keeps
+  the keys and orders them by a bitonic sort (_write_in_order), all in _radix_kth_kernel.
+Queries are processed Tc at a time so that the [Tc, Sc] key buffer stays under
+SCORE_BUDGET_BYTES: memory is linear in T for a fixed budget, and no [T, S] tensor is ever held.
+Each chunk reads only the keys up to its last readable one (Sc), so a causal chunk early in the
+sequence costs little.
 
 Long rows (Sc >= SELECT_BLOCK_MIN_KEYS, token mode): the scoring kernel also writes the largest
-order key of each run of SELECT_BLOCK keys; _select_by_blocks keeps the K best runs (the same
-selection over the runs' maxima: ties to the lower run) and selects among their K *
-SELECT_BLOCK keys, in key order, instead of the whole row. The keys above the K-th value lie in
-fewer than K runs, all kept, and the tie rule's lowest keys equal to it lie in the lowest runs
-whose best equals it, which the runs' own tie rule keeps: the result is the whole row's.
+order key of each run of SELECT_BLOCK keys.
+- "topk": _select_by_blocks keeps the K best runs (the same selection over the runs' maxima:
+  ties to the lower run) and selects among their K * SELECT_BLOCK keys, in key order, instead of
+  the whole row. The keys above the K-th value lie in fewer than K runs, all kept, and the tie
+  rule's lowest keys equal to it lie in the lowest runs whose best equals it, which the runs'
+  own tie rule keeps: the result is the whole row's.
+- "radix": the K-th best run's key r bounds v from below (K keys, the K best runs' best, are
+  >= r), so the top K lie among the keys >= r, in the runs whose best is >= r:
+  _select_by_runs_kernel reads only those runs, lists their keys >= r in key order (about
+  1.01-1.4 K on random rows) and selects among them; rows of more than SELECT_CANDIDATES K
+  such keys (ties) select from the whole row.
 
 Block mode (block_size=bs): the keys are cut into blocks [i bs, (i + 1) bs); a block scores
 its best key (ties to the lower block), the ceil(K / bs) best blocks are kept, and the top-K
@@ -74,14 +83,34 @@ COMPACT_BLOCK, COMPACT_WARPS = 2048, 4  # _compact_kernel's columns per step and
 # (results/h100/indexer_config.json); fp8 rows take the same (3 stages: within 1%).
 CONFIG = {"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2}
 CONFIG_FP8 = dict(CONFIG)  # fp8 rows
-# Token mode over long rows selects in two steps (_select_by_blocks): the scoring kernel also
-# writes each run of SELECT_BLOCK keys' best order key, the topk best runs are kept (ties to
-# the lower run), and the top-k is taken among their keys only: topk * SELECT_BLOCK
-# candidates instead of the whole row. Rows of at least SELECT_BLOCK_MIN_KEYS keys take it.
+# Token mode over long rows selects through the runs' maxima (the module's docstring): the
+# scoring kernel also writes each run of SELECT_BLOCK keys' best order key. Rows of at least
+# SELECT_BLOCK_MIN_KEYS keys take it.
 SELECT_BLOCK = 16
 SELECT_BLOCK_MIN_KEYS = 196608  # on an H100: 0.92x at 128k keys, 5.1x at 1M (results/h100/indexer_select_runs.json)
-# Rows of the candidate step at a time (its [rows, topk * SELECT_BLOCK] int64 columns).
+# Rows of _select_by_blocks' candidate step at a time (its [rows, topk * SELECT_BLOCK] int64 columns).
 SELECT_BLOCK_ROWS = 1024
+# The selection's form (the module's docstring): "topk", torch.topk's threshold, or "radix", the
+# radix select's kernels (RADIX_BITS bits a pass, ceil(32 / RADIX_BITS) reads of the row).
+# torch.topk's stays the default until the radix form is timed on a GPU (benchmarks/sparse_layer.py
+# times both forms in one run: FORMS); the tests run both (tests/ops/test_sparse_indexer_triton.py:
+# in the interpreter, where the radix kernel costs about 30 ms a row, and on the GPU).
+SELECT_THRESHOLD = "topk"
+RADIX_BITS = 8
+# Columns per step of the passes and of the compaction that follows in the same kernel, and
+# warps: at 8 bits, 4096 / 1024 on 8 warps take 64 registers (Triton 3.6, sm_90), four programs
+# per SM; 2048-column compaction steps 99, 11-bit digits 255 and a spill.
+RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS = 4096, 1024, 8
+# The radix form orders its selection in the kernel ("kernel": _write_in_order's bitonic sort of
+# the row's topk keys) or with torch.sort after it ("torch").
+SELECT_SORT = "kernel"
+SELECT_RUNS_KEYS = 1024  # _select_by_runs_kernel's keys per step (SELECT_RUNS_KEYS / SELECT_BLOCK runs)
+_INT32_MIN = tl.constexpr(INT32_MIN)  # also the sign bit
+_INT64_MIN = tl.constexpr(-(1 << 63))
+_ORD_NEG_INF = tl.constexpr(ORD_NEG_INF)
+# The runs' candidates (_select_by_runs_kernel): room for SELECT_CANDIDATES * topk keys a row
+# (random rows hold about 1.36 / 1.14 / 1.01 topk at 64k / 128k / 1M keys, 2048 of them).
+SELECT_CANDIDATES = 2
 
 
 @fast_launch
@@ -135,18 +164,14 @@ def _score_keys_kernel(
         tl.store(p_m, b_max, mask=m_t[:, None] & (o_r * SB < S_out)[None, :])
 
 
-@fast_launch
 @triton.jit
-def _compact_kernel(keys, kth, num_above, out, num_cols, K, BLOCK: tl.constexpr):
-    """One row of int32 order keys [num_cols]: out[row, :K] = the columns, in increasing order,
-    of every key above kth[row] and of the first K - num_above[row] keys equal to it (the
-    row's top K under the lowest-index tie rule; exactly K columns, kth being the K-th
-    largest key)."""
-    i_row = tl.program_id(0).to(tl.int64)
-    b_kth = tl.load(kth + i_row)
-    need = K - tl.load(num_above + i_row)  # keys equal to kth to keep, the lowest first
-    p_row = keys + i_row * num_cols
-    p_out = out + i_row * K
+def _compact_row(p_row, p_src, p_out, p_val, num_cols, b_kth, need, BLOCK: tl.constexpr,
+                 WRITE_VALS: tl.constexpr, INDIRECT: tl.constexpr):
+    """Writes p_out[:K] = the columns, in increasing order, of every key of the row above b_kth
+    and of the first `need` keys equal to it (K in all: the row's top K under the lowest-index
+    tie rule when b_kth is its K-th largest key and need = K - #above); WRITE_VALS: their keys
+    into p_val[:K] too. INDIRECT: the row is a list of candidates in increasing column order,
+    their columns at p_src (written instead of the positions in the list)."""
     n_out = tl.zeros([], dtype=tl.int32)
     n_tie = tl.zeros([], dtype=tl.int32)
     for i_col in range(0, num_cols, BLOCK):
@@ -157,9 +182,140 @@ def _compact_kernel(keys, kth, num_above, out, num_cols, K, BLOCK: tl.constexpr)
         tie_rank = n_tie + tl.cumsum(b_tie, 0) - b_tie  # equal keys before this one
         b_take = ((m_col & (b_x > b_kth)) | ((b_tie > 0) & (tie_rank < need))).to(tl.int32)
         o_out = n_out + tl.cumsum(b_take, 0) - b_take
-        tl.store(p_out + o_out, o_col, mask=b_take > 0)
+        if INDIRECT:
+            b_c = tl.load(p_src + o_col, mask=b_take > 0, other=0)
+        else:
+            b_c = o_col
+        tl.store(p_out + o_out, b_c, mask=b_take > 0)
+        if WRITE_VALS:
+            tl.store(p_val + o_out, b_x, mask=b_take > 0)
         n_out += tl.sum(b_take, 0)
         n_tie += tl.sum(b_tie, 0)
+
+
+@fast_launch
+@triton.jit
+def _compact_kernel(keys, kth, num_above, out, num_cols, K, BLOCK: tl.constexpr):
+    """One row of int32 order keys [num_cols]: out[row, :K] = the columns, in increasing order,
+    of every key above kth[row] and of the first K - num_above[row] keys equal to it (the
+    row's top K under the lowest-index tie rule; exactly K columns, kth being the K-th
+    largest key)."""
+    i_row = tl.program_id(0).to(tl.int64)
+    need = K - tl.load(num_above + i_row)  # keys equal to kth to keep, the lowest first
+    _compact_row(keys + i_row * num_cols, out, out + i_row * K, out, num_cols, tl.load(kth + i_row), need,
+                 BLOCK, False, False)
+
+
+@triton.jit
+def _radix_kth(p_row, num_cols, K, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """(the K-th largest of the int32 keys p_row[:num_cols], counted with repeats; how many of
+    the K lie at it, the rest above it), by a radix select: BITS bits of the key at a time from
+    the top (the last digit takes what is left), each digit a pass over the row that counts its
+    values among the keys whose higher bits equal the ones fixed so far."""
+    NB: tl.constexpr = 1 << BITS
+    o_bin = tl.arange(0, NB)
+    prefix = tl.zeros([], dtype=tl.uint32)  # the top bits fixed so far
+    need = K + tl.zeros([], dtype=tl.int32)  # the rank still sought among the keys that match them
+    for i_pass in tl.static_range((32 + BITS - 1) // BITS):
+        TOP = i_pass * BITS  # bits fixed before this pass (constexpr, as the two below)
+        SHIFT = (32 - TOP - BITS) * (TOP + BITS < 32)  # the digit's lowest bit
+        WIDTH = 32 - TOP - SHIFT
+        hist = tl.zeros([NB], dtype=tl.int32)
+        for i_col in range(0, num_cols, BLOCK):
+            o_col = i_col + tl.arange(0, BLOCK)
+            m_col = o_col < num_cols
+            # the sign bit flipped: the unsigned order is the keys' signed order
+            b_u = (tl.load(p_row + o_col, mask=m_col, other=0) ^ _INT32_MIN).to(tl.uint32, bitcast=True)
+            if TOP > 0:
+                m_col = m_col & ((b_u >> (32 - TOP)) == prefix)
+            b_d = ((b_u >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
+            hist += tl.histogram(b_d, NB, mask=m_col)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # matching keys whose digit is >= the bin's
+        b_bin = tl.sum((at_least >= need).to(tl.int32), 0) - 1  # the sought key's digit
+        need -= tl.sum(tl.where(o_bin == b_bin, at_least - hist, 0), 0)
+        prefix = (prefix << WIDTH) | b_bin.to(tl.uint32)
+    return prefix.to(tl.int32, bitcast=True) ^ _INT32_MIN, need
+
+
+@triton.jit
+def _write_in_order(p_cols, p_vals, p_out, K, KP: tl.constexpr):
+    """p_out[:K] = the columns p_cols[:K] (this program's compaction: increasing) by descending
+    key p_vals[:K], equal keys in column order (the stable sort's), -1 for unreadable keys: one
+    bitonic sort of the int64 sort keys key << 32 | (2^32 - 1 - column) over KP >= K lanes."""
+    tl.debug_barrier()  # the compaction's stores, by every thread of the program, are visible
+    o_k = tl.arange(0, KP)
+    m_k = o_k < K
+    b_c = tl.load(p_cols + o_k, mask=m_k, other=0).to(tl.int64)
+    b_v = tl.load(p_vals + o_k, mask=m_k, other=0).to(tl.int64)
+    b_key = tl.sort(tl.where(m_k, (b_v << 32) + (4294967295 - b_c), _INT64_MIN), descending=True)
+    b_col = (4294967295 - (b_key & 4294967295)).to(tl.int32)
+    tl.store(p_out + o_k, tl.where((b_key >> 32) > _ORD_NEG_INF, b_col, -1), mask=m_k)
+
+
+@fast_launch
+@triton.jit
+def _radix_kth_kernel(keys, kth, num_above, cols, vals, out, num_cols, stride_row, K,
+                      BITS: tl.constexpr, BLOCK: tl.constexpr, COMPACT: tl.constexpr, CBLOCK: tl.constexpr,
+                      SORT: tl.constexpr, KP: tl.constexpr):
+    """One row of int32 order keys [num_cols]: its K-th largest key (counted with repeats) and
+    how many keys lie above it (_radix_kth). COMPACT: then the row's top K (_compact_row) into
+    cols[row, :K] in key order and their keys into vals[row, :K], and with SORT the selection in
+    its final order into out[row, :K] (_write_in_order); otherwise the two numbers into
+    kth[row], num_above[row]."""
+    i_row = tl.program_id(0).to(tl.int64)
+    p_row = keys + i_row * stride_row
+    b_kth, need = _radix_kth(p_row, num_cols, K, BITS, BLOCK)
+    if COMPACT:
+        _compact_row(p_row, p_row, cols + i_row * K, vals + i_row * K, num_cols, b_kth, need, CBLOCK, True, False)
+        if SORT:
+            _write_in_order(cols + i_row * K, vals + i_row * K, out + i_row * K, K, KP)
+    else:
+        tl.store(kth + i_row, b_kth)
+        tl.store(num_above + i_row, K - need)
+
+
+@fast_launch
+@triton.jit
+def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v, num_cols, num_runs, K, CAP,
+                           RUN: tl.constexpr, RUNP: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
+                           BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SORT: tl.constexpr, KP: tl.constexpr):
+    """One row of int32 order keys [num_cols] whose runs of RUN keys have their largest keys in
+    bmax[row, :num_runs], run_kth[row] the K-th largest of those: the row's top K into
+    cols[row, :K] (key order) and their keys into vals[row, :K], as _radix_kth_kernel's COMPACT.
+
+    At least K keys (the K best runs' largest) are >= run_kth, so the row's K-th largest key is
+    too: its top K lie among the keys >= run_kth, which lie in the runs whose largest key is >=
+    run_kth. Those runs are read (a fraction of the row), their keys >= run_kth listed in key
+    order into cand_c / cand_v[row, :CAP], and the top K taken among them; where more than CAP
+    keys qualify (many ties), from the whole row instead. SORT: as _radix_kth_kernel's."""
+    i_row = tl.program_id(0).to(tl.int64)
+    p_row = keys + i_row * num_cols
+    p_bmax = bmax + i_row * num_runs
+    p_cc, p_cv = cand_c + i_row * CAP, cand_v + i_row * CAP
+    b_lo = tl.load(run_kth + i_row)
+    o_key = tl.arange(0, BR * RUNP)  # RUNP: RUN rounded up to a power of two
+    n = tl.zeros([], dtype=tl.int32)  # candidates so far
+    for i_run in range(0, num_runs, BR):
+        o_run = i_run + o_key // RUNP  # [BR RUNP] the run of each key of the step
+        m_run = (o_run < num_runs) & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)
+        o_col = o_run * RUN + o_key % RUNP
+        m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
+        b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
+        b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
+        o_out = n + tl.cumsum(b_in, 0) - b_in
+        m_out = (b_in > 0) & (o_out < CAP)
+        tl.store(p_cc + o_out, o_col, mask=m_out)
+        tl.store(p_cv + o_out, b_x, mask=m_out)
+        n += tl.sum(b_in, 0)
+    if n <= CAP:
+        tl.debug_barrier()  # the candidates, each stored by one thread, are read by others below
+        b_kth, need = _radix_kth(p_cv, n, K, BITS, BLOCK)
+        _compact_row(p_cv, p_cc, cols + i_row * K, vals + i_row * K, n, b_kth, need, CBLOCK, True, True)
+    else:
+        b_kth, need = _radix_kth(p_row, num_cols, K, BITS, BLOCK)
+        _compact_row(p_row, p_row, cols + i_row * K, vals + i_row * K, num_cols, b_kth, need, CBLOCK, True, False)
+    if SORT:
+        _write_in_order(cols + i_row * K, vals + i_row * K, out + i_row * K, K, KP)
 
 
 def decode_keys(keys: Tensor) -> Tensor:
@@ -204,20 +360,77 @@ def last_keys_on_host(hi: Tensor, T: int, S: int, causal: bool, cu_seqlens: Tens
     return hi.cpu()
 
 
-def _select_rows(ords: Tensor, topk: int) -> Tensor:
-    """[N, Sc] int32 order keys, topk < Sc -> [N, topk] int32 key indices, by descending key
-    with ties to the lower index (the stable sort's order), -1 for unreadable keys."""
+def _thresholds(ords: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """[N, Sc] int32 order keys (rows contiguous) -> [N] the topk-th largest key of each row and
+    [N] int32 how many keys lie above it."""
     N, Sc = ords.shape
-    best = ords.topk(topk, dim=-1, sorted=False).values  # [N, topk]: the top values, any order
-    kth = best.amin(-1)  # [N] the topk-th largest key
-    num_above = (best > kth[:, None]).sum(-1, dtype=torch.int32)  # [N]
-    cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # the selection, in key order
+    if SELECT_THRESHOLD == "topk":
+        best = ords.topk(topk, dim=-1, sorted=False).values  # [N, topk]: the top values, any order
+        kth = best.amin(-1)
+        return kth, (best > kth[:, None]).sum(-1, dtype=torch.int32)
+    kth = torch.empty(N, dtype=torch.int32, device=ords.device)
+    num_above = torch.empty(N, dtype=torch.int32, device=ords.device)
     if N:
-        _compact_kernel[(N,)](ords, kth, num_above, cols, Sc, topk,
-                              BLOCK=min(COMPACT_BLOCK, next_power_of_2(Sc)), num_warps=COMPACT_WARPS)
-    # stable: equal keys keep their increasing column order
-    picked, order = torch.sort(ords.gather(1, cols.long()), dim=-1, descending=True, stable=True)
+        _radix_kth_kernel[(N,)](ords, kth, num_above, kth, kth, kth, Sc, ords.stride(0), topk, **_radix_meta(Sc),
+                                COMPACT=False, SORT=False, KP=1)
+    return kth, num_above
+
+
+def _sort_meta(topk: int) -> dict:
+    return dict(SORT=SELECT_SORT == "kernel", KP=next_power_of_2(topk))
+
+
+def _radix_meta(Sc: int) -> dict:
+    return dict(BITS=RADIX_BITS, BLOCK=min(RADIX_BLOCK, next_power_of_2(Sc)),
+                CBLOCK=min(RADIX_CBLOCK, next_power_of_2(Sc)), num_warps=RADIX_WARPS)
+
+
+def _select_rows(ords: Tensor, topk: int) -> Tensor:
+    """[N, Sc] int32 order keys (rows contiguous), topk < Sc -> [N, topk] int32 key indices, by
+    descending key with ties to the lower index (the stable sort's order), -1 for unreadable keys."""
+    N, Sc = ords.shape
+    cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # the selection, in key order
+    if SELECT_THRESHOLD == "radix":  # the threshold and the compaction (and the order) in one kernel
+        vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # their keys
+        out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
+        if N:
+            _radix_kth_kernel[(N,)](ords, cols, cols, cols, vals, out, Sc, ords.stride(0), topk, **_radix_meta(Sc),
+                                    COMPACT=True, **_sort_meta(topk))
+        if SELECT_SORT == "kernel":
+            return out
+    else:
+        kth, num_above = _thresholds(ords, topk)
+        if N:
+            _compact_kernel[(N,)](ords, kth, num_above, cols, Sc, topk,
+                                  BLOCK=min(COMPACT_BLOCK, next_power_of_2(Sc)), num_warps=COMPACT_WARPS)
+        vals = ords.gather(1, cols.long())
+    return _in_order(cols, vals)
+
+
+def _in_order(cols: Tensor, vals: Tensor) -> Tensor:
+    """[N, topk] columns in increasing order and their keys -> the columns by descending key,
+    ties in column order (a stable sort), -1 for unreadable keys."""
+    picked, order = torch.sort(vals, dim=-1, descending=True, stable=True)
     return cols.gather(1, order).masked_fill(picked <= ORD_NEG_INF, -1)
+
+
+def _select_by_runs(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
+    """_select_rows(ords, topk) from the runs' best keys bmax [N, ceil(Sc / run)] (run keys
+    each, more than topk runs): the K-th best run's key bounds the row's K-th key from below,
+    and only the runs that reach it are read (_select_by_runs_kernel)."""
+    N, Sc = ords.shape
+    cap = SELECT_CANDIDATES * topk
+    run_kth, _ = _thresholds(bmax, topk)
+    cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
+    vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
+    cand = torch.empty((2, N, cap), dtype=torch.int32, device=ords.device)
+    out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
+    if N:
+        _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], Sc, bmax.shape[1], topk,
+                                     cap, RUN=run, RUNP=next_power_of_2(run),
+                                     BR=max(1, SELECT_RUNS_KEYS // next_power_of_2(run)), **_radix_meta(Sc),
+                                     **_sort_meta(topk))
+    return out if SELECT_SORT == "kernel" else _in_order(cols, vals)
 
 
 def _select_by_blocks(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
@@ -256,7 +469,8 @@ def _select(ords: Tensor, topk: int, block_size: int | None, bmax: Tensor | None
         cols = (best[..., None] * block_size + torch.arange(block_size, device=ords.device)).flatten(2)
         keys = sort_keys(blocks.gather(2, best[..., None].expand(-1, -1, -1, block_size)).flatten(2), cols)
     elif bmax is not None and bmax.shape[-1] > topk:
-        return _select_by_blocks(ords.view(B * Tc, Sc), bmax.view(B * Tc, -1), topk, SELECT_BLOCK).view(B, Tc, topk)
+        select = _select_by_runs if SELECT_THRESHOLD == "radix" else _select_by_blocks
+        return select(ords.view(B * Tc, Sc), bmax.view(B * Tc, -1), topk, SELECT_BLOCK).view(B, Tc, topk)
     elif Sc > topk:
         return _select_rows(ords.view(B * Tc, Sc), topk).view(B, Tc, topk)
     else:  # every key is kept: one short sort
@@ -318,8 +532,8 @@ def lightning_indexer_topk_triton(
         # As many queries as fit the budget at the widest key range they could reach.
         Sc_max = int(reach[t0]) + 1
         row_bytes = KEY_BYTES * B * max(Sc_max, 1)
-        if Sc_max >= SELECT_BLOCK_MIN_KEYS:  # the runs' maxima too
-            row_bytes += KEY_BYTES * B * cdiv(Sc_max, SELECT_BLOCK)
+        if Sc_max >= SELECT_BLOCK_MIN_KEYS:  # the runs' maxima too, and their candidates' room
+            row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + 2 * SELECT_CANDIDATES * topk)
         Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
