@@ -70,11 +70,20 @@ SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 64, "BS": 256, "num_warps": 4, "num_stages": 2},
          {"BQ": 32, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2}]
-# The selection's forms timed against each other in every idx job: torch.topk's threshold with
-# the runs' maxima from 196608 keys (the form of 8d5e6d1), and the radix select's kernels with
-# the runs from 65536 keys.
-FORMS = {"topk_form": {"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196608},
-         "radix_form": {"SELECT_THRESHOLD": "radix", "SELECT_BLOCK_MIN_KEYS": 65536}}
+# The selection's forms timed against each other in every idx job (settings, the setting from
+# which length rows take the runs): torch.topk's threshold with the runs' maxima from 196608 keys
+# (the form of 8d5e6d1), and the radix select's kernels with the runs from 65536 keys.
+FORMS = {"topk_form": ({"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196608}, "SELECT_BLOCK_MIN_KEYS"),
+         "radix_form": ({"SELECT_THRESHOLD": "radix", "RADIX_RUNS_MIN_KEYS": 65536}, "RADIX_RUNS_MIN_KEYS")}
+
+
+def form_variants(form, S):
+    """[(suffix, settings)]: the form, and over whole rows where it would take the runs."""
+    settings, runs_key = form
+    variants = [("", settings)]
+    if S >= settings[runs_key]:
+        variants.append(("_whole_rows", {**settings, runs_key: 1 << 62}))
+    return variants
 # --radix-sweep: (RADIX_BITS, RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS, SELECT_SORT) of triton_indexer's radix select
 RADIX_SWEEP = [(8, 4096, 1024, 8, "kernel"), (8, 4096, 1024, 8, "torch"), (8, 4096, 2048, 8, "kernel"),
                (8, 2048, 1024, 4, "kernel"), (8, 8192, 1024, 8, "kernel"), (8, 4096, 1024, 16, "kernel"),
@@ -135,10 +144,7 @@ def bench_indexer(key, args, rows, log):
     # A/B in this process: each selection form (FORMS), by the runs' maxima where it takes them and
     # over whole rows, against the default's selection
     for name, form in FORMS.items():
-        variants = [("", form)]
-        if S >= form["SELECT_BLOCK_MIN_KEYS"]:
-            variants.append(("_whole_rows", {**form, "SELECT_BLOCK_MIN_KEYS": 1 << 62}))
-        for suffix, settings in variants:
+        for suffix, settings in form_variants(form, S):
             with selection_form(**settings):
                 m, _, _, _ = measure(ours)
                 same = torch.equal(ours(), got)
@@ -157,7 +163,7 @@ def bench_indexer(key, args, rows, log):
     keys = torch.empty((1, T, S), dtype=torch.int32, device="cuda") if T * S * 4 <= 40e9 else None
     if keys is not None:
         # from the fewest keys any form selects by runs at, the kernel also writes the runs' maxima
-        runs = S >= min(f["SELECT_BLOCK_MIN_KEYS"] for f in FORMS.values())
+        runs = S >= min(settings[key] for settings, key in FORMS.values())
         SB = triton_indexer.SELECT_BLOCK if runs else 0
         bmax = torch.empty((1, T, triton.cdiv(S, SB) if runs else 0), dtype=torch.int32, device="cuda")
 
@@ -178,15 +184,12 @@ def bench_indexer(key, args, rows, log):
         ms_s, _, _, _ = measure(lambda: score(triton_indexer.CONFIG))  # (leaves the keys filled)
 
         def select():  # as lightning_indexer_topk would select these keys
-            return triton_indexer._select(keys, K, None, bmax if S >= triton_indexer.SELECT_BLOCK_MIN_KEYS else None)
+            return triton_indexer._select(keys, K, None, bmax if triton_indexer._takes_runs(S) else None)
 
         ms_k, _, _, _ = measure(select)
         want = select()
         for name, form in FORMS.items():  # the selection alone, per form and with or without the runs
-            variants = [("", form)]
-            if S >= form["SELECT_BLOCK_MIN_KEYS"]:
-                variants.append(("_whole_rows", {**form, "SELECT_BLOCK_MIN_KEYS": 1 << 62}))
-            for suffix, settings in variants:
+            for suffix, settings in form_variants(form, S):
                 with selection_form(**settings):
                     m, _, _, _ = measure(select)
                     same = torch.equal(select(), want)

@@ -377,11 +377,17 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
             ti.lightning_indexer_topk_triton(q.detach().to(f8), k.detach().to(f8), w.detach().float(), K,
                                              k_scale=torch.ones(B, T))
             # long rows (from SELECT_BLOCK_MIN_KEYS keys): the kernel also writes the runs' maxima
-            saved_min, ti.SELECT_BLOCK_MIN_KEYS = ti.SELECT_BLOCK_MIN_KEYS, 0
+            settings = ti.SELECT_BLOCK_MIN_KEYS, ti.RADIX_RUNS_MIN_KEYS, ti.SELECT_THRESHOLD
             try:
-                ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K)
+                ti.SELECT_BLOCK_MIN_KEYS = ti.RADIX_RUNS_MIN_KEYS = 0
+                for form in ("topk", "radix"):  # the radix select's kernels too
+                    ti.SELECT_THRESHOLD = form
+                    ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K)
+                # the radix form's runs kernel, at rows of more than K runs (8 of them: the grid)
+                ords = torch.zeros(8, 2 * K * ti.SELECT_BLOCK, dtype=torch.int32)
+                ti._select_by_runs(ords, torch.zeros(8, 2 * K, dtype=torch.int32), K, ti.SELECT_BLOCK)
             finally:
-                ti.SELECT_BLOCK_MIN_KEYS = saved_min
+                ti.SELECT_BLOCK_MIN_KEYS, ti.RADIX_RUNS_MIN_KEYS, ti.SELECT_THRESHOLD = settings
             scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
             torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
             # the dense warm-up's fused KL loss (triton_dense_kl), forward and backward, with the

@@ -316,6 +316,7 @@ def test_triton_selects_long_rows_by_runs(monkeypatch, cu, q_positions, fp8):
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix" if radix else "topk")
     monkeypatch.setattr(triton_indexer, "SELECT_BLOCK", 4)
     monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 32)
+    monkeypatch.setattr(triton_indexer, "RADIX_RUNS_MIN_KEYS", 32)
     name = "_select_by_runs" if radix else "_select_by_blocks"
     calls, real = [], getattr(triton_indexer, name)
     monkeypatch.setattr(triton_indexer, name, lambda *a: calls.append(a[3]) or real(*a))
@@ -528,6 +529,27 @@ def test_gpu_radix_selection(order, monkeypatch):
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     assert torch.equal(triton_indexer._select_rows(ords, K), want)
     assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want)
+    # the default ("auto") at this length: the radix form, by runs
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "auto")
+    assert triton_indexer._form(S) == "radix" and triton_indexer._takes_runs(S)
+    assert torch.equal(triton_indexer._select(ords[None], K, None, bmax[None])[0], want)
+
+
+def test_auto_form_by_row_length(monkeypatch):
+    """SELECT_THRESHOLD "auto": the radix form for rows of RADIX_AUTO_KEYS keys on the GPU (by
+    runs from RADIX_RUNS_MIN_KEYS), torch.topk's elsewhere and in the interpreter."""
+    lo, hi = triton_indexer.RADIX_AUTO_KEYS
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "auto")
+    monkeypatch.setattr(triton_indexer, "_INTERPRET", False)
+    assert [triton_indexer._form(n) for n in (lo - 1, lo, hi - 1, hi)] == ["topk", "radix", "radix", "topk"]
+    runs_at = triton_indexer.RADIX_RUNS_MIN_KEYS
+    assert triton_indexer._takes_runs(max(lo, runs_at)) and not triton_indexer._takes_runs(lo - 1)
+    assert triton_indexer._takes_runs(triton_indexer.SELECT_BLOCK_MIN_KEYS)
+    monkeypatch.setattr(triton_indexer, "_INTERPRET", True)
+    assert triton_indexer._form(lo) == "topk"
+    for form in ("topk", "radix"):
+        monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", form)
+        assert triton_indexer._form(lo - 1) == triton_indexer._form(hi) == form
 
 
 @pytest.mark.gpu

@@ -87,15 +87,24 @@ CONFIG_FP8 = dict(CONFIG)  # fp8 rows
 # scoring kernel also writes each run of SELECT_BLOCK keys' best order key. Rows of at least
 # SELECT_BLOCK_MIN_KEYS keys take it.
 SELECT_BLOCK = 16
-SELECT_BLOCK_MIN_KEYS = 196608  # on an H100: 0.92x at 128k keys, 5.1x at 1M (results/h100/indexer_select_runs.json)
+# torch.topk's form by runs, on an H100: 0.92x at 128k keys, 5.1x at 1M (results/h100/indexer_select_runs.json)
+SELECT_BLOCK_MIN_KEYS = 196608
 # Rows of _select_by_blocks' candidate step at a time (its [rows, topk * SELECT_BLOCK] int64 columns).
 SELECT_BLOCK_ROWS = 1024
-# The selection's form (the module's docstring): "topk", torch.topk's threshold, or "radix", the
-# radix select's kernels (RADIX_BITS bits a pass, ceil(32 / RADIX_BITS) reads of the row).
-# torch.topk's stays the default until the radix form is timed on a GPU (benchmarks/sparse_layer.py
-# times both forms in one run: FORMS); the tests run both (tests/ops/test_sparse_indexer_triton.py:
-# in the interpreter, where the radix kernel costs about 30 ms a row, and on the GPU).
-SELECT_THRESHOLD = "topk"
+# The selection's form (the module's docstring): "topk", torch.topk's threshold, "radix", the
+# radix select's kernels (RADIX_BITS bits a pass, ceil(32 / RADIX_BITS) reads of the row), or
+# "auto": the radix form for rows of RADIX_AUTO_KEYS, where it was the faster. On an H100 in one
+# run (results/h100/indexer_radix.json, both forms equal): the indexer with top-k 10.07 / 19.56 ms
+# radix (by runs) against 11.65 / 22.75 at 64k / 128k keys, the selection alone 2.93 / 4.49 against
+# 4.73 / 8.49; at 32k keys (whole rows) 6.88 against 6.51, at 1M keys (by runs) 152.7 against
+# 133.7: _select_by_runs_kernel steps over all of a row's 65536 runs 64 at a time there (1024
+# steps; listing the qualifying runs first would take 64 cheap ones). The radix kernel over whole
+# rows is slower than torch.topk's form at every length (its 8-bit histograms: 10.9 against 8.5
+# ms at 128k keys). The tests run both forms (in the interpreter, where the radix kernels cost
+# about 30 ms a row, and on the GPU); "auto" leaves the CPU at torch.topk's.
+SELECT_THRESHOLD = "auto"
+RADIX_AUTO_KEYS = (65536, 196608)
+RADIX_RUNS_MIN_KEYS = 65536  # the radix form selects by runs from here (SELECT_BLOCK_MIN_KEYS: torch.topk's)
 RADIX_BITS = 8
 # Columns per step of the passes and of the compaction that follows in the same kernel, and
 # warps: at 8 bits, 4096 / 1024 on 8 warps take 64 registers (Triton 3.6, sm_90), four programs
@@ -360,11 +369,24 @@ def last_keys_on_host(hi: Tensor, T: int, S: int, causal: bool, cu_seqlens: Tens
     return hi.cpu()
 
 
-def _thresholds(ords: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+def _form(Sc: int) -> str:
+    """The selection's form ("topk" or "radix") for rows of Sc keys (SELECT_THRESHOLD)."""
+    if SELECT_THRESHOLD == "auto":
+        lo, hi = RADIX_AUTO_KEYS
+        return "radix" if lo <= Sc < hi and not _INTERPRET else "topk"
+    return SELECT_THRESHOLD
+
+
+def _takes_runs(Sc: int) -> bool:
+    """Rows of Sc keys select through their runs' maxima (token mode)."""
+    return Sc >= (RADIX_RUNS_MIN_KEYS if _form(Sc) == "radix" else SELECT_BLOCK_MIN_KEYS)
+
+
+def _thresholds(ords: Tensor, topk: int, form: str | None = None) -> tuple[Tensor, Tensor]:
     """[N, Sc] int32 order keys (rows contiguous) -> [N] the topk-th largest key of each row and
-    [N] int32 how many keys lie above it."""
+    [N] int32 how many keys lie above it; by torch.topk or the radix kernel (form, else _form's)."""
     N, Sc = ords.shape
-    if SELECT_THRESHOLD == "topk":
+    if (form or _form(Sc)) == "topk":
         best = ords.topk(topk, dim=-1, sorted=False).values  # [N, topk]: the top values, any order
         kth = best.amin(-1)
         return kth, (best > kth[:, None]).sum(-1, dtype=torch.int32)
@@ -390,7 +412,7 @@ def _select_rows(ords: Tensor, topk: int) -> Tensor:
     descending key with ties to the lower index (the stable sort's order), -1 for unreadable keys."""
     N, Sc = ords.shape
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # the selection, in key order
-    if SELECT_THRESHOLD == "radix":  # the threshold and the compaction (and the order) in one kernel
+    if _form(Sc) == "radix":  # the threshold and the compaction (and the order) in one kernel
         vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)  # their keys
         out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
         if N:
@@ -420,7 +442,7 @@ def _select_by_runs(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
     and only the runs that reach it are read (_select_by_runs_kernel)."""
     N, Sc = ords.shape
     cap = SELECT_CANDIDATES * topk
-    run_kth, _ = _thresholds(bmax, topk)
+    run_kth, _ = _thresholds(bmax, topk, "radix")
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
     vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
     cand = torch.empty((2, N, cap), dtype=torch.int32, device=ords.device)
@@ -469,7 +491,7 @@ def _select(ords: Tensor, topk: int, block_size: int | None, bmax: Tensor | None
         cols = (best[..., None] * block_size + torch.arange(block_size, device=ords.device)).flatten(2)
         keys = sort_keys(blocks.gather(2, best[..., None].expand(-1, -1, -1, block_size)).flatten(2), cols)
     elif bmax is not None and bmax.shape[-1] > topk:
-        select = _select_by_runs if SELECT_THRESHOLD == "radix" else _select_by_blocks
+        select = _select_by_runs if _form(Sc) == "radix" else _select_by_blocks
         return select(ords.view(B * Tc, Sc), bmax.view(B * Tc, -1), topk, SELECT_BLOCK).view(B, Tc, topk)
     elif Sc > topk:
         return _select_rows(ords.view(B * Tc, Sc), topk).view(B, Tc, topk)
@@ -532,13 +554,13 @@ def lightning_indexer_topk_triton(
         # As many queries as fit the budget at the widest key range they could reach.
         Sc_max = int(reach[t0]) + 1
         row_bytes = KEY_BYTES * B * max(Sc_max, 1)
-        if Sc_max >= SELECT_BLOCK_MIN_KEYS:  # the runs' maxima too, and their candidates' room
+        if Sc_max >= min(SELECT_BLOCK_MIN_KEYS, RADIX_RUNS_MIN_KEYS):  # the runs' maxima too, and their candidates' room
             row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + 2 * SELECT_CANDIDATES * topk)
         Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
         keys = torch.empty((B, t1 - t0, Sc), dtype=torch.int32, device=q_idx.device)
-        runs = block_size is None and Sc >= SELECT_BLOCK_MIN_KEYS and BS % SELECT_BLOCK == 0
+        runs = block_size is None and _takes_runs(Sc) and BS % SELECT_BLOCK == 0
         bmax = torch.empty((B, t1 - t0, cdiv(Sc, SELECT_BLOCK) if runs else 0), dtype=torch.int32, device=q_idx.device)
         grid = (cdiv(Sc, BS), cdiv(t1 - t0, BQ), B)
         _score_keys_kernel[grid](
