@@ -77,13 +77,20 @@ FORMS = {"topk_form": ({"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196
          "radix_form": ({"SELECT_THRESHOLD": "radix", "RADIX_RUNS_MIN_KEYS": 65536}, "RADIX_RUNS_MIN_KEYS")}
 
 
-def form_variants(form, S):
-    """[(suffix, settings)]: the form, and over whole rows where it would take the runs."""
-    settings, runs_key = form
-    variants = [("", settings)]
-    if S >= settings[runs_key]:
-        variants.append(("_whole_rows", {**settings, runs_key: 1 << 62}))
-    return variants
+def time_forms(fn, want, S, prefix, row, log):
+    """fn timed under each of FORMS, and over whole rows where the form would take the runs at
+    S keys, into row[prefix + form (+ "_whole_rows") + "_ms" / "_equal"] (fn() equal to want)."""
+    for name, (settings, runs_key) in FORMS.items():
+        variants = [("", settings)]
+        if S >= settings[runs_key]:
+            variants.append(("_whole_rows", {**settings, runs_key: 1 << 62}))
+        for suffix, form in variants:
+            with selection_form(**form):
+                m, _, _, _ = measure(fn)
+                same = torch.equal(fn(), want)
+            key = f"{prefix}{name}{suffix}"
+            row.update({f"{key}_ms": round(m, 3), f"{key}_equal": same})
+            log(f"{key} {m:.3f} ms, equal {same}")
 # --radix-sweep: (RADIX_BITS, RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS, SELECT_SORT) of triton_indexer's radix select
 RADIX_SWEEP = [(8, 4096, 1024, 8, "kernel"), (8, 4096, 1024, 8, "torch"), (8, 4096, 2048, 8, "kernel"),
                (8, 2048, 1024, 4, "kernel"), (8, 8192, 1024, 8, "kernel"), (8, 4096, 1024, 16, "kernel"),
@@ -143,13 +150,7 @@ def bench_indexer(key, args, rows, log):
     got = ours()
     # A/B in this process: each selection form (FORMS), by the runs' maxima where it takes them and
     # over whole rows, against the default's selection
-    for name, form in FORMS.items():
-        for suffix, settings in form_variants(form, S):
-            with selection_form(**settings):
-                m, _, _, _ = measure(ours)
-                same = torch.equal(ours(), got)
-            row.update({f"{name}{suffix}_ms": round(m, 3), f"{name}{suffix}_equal": same})
-            log(f"{name}{suffix} {m:.3f} ms ({m / ms:.3f}x ours), equal {same}")
+    time_forms(ours, got, S, "", row, log)
     if args.fp8:
         ms8, peak8, _, first8 = measure(ours_fp8)
         got8 = ours_fp8()
@@ -188,13 +189,7 @@ def bench_indexer(key, args, rows, log):
 
         ms_k, _, _, _ = measure(select)
         want = select()
-        for name, form in FORMS.items():  # the selection alone, per form and with or without the runs
-            for suffix, settings in form_variants(form, S):
-                with selection_form(**settings):
-                    m, _, _, _ = measure(select)
-                    same = torch.equal(select(), want)
-                row.update({f"selection_{name}{suffix}_ms": round(m, 3), f"selection_{name}{suffix}_equal": same})
-                log(f"selection {name}{suffix} {m:.3f} ms, equal {same}")
+        time_forms(select, want, S, "selection_", row, log)  # the selection alone
         del want
         if args.radix_sweep:  # the whole-row selection of the chunk's keys, per radix config
             flat = keys.view(T, S)

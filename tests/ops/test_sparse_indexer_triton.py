@@ -242,14 +242,10 @@ def _run_maxima(ords, run):
     return padded.view(N, -1, run).amax(-1).contiguous()
 
 
-@interpreter
-@pytest.mark.parametrize("run, threshold", [(1, "topk"), (3, "radix"), (4, "topk"), (8, "radix")])
-def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
-    """The runs-first selection of long rows equals the whole-row one, ties included: rows of a
-    few values (ties at the threshold spread over many runs), one value throughout, unreadable
-    keys (fewer readable than topk, a causal tail), signed zeros; row chunks crossed."""
-    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_ROWS", 3)
-    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", threshold)
+def _long_rows():
+    """[8, 203] order keys for the runs-first selections: rows of a few values (ties at the
+    threshold spread over many runs), one value throughout, unreadable keys (fewer readable than
+    topk, a causal tail), signed zeros, random ones."""
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(-3, 4, (8, 203), generator=gen).float()
     scores[1] = 2.0
@@ -258,7 +254,19 @@ def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
     scores[4, ::3] = float("-inf")
     scores[5] = torch.randn(203, generator=gen)
     scores[6, 150:] = float("-inf")
-    ords = order_keys(scores)
+    scores[7] = torch.randn(203, generator=gen)
+    return order_keys(scores)
+
+
+@interpreter
+@pytest.mark.parametrize("run, threshold", [(1, "topk"), (3, "radix"), (4, "topk"), (8, "radix")])
+def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
+    """The runs-first selection of long rows equals the whole-row one, ties included: rows of a
+    few values (ties at the threshold spread over many runs), one value throughout, unreadable
+    keys (fewer readable than topk, a causal tail), signed zeros; row chunks crossed."""
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_ROWS", 3)
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", threshold)
+    ords = _long_rows()
     for topk in (1, 5, 17, 40):
         if -(-203 // run) <= topk:
             continue
@@ -279,16 +287,7 @@ def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order):
     monkeypatch.setattr(triton_indexer, "SELECT_CANDIDATES", cap)
     monkeypatch.setattr(triton_indexer, "SELECT_RUNS_KEYS", 16)  # many steps a row
     monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
-    gen = torch.Generator().manual_seed(1)
-    scores = torch.randint(-3, 4, (8, 203), generator=gen).float()
-    scores[1] = 2.0
-    scores[2, 30:] = float("-inf")
-    scores[3] = torch.where(scores[3] > 0, 0.0, -0.0)
-    scores[4, ::3] = float("-inf")
-    scores[5] = torch.randn(203, generator=gen)
-    scores[6, 150:] = float("-inf")
-    scores[7] = torch.randn(203, generator=gen)
-    ords = order_keys(scores)
+    ords = _long_rows()
     overflowed = set()
     for topk in (1, 5, 17, 40):
         if -(-203 // run) <= topk:
