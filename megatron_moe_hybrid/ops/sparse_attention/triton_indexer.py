@@ -107,11 +107,15 @@ RADIX_AUTO_KEYS = (65536, 196608)
 RADIX_RUNS_MIN_KEYS = 65536  # the radix form selects by runs from here (SELECT_BLOCK_MIN_KEYS: torch.topk's)
 RADIX_BITS = 8
 # Columns per step of the passes and of the compaction that follows in the same kernel, and
-# warps: at 8 bits, 4096 / 1024 on 8 warps take 64 registers (Triton 3.6, sm_90), four programs
-# per SM; 2048-column compaction steps 99, 11-bit digits 255 and a spill.
+# warps (Triton 3.6, sm_90, tools/compile_kernels.py): at 8 bits, 4096 / 1024 on 8 warps take 64
+# registers without the ordering, 78 with it (three programs per SM), the runs kernel 80;
+# 2048-column compaction steps 99, 11-bit digits 255 and a spill.
 RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS = 4096, 1024, 8
 # The radix form orders its selection in the kernel ("kernel": _write_in_order's bitonic sort of
-# the row's topk keys) or with torch.sort after it ("torch").
+# the row's topk keys) or with torch.sort after it ("torch"). Measured only over whole rows, where
+# torch.sort was the faster (10.16 against 11.04 ms at 128k keys, results/h100/indexer_radix.json's
+# radix_sweep); the runs kernel that "auto" takes was timed with "kernel" alone: which is faster
+# there is not measured.
 SELECT_SORT = "kernel"
 SELECT_RUNS_KEYS = 1024  # _select_by_runs_kernel's keys per step (SELECT_RUNS_KEYS / SELECT_BLOCK runs)
 _INT32_MIN = tl.constexpr(INT32_MIN)  # also the sign bit
