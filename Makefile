@@ -28,7 +28,7 @@ demo: $(STAMP)
 	  --parallel.expert_model_parallel_size 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not slow"
+	$(PY) -m pytest -q -m "not gpu and not slow" --durations=30
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

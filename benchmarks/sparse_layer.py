@@ -71,18 +71,27 @@ SWEEP = [{"BQ": 64, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 32, "BS": 128, "num_warps": 4, "num_stages": 2},
          {"BQ": 64, "BS": 128, "num_warps": 8, "num_stages": 2}]
 # The selection's forms timed against each other in every idx job (settings, the setting from
-# which length rows take the runs): torch.topk's threshold with the runs' maxima from 196608 keys
-# (the form of 8d5e6d1), and the radix select's kernels with the runs from 65536 keys.
-FORMS = {"topk_form": ({"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196608}, "SELECT_BLOCK_MIN_KEYS"),
-         "radix_form": ({"SELECT_THRESHOLD": "radix", "RADIX_RUNS_MIN_KEYS": 65536}, "RADIX_RUNS_MIN_KEYS")}
+# which length rows take the runs, whether to time the form over whole rows too): torch.topk's
+# threshold with the runs' maxima from 196608 keys (the form of 8d5e6d1), and the radix select's
+# kernels with the runs from 65536 keys: stepping over every run, listing the qualifying runs
+# first (SELECT_RUNS_LIST), and the latter ordered by torch.sort instead of in the kernel.
+_RADIX = {"SELECT_THRESHOLD": "radix", "RADIX_RUNS_MIN_KEYS": 65536, "SELECT_SORT": "kernel", "SELECT_RUNS_LIST": False}
+FORMS = {"topk_form": ({"SELECT_THRESHOLD": "topk", "SELECT_BLOCK_MIN_KEYS": 196608}, "SELECT_BLOCK_MIN_KEYS", True),
+         "radix_form": (_RADIX, "RADIX_RUNS_MIN_KEYS", True),
+         "radix_listed_form": ({**_RADIX, "SELECT_RUNS_LIST": True}, "RADIX_RUNS_MIN_KEYS", False),
+         "radix_listed_torch_sort_form": ({**_RADIX, "SELECT_RUNS_LIST": True, "SELECT_SORT": "torch"},
+                                          "RADIX_RUNS_MIN_KEYS", False)}
 
 
 def time_forms(fn, want, S, prefix, row, log):
     """fn timed under each of FORMS, and over whole rows where the form would take the runs at
-    S keys, into row[prefix + form (+ "_whole_rows") + "_ms" / "_equal"] (fn() equal to want)."""
-    for name, (settings, runs_key) in FORMS.items():
+    S keys (and FORMS asks for it), into row[prefix + form (+ "_whole_rows") + "_ms" / "_equal"]
+    (fn() equal to want). The runs-only forms are skipped where rows are too short for the runs."""
+    for name, (settings, runs_key, whole_rows) in FORMS.items():
+        if not whole_rows and S < settings[runs_key]:
+            continue
         variants = [("", settings)]
-        if S >= settings[runs_key]:
+        if whole_rows and S >= settings[runs_key]:
             variants.append(("_whole_rows", {**settings, runs_key: 1 << 62}))
         for suffix, form in variants:
             with selection_form(**form):
@@ -164,7 +173,7 @@ def bench_indexer(key, args, rows, log):
     keys = torch.empty((1, T, S), dtype=torch.int32, device="cuda") if T * S * 4 <= 40e9 else None
     if keys is not None:
         # from the fewest keys any form selects by runs at, the kernel also writes the runs' maxima
-        runs = S >= min(settings[key] for settings, key in FORMS.values())
+        runs = S >= min(settings[key] for settings, key, _ in FORMS.values())
         SB = triton_indexer.SELECT_BLOCK if runs else 0
         bmax = torch.empty((1, T, triton.cdiv(S, SB) if runs else 0), dtype=torch.int32, device="cuda")
 

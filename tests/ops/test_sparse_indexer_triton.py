@@ -277,16 +277,20 @@ def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
 
 
 @interpreter
+@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("run, cap, order", [(1, 2, "kernel"), (3, 2, "torch"), (4, 1, "kernel"), (8, 2, "torch")])
-def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order):
+def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order, listed):
     """The radix form's runs-first selection (_select_by_runs_kernel: only the runs that reach
     the K-th best run's key are read) equals the whole-row one, ties included, on the rows of
     test_select_by_blocks_equals_select_rows; with room for cap * topk candidates, rows of many
-    ties overflow it and take the whole row (both branches run: counted below)."""
+    ties overflow it and take the whole row (both branches run: counted below). listed: the
+    qualifying runs listed first (SELECT_RUNS_LIST), over several steps of the runs' maxima."""
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     monkeypatch.setattr(triton_indexer, "SELECT_CANDIDATES", cap)
     monkeypatch.setattr(triton_indexer, "SELECT_RUNS_KEYS", 16)  # many steps a row
     monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
+    monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST", listed)
+    monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST_BLOCK", 8)
     ords = _long_rows()
     overflowed = set()
     for topk in (1, 5, 17, 40):
@@ -298,9 +302,13 @@ def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order):
         assert got.dtype == torch.int32
         assert torch.equal(got, want), (run, topk, (got != want).nonzero()[:5].tolist())
         # which rows had more than cap * topk keys at or above the K-th best run's key
+        # each row's branch: more than cap * topk runs reach the K-th best run's key (listed:
+        # the whole row without reading keys), more than cap * topk keys do, or they fit
         run_kth = bmax.sort(-1, descending=True).values[:, topk - 1]
-        overflowed |= {bool(c > cap * topk) for c in (ords >= run_kth[:, None]).sum(-1).tolist()}
-    assert overflowed == {True, False}
+        keys, runs = (ords >= run_kth[:, None]).sum(-1), (bmax >= run_kth[:, None]).sum(-1)
+        overflowed |= {"runs" if r > cap * topk else "keys" if k > cap * topk else "fits"
+                       for k, r in zip(keys.tolist(), runs.tolist())}
+    assert overflowed == ({"runs", "fits"} if run == 1 else {"runs", "keys", "fits"})
 
 
 @interpreter
@@ -460,10 +468,10 @@ def test_chunked_kl_loss_holds_one_chunk_at_a_time():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("HI, DI, T", [(64, 128, 4096), (16, 64, 8192)])
-@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])  # runs: the long rows' selection
+@pytest.mark.parametrize("runs", [None, "topk", "radix"], ids=["rows", "runs", "radix-runs"])
 def test_gpu_bf16_selection(HI, DI, T, runs, monkeypatch):
-    if runs:
-        monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 2048)
+    """runs: the long rows' selection through the runs' maxima, in the form named (_runs_at)."""
+    calls = _runs_at(monkeypatch, T, runs)
     # integer-valued bf16: exact scores, so the selection equals the reference's exactly
     q_idx, k_idx, w = indexer_inputs(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
     want = reference.lightning_indexer_topk(q_idx, k_idx, w, 2048)
@@ -481,6 +489,24 @@ def test_gpu_bf16_selection(HI, DI, T, runs, monkeypatch):
     picked = scores.gather(-1, got[:, rows].clamp(min=0)).masked_fill(got[:, rows] < 0, 0)
     best = scores.gather(-1, want[:, rows].clamp(min=0)).masked_fill(want[:, rows] < 0, 0)
     torch.testing.assert_close(picked, best, rtol=1e-4, atol=1e-3)
+    assert bool(calls) == bool(runs)
+
+
+def _runs_at(monkeypatch, T, form):
+    """Rows of T keys select through the runs' maxima in the given form ("topk", "radix"; None:
+    leave the settings): runs of 1 or 2 keys, so that a row holds more than 2048 of them (else
+    _select takes the whole row). Returns the list of the runs selections' calls."""
+    calls = []
+    if form is None:
+        return calls
+    monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", form)
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK", 1 if T <= 4096 else 2)
+    monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 2048)
+    monkeypatch.setattr(triton_indexer, "RADIX_RUNS_MIN_KEYS", 2048)
+    name = "_select_by_runs" if form == "radix" else "_select_by_blocks"
+    real = getattr(triton_indexer, name)
+    monkeypatch.setattr(triton_indexer, name, lambda *a: calls.append(a[3]) or real(*a))
+    return calls
 
 
 @pytest.mark.gpu
@@ -527,7 +553,9 @@ def test_gpu_radix_selection(order, monkeypatch):
     want = triton_indexer._select_rows(ords, K)
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     assert torch.equal(triton_indexer._select_rows(ords, K), want)
-    assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want)
+    for listed in (False, True):  # stepping over every run, and listing the qualifying ones first
+        monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST", listed)
+        assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want), listed
     # the default ("auto") at this length: the radix form, by runs
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "auto")
     assert triton_indexer._form(S) == "radix" and triton_indexer._takes_runs(S)
@@ -535,20 +563,21 @@ def test_gpu_radix_selection(order, monkeypatch):
 
 
 def test_auto_form_by_row_length(monkeypatch):
-    """SELECT_THRESHOLD "auto": the radix form for rows of RADIX_AUTO_KEYS keys on the GPU (by
-    runs from RADIX_RUNS_MIN_KEYS), torch.topk's elsewhere and in the interpreter."""
-    lo, hi = triton_indexer.RADIX_AUTO_KEYS
+    """SELECT_THRESHOLD "auto": the radix form for rows of at least RADIX_AUTO_MIN_KEYS keys on
+    the GPU (by runs from RADIX_RUNS_MIN_KEYS, 1M-key rows included), torch.topk's below and in
+    the interpreter."""
+    lo = triton_indexer.RADIX_AUTO_MIN_KEYS
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "auto")
     monkeypatch.setattr(triton_indexer, "_INTERPRET", False)
-    assert [triton_indexer._form(n) for n in (lo - 1, lo, hi - 1, hi)] == ["topk", "radix", "radix", "topk"]
+    assert [triton_indexer._form(n) for n in (lo - 1, lo, 1 << 20)] == ["topk", "radix", "radix"]
     runs_at = triton_indexer.RADIX_RUNS_MIN_KEYS
     assert triton_indexer._takes_runs(max(lo, runs_at)) and not triton_indexer._takes_runs(lo - 1)
     assert triton_indexer._takes_runs(triton_indexer.SELECT_BLOCK_MIN_KEYS)
     monkeypatch.setattr(triton_indexer, "_INTERPRET", True)
-    assert triton_indexer._form(lo) == "topk"
+    assert triton_indexer._form(lo) == triton_indexer._form(1 << 20) == "topk"
     for form in ("topk", "radix"):
         monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", form)
-        assert triton_indexer._form(lo - 1) == triton_indexer._form(hi) == form
+        assert triton_indexer._form(lo - 1) == triton_indexer._form(1 << 20) == form
 
 
 @pytest.mark.gpu
@@ -831,13 +860,13 @@ def test_fp8_bad_arguments_name_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("HI, DI, T", [(64, 128, 4096), (16, 64, 8192)])
-@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])
+@pytest.mark.parametrize("runs", [None, "topk", "radix"], ids=["rows", "runs", "radix-runs"])
 def test_gpu_fp8_selection(HI, DI, T, runs, monkeypatch):
     """The kernel's products on fp8 tensor cores: integer rows (exact in fp8 with power-of-two
     scales) select exactly the reference's keys; real-valued rows select keys whose reference
-    scores (on the same fp8 rows) are the top ones, and keep most of the bf16 selection."""
-    if runs:
-        monkeypatch.setattr(triton_indexer, "SELECT_BLOCK_MIN_KEYS", 2048)
+    scores (on the same fp8 rows) are the top ones, and keep most of the bf16 selection. runs:
+    as test_gpu_bf16_selection's."""
+    calls = _runs_at(monkeypatch, T, runs)
     q_idx, k_idx, w = indexer_inputs(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
     q8, k8, w8, ks = sa.indexer_fp8_inputs(q_idx, k_idx, w, rotate=False)
     got = sa.lightning_indexer_topk(q8, k8, w8, 2048, k_scale=ks)  # auto: the Triton kernel
@@ -856,3 +885,4 @@ def test_gpu_fp8_selection(HI, DI, T, runs, monkeypatch):
     bf16 = sa.lightning_indexer_topk(q_idx, k_idx, w, 2048).long()
     print(f"fp8 recall of the bf16 selection: {_recall(got[:, rows], bf16[:, rows]):.4f}")
     assert _recall(got[:, rows], bf16[:, rows]) > 0.9
+    assert bool(calls) == bool(runs)

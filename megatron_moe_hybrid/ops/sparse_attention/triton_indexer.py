@@ -17,12 +17,15 @@ sort: among equal scores the lowest key index) without sorting a whole row: find
 largest value v of each row, stream the row once keeping, in key order, every key above v and
 the first K - #(above v) keys equal to v, then a stable descending sort of those K keys orders
 them. Two forms (SELECT_THRESHOLD):
-- "topk" (the default): torch.topk (unsorted) gives v, _compact_kernel keeps the keys, torch.sort
-  orders them. int32 keys halve the bytes against int64 sort keys
-  (benchmarks/device/topk_probe.py: 8.1 against 12.2 ms at 128k keys).
+- "topk": torch.topk (unsorted) gives v, _compact_kernel keeps the keys, torch.sort orders
+  them. int32 keys halve the bytes against int64 sort keys (benchmarks/device/topk_probe.py:
+  8.1 against 12.2 ms at 128k keys).
 - "radix": one program per row finds v by a radix select (_radix_kth: RADIX_BITS bits a pass,
-  each a histogram of the next digit among the keys that match the digits fixed so far), keeps
-  the keys and orders them by a bitonic sort (_write_in_order), all in _radix_kth_kernel.
+  each a histogram of the next digit among the keys that match the digits fixed so far) and
+  keeps the keys, in _radix_kth_kernel; torch.sort orders them (SELECT_SORT "torch"), or a
+  bitonic sort in the same program (_write_in_order, "kernel").
+- "auto" (the default): "radix" for rows of at least RADIX_AUTO_MIN_KEYS keys on the GPU (by
+  the runs below), "topk" for shorter rows and in the interpreter.
 Queries are processed Tc at a time so that the [Tc, Sc] key buffer stays under
 SCORE_BUDGET_BYTES: memory is linear in T for a fixed budget, and no [T, S] tensor is ever held.
 Each chunk reads only the keys up to its last readable one (Sc), so a causal chunk early in the
@@ -37,9 +40,10 @@ order key of each run of SELECT_BLOCK keys.
   own tie rule keeps: the result is the whole row's.
 - "radix": the K-th best run's key r bounds v from below (K keys, the K best runs' best, are
   >= r), so the top K lie among the keys >= r, in the runs whose best is >= r:
-  _select_by_runs_kernel reads only those runs, lists their keys >= r in key order (about
-  1.01-1.4 K on random rows) and selects among them; rows of more than SELECT_CANDIDATES K
-  such keys (ties) select from the whole row.
+  _select_by_runs_kernel lists those runs (SELECT_RUNS_LIST), reads only them, lists their
+  keys >= r in key order (about 1.01-1.4 K on random rows) and selects among them; rows of more
+  than SELECT_CANDIDATES K such keys (ties) select from the whole row. The radix form takes the
+  runs from RADIX_RUNS_MIN_KEYS keys.
 
 Block mode (block_size=bs): the keys are cut into blocks [i bs, (i + 1) bs); a block scores
 its best key (ties to the lower block), the ceil(K / bs) best blocks are kept, and the top-K
@@ -93,31 +97,37 @@ SELECT_BLOCK_MIN_KEYS = 196608
 SELECT_BLOCK_ROWS = 1024
 # The selection's form (the module's docstring): "topk", torch.topk's threshold, "radix", the
 # radix select's kernels (RADIX_BITS bits a pass, ceil(32 / RADIX_BITS) reads of the row), or
-# "auto": the radix form for rows of RADIX_AUTO_KEYS, where it was the faster. On an H100 in one
-# run (results/h100/indexer_radix.json, both forms equal): the indexer with top-k 10.07 / 19.56 ms
-# radix (by runs) against 11.65 / 22.75 at 64k / 128k keys, the selection alone 2.93 / 4.49 against
-# 4.73 / 8.49; at 32k keys (whole rows) 6.88 against 6.51, at 1M keys (by runs) 152.7 against
-# 133.7: _select_by_runs_kernel steps over all of a row's 65536 runs 64 at a time there (1024
-# steps; listing the qualifying runs first would take 64 cheap ones). The radix kernel over whole
-# rows is slower than torch.topk's form at every length (its 8-bit histograms: 10.9 against 8.5
-# ms at 128k keys). The tests run both forms (in the interpreter, where the radix kernels cost
-# about 30 ms a row, and on the GPU); "auto" leaves the CPU at torch.topk's.
+# "auto": the radix form for rows of at least RADIX_AUTO_MIN_KEYS keys on the GPU (by runs), where
+# it was the faster; torch.topk's below and in the interpreter (where the radix kernels cost about
+# 30 ms a row). On an H100 in one run (results/h100/indexer_radix_listed.json, every form equal),
+# the indexer with top-k at 64k / 128k / 1M keys: 9.28 / 16.73 / 127.8 ms radix (runs listed,
+# ordered by torch.sort) against 12.04 / 23.00 / 131.4 for torch.topk's form, the selection alone
+# 1.88 / 2.21 / 6.26 against 4.69 / 8.61 / 12.80. Over whole rows the radix kernel is slower than
+# torch.topk's form at every length (its 8-bit histograms: 10.9 against 8.5 ms at 128k keys,
+# results/h100/indexer_radix.json; 6.88 against 6.51 at 32k keys, too few keys for the runs).
 SELECT_THRESHOLD = "auto"
-RADIX_AUTO_KEYS = (65536, 196608)
+RADIX_AUTO_MIN_KEYS = 65536
 RADIX_RUNS_MIN_KEYS = 65536  # the radix form selects by runs from here (SELECT_BLOCK_MIN_KEYS: torch.topk's)
 RADIX_BITS = 8
 # Columns per step of the passes and of the compaction that follows in the same kernel, and
 # warps (Triton 3.6, sm_90, tools/compile_kernels.py): at 8 bits, 4096 / 1024 on 8 warps take 64
-# registers without the ordering, 78 with it (three programs per SM), the runs kernel 80;
-# 2048-column compaction steps 99, 11-bit digits 255 and a spill.
+# registers without the ordering (four programs per SM), 78 with it (three), the runs kernel 80
+# either way (listed or not; with the runs listed and the ordering in the kernel, 8 bytes of local
+# memory); 2048-column compaction steps 99, 11-bit digits 255 and a spill.
 RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS = 4096, 1024, 8
-# The radix form orders its selection in the kernel ("kernel": _write_in_order's bitonic sort of
-# the row's topk keys) or with torch.sort after it ("torch"). Measured only over whole rows, where
-# torch.sort was the faster (10.16 against 11.04 ms at 128k keys, results/h100/indexer_radix.json's
-# radix_sweep); the runs kernel that "auto" takes was timed with "kernel" alone: which is faster
-# there is not measured.
-SELECT_SORT = "kernel"
+# The radix form orders its selection with torch.sort after its kernel ("torch") or in the kernel
+# ("kernel": _write_in_order's bitonic sort of the row's topk keys). torch.sort was the faster in
+# every H100 run: by listed runs 1.88 / 2.21 / 6.26 ms against 2.26 / 2.62 / 6.65 at 64k / 128k /
+# 1M keys (the selection alone, results/h100/indexer_radix_listed.json), over whole rows 10.16
+# against 11.04 at 128k (results/h100/indexer_radix.json's radix_sweep).
+SELECT_SORT = "torch"
 SELECT_RUNS_KEYS = 1024  # _select_by_runs_kernel's keys per step (SELECT_RUNS_KEYS / SELECT_BLOCK runs)
+# _select_by_runs_kernel lists the qualifying runs first (SELECT_RUNS_LIST_BLOCK runs' maxima a
+# step), then steps over those alone; False: it steps over every run (a 1M-key row's 65536 runs in
+# 1024 steps). On an H100 the selection alone took 2.26 / 2.62 / 6.65 ms listed against 2.92 /
+# 4.62 / 26.97 at 64k / 128k / 1M keys (both ordered in the kernel).
+SELECT_RUNS_LIST = True
+SELECT_RUNS_LIST_BLOCK = 1024
 _INT32_MIN = tl.constexpr(INT32_MIN)  # also the sign bit
 _INT64_MIN = tl.constexpr(-(1 << 63))
 _ORD_NEG_INF = tl.constexpr(ORD_NEG_INF)
@@ -289,9 +299,10 @@ def _radix_kth_kernel(keys, kth, num_above, cols, vals, out, num_cols, stride_ro
 
 @fast_launch
 @triton.jit
-def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v, num_cols, num_runs, K, CAP,
-                           RUN: tl.constexpr, RUNP: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
-                           BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SORT: tl.constexpr, KP: tl.constexpr):
+def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v, cand_r, num_cols, num_runs, K,
+                           CAP, RUN: tl.constexpr, RUNP: tl.constexpr, BR: tl.constexpr, LIST: tl.constexpr,
+                           RBLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+                           SORT: tl.constexpr, KP: tl.constexpr):
     """One row of int32 order keys [num_cols] whose runs of RUN keys have their largest keys in
     bmax[row, :num_runs], run_kth[row] the K-th largest of those: the row's top K into
     cols[row, :K] (key order) and their keys into vals[row, :K], as _radix_kth_kernel's COMPACT.
@@ -300,7 +311,12 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
     too: its top K lie among the keys >= run_kth, which lie in the runs whose largest key is >=
     run_kth. Those runs are read (a fraction of the row), their keys >= run_kth listed in key
     order into cand_c / cand_v[row, :CAP], and the top K taken among them; where more than CAP
-    keys qualify (many ties), from the whole row instead. SORT: as _radix_kth_kernel's."""
+    keys qualify (many ties), from the whole row instead. SORT: as _radix_kth_kernel's.
+
+    LIST: the qualifying runs are first listed (in increasing order) into cand_r[row, :CAP] by
+    a pass over bmax RBLOCK runs at a time, and only they are stepped over BR at a time (more
+    than CAP of them hold more than CAP candidates: the whole row); otherwise every run is
+    stepped over BR at a time, its keys' loads masked off where it does not qualify."""
     i_row = tl.program_id(0).to(tl.int64)
     p_row = keys + i_row * num_cols
     p_bmax = bmax + i_row * num_runs
@@ -308,18 +324,45 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
     b_lo = tl.load(run_kth + i_row)
     o_key = tl.arange(0, BR * RUNP)  # RUNP: RUN rounded up to a power of two
     n = tl.zeros([], dtype=tl.int32)  # candidates so far
-    for i_run in range(0, num_runs, BR):
-        o_run = i_run + o_key // RUNP  # [BR RUNP] the run of each key of the step
-        m_run = (o_run < num_runs) & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)
-        o_col = o_run * RUN + o_key % RUNP
-        m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
-        b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
-        b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
-        o_out = n + tl.cumsum(b_in, 0) - b_in
-        m_out = (b_in > 0) & (o_out < CAP)
-        tl.store(p_cc + o_out, o_col, mask=m_out)
-        tl.store(p_cv + o_out, b_x, mask=m_out)
-        n += tl.sum(b_in, 0)
+    if LIST:
+        p_cr = cand_r + i_row * CAP
+        n_run = tl.zeros([], dtype=tl.int32)  # qualifying runs so far
+        for i_run in range(0, num_runs, RBLOCK):
+            o_run = i_run + tl.arange(0, RBLOCK)
+            b_q = ((o_run < num_runs)
+                   & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)).to(tl.int32)
+            o_out = n_run + tl.cumsum(b_q, 0) - b_q
+            tl.store(p_cr + o_out, o_run, mask=(b_q > 0) & (o_out < CAP))
+            n_run += tl.sum(b_q, 0)
+        if n_run <= CAP:
+            tl.debug_barrier()  # the listed runs, each stored by one thread, are read by others below
+            for i_run in range(0, n_run, BR):
+                o_list = i_run + o_key // RUNP  # [BR RUNP] the list entry of each key of the step
+                m_run = o_list < n_run
+                o_col = tl.load(p_cr + o_list, mask=m_run, other=0) * RUN + o_key % RUNP
+                m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
+                b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
+                b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
+                o_out = n + tl.cumsum(b_in, 0) - b_in
+                m_out = (b_in > 0) & (o_out < CAP)
+                tl.store(p_cc + o_out, o_col, mask=m_out)
+                tl.store(p_cv + o_out, b_x, mask=m_out)
+                n += tl.sum(b_in, 0)
+        else:
+            n = CAP + 1  # more than CAP qualifying runs hold more than CAP candidates
+    else:
+        for i_run in range(0, num_runs, BR):
+            o_run = i_run + o_key // RUNP  # [BR RUNP] the run of each key of the step
+            m_run = (o_run < num_runs) & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)
+            o_col = o_run * RUN + o_key % RUNP
+            m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
+            b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
+            b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
+            o_out = n + tl.cumsum(b_in, 0) - b_in
+            m_out = (b_in > 0) & (o_out < CAP)
+            tl.store(p_cc + o_out, o_col, mask=m_out)
+            tl.store(p_cv + o_out, b_x, mask=m_out)
+            n += tl.sum(b_in, 0)
     if n <= CAP:
         tl.debug_barrier()  # the candidates, each stored by one thread, are read by others below
         b_kth, need = _radix_kth(p_cv, n, K, BITS, BLOCK)
@@ -376,8 +419,7 @@ def last_keys_on_host(hi: Tensor, T: int, S: int, causal: bool, cu_seqlens: Tens
 def _form(Sc: int) -> str:
     """The selection's form ("topk" or "radix") for rows of Sc keys (SELECT_THRESHOLD)."""
     if SELECT_THRESHOLD == "auto":
-        lo, hi = RADIX_AUTO_KEYS
-        return "radix" if lo <= Sc < hi and not _INTERPRET else "topk"
+        return "radix" if Sc >= RADIX_AUTO_MIN_KEYS and not _INTERPRET else "topk"
     return SELECT_THRESHOLD
 
 
@@ -449,13 +491,14 @@ def _select_by_runs(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
     run_kth, _ = _thresholds(bmax, topk, "radix")
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
     vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
-    cand = torch.empty((2, N, cap), dtype=torch.int32, device=ords.device)
+    cand = torch.empty((2 + SELECT_RUNS_LIST, N, cap), dtype=torch.int32, device=ords.device)
     out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
     if N:
-        _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], Sc, bmax.shape[1], topk,
-                                     cap, RUN=run, RUNP=next_power_of_2(run),
-                                     BR=max(1, SELECT_RUNS_KEYS // next_power_of_2(run)), **_radix_meta(Sc),
-                                     **_sort_meta(topk))
+        _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], cand[-1], Sc,
+                                     bmax.shape[1], topk, cap, RUN=run, RUNP=next_power_of_2(run),
+                                     BR=max(1, SELECT_RUNS_KEYS // next_power_of_2(run)), LIST=SELECT_RUNS_LIST,
+                                     RBLOCK=min(SELECT_RUNS_LIST_BLOCK, next_power_of_2(bmax.shape[1])),
+                                     **_radix_meta(Sc), **_sort_meta(topk))
     return out if SELECT_SORT == "kernel" else _in_order(cols, vals)
 
 
@@ -559,7 +602,8 @@ def lightning_indexer_topk_triton(
         Sc_max = int(reach[t0]) + 1
         row_bytes = KEY_BYTES * B * max(Sc_max, 1)
         if Sc_max >= min(SELECT_BLOCK_MIN_KEYS, RADIX_RUNS_MIN_KEYS):  # the runs' maxima too, and their candidates' room
-            row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + 2 * SELECT_CANDIDATES * topk)
+            room = (2 + SELECT_RUNS_LIST) * SELECT_CANDIDATES * topk  # _select_by_runs' scratch
+            row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + room)
         Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
         Sc = max(int(hi_host[t0:t1].max()) + 1, 1)
