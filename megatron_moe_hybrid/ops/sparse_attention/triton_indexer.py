@@ -297,6 +297,20 @@ def _radix_kth_kernel(keys, kth, num_above, cols, vals, out, num_cols, stride_ro
         tl.store(num_above + i_row, K - need)
 
 
+@triton.jit
+def _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP):
+    """Appends the row's keys p_row[o_col] (where m_key) that are >= b_lo, in o_col's order, to
+    the candidates' columns p_cc and keys p_cv after the n listed so far (those past CAP are
+    counted, not stored); returns the new count."""
+    b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
+    b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
+    o_out = n + tl.cumsum(b_in, 0) - b_in
+    m_out = (b_in > 0) & (o_out < CAP)
+    tl.store(p_cc + o_out, o_col, mask=m_out)
+    tl.store(p_cv + o_out, b_x, mask=m_out)
+    return n + tl.sum(b_in, 0)
+
+
 @fast_launch
 @triton.jit
 def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v, cand_r, num_cols, num_runs, K,
@@ -341,13 +355,7 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
                 m_run = o_list < n_run
                 o_col = tl.load(p_cr + o_list, mask=m_run, other=0) * RUN + o_key % RUNP
                 m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
-                b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
-                b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
-                o_out = n + tl.cumsum(b_in, 0) - b_in
-                m_out = (b_in > 0) & (o_out < CAP)
-                tl.store(p_cc + o_out, o_col, mask=m_out)
-                tl.store(p_cv + o_out, b_x, mask=m_out)
-                n += tl.sum(b_in, 0)
+                n = _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP)
         else:
             n = CAP + 1  # more than CAP qualifying runs hold more than CAP candidates
     else:
@@ -356,13 +364,7 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
             m_run = (o_run < num_runs) & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)
             o_col = o_run * RUN + o_key % RUNP
             m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
-            b_x = tl.load(p_row + o_col, mask=m_key, other=_INT32_MIN)
-            b_in = (m_key & (b_x >= b_lo)).to(tl.int32)
-            o_out = n + tl.cumsum(b_in, 0) - b_in
-            m_out = (b_in > 0) & (o_out < CAP)
-            tl.store(p_cc + o_out, o_col, mask=m_out)
-            tl.store(p_cv + o_out, b_x, mask=m_out)
-            n += tl.sum(b_in, 0)
+            n = _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP)
     if n <= CAP:
         tl.debug_barrier()  # the candidates, each stored by one thread, are read by others below
         b_kth, need = _radix_kth(p_cv, n, K, BITS, BLOCK)
