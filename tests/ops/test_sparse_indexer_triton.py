@@ -301,7 +301,6 @@ def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order, listed)
         got = triton_indexer._select_by_runs(ords, bmax, topk, run)
         assert got.dtype == torch.int32
         assert torch.equal(got, want), (run, topk, (got != want).nonzero()[:5].tolist())
-        # which rows had more than cap * topk keys at or above the K-th best run's key
         # each row's branch: more than cap * topk runs reach the K-th best run's key (listed:
         # the whole row without reading keys), more than cap * topk keys do, or they fit
         run_kth = bmax.sort(-1, descending=True).values[:, topk - 1]
