@@ -61,12 +61,9 @@ SLOW_TESTS = {
     # FSDP2 shards by rows, test_convert_checkpoint's DCP reshards under EP=2
     "tests/parallel/test_fsdp.py::test_lora_from_a_dist_checkpoint_under_fsdp",
     # the radix select in the interpreter (13-16 s each on 2 cores, 2026-12-07): digit widths 8, 11
-    # and 12 stay; the runs kernel stepping over every run (SELECT_RUNS_LIST off) keeps [8-2-torch];
-    # the kernel's ordering keeps [radix-kernel-1024]; _select_by_blocks over radix keeps [8-radix]
+    # and 12 stay; the kernel's ordering keeps [radix-kernel-1024]; _select_by_blocks over radix
+    # keeps [8-radix]
     "tests/ops/test_sparse_indexer_triton.py::test_radix_thresholds[6-32]",
-    "tests/ops/test_sparse_indexer_triton.py::test_select_by_runs_equals_select_rows[1-2-kernel-False]",
-    "tests/ops/test_sparse_indexer_triton.py::test_select_by_runs_equals_select_rows[4-1-kernel-False]",
-    "tests/ops/test_sparse_indexer_triton.py::test_select_by_runs_equals_select_rows[3-2-torch-False]",
     "tests/ops/test_sparse_indexer_triton.py::test_select_rows_keeps_the_lowest_ties[radix-kernel-16]",
     "tests/ops/test_sparse_indexer_triton.py::test_select_by_blocks_equals_select_rows[3-radix]",
 } | {  # the linear attention's Triton kernels in the interpreter: one variant of each test stays

@@ -378,20 +378,16 @@ def record_indexer(op: str, shape: tuple, head_dim: int | None = None, dtype: st
                                              k_scale=torch.ones(B, T))
             # long rows (from SELECT_BLOCK_MIN_KEYS keys): the kernel also writes the runs' maxima
             settings = ti.SELECT_BLOCK_MIN_KEYS, ti.RADIX_RUNS_MIN_KEYS, ti.SELECT_THRESHOLD
-            runs_list = ti.SELECT_RUNS_LIST
             try:
                 ti.SELECT_BLOCK_MIN_KEYS = ti.RADIX_RUNS_MIN_KEYS = 0
                 for form in ("topk", "radix"):  # the radix select's kernels too
                     ti.SELECT_THRESHOLD = form
                     ti.lightning_indexer_topk_triton(q.detach(), k.detach(), w.detach(), K)
                 # the radix form's runs kernel, at rows of more than K runs (8 of them: the grid)
-                # (stepping over every run, and listing the qualifying runs first)
                 ords = torch.zeros(8, 2 * K * ti.SELECT_BLOCK, dtype=torch.int32)
-                for ti.SELECT_RUNS_LIST in (False, True):
-                    ti._select_by_runs(ords, torch.zeros(8, 2 * K, dtype=torch.int32), K, ti.SELECT_BLOCK)
+                ti._select_by_runs(ords, torch.zeros(8, 2 * K, dtype=torch.int32), K, ti.SELECT_BLOCK)
             finally:
                 ti.SELECT_BLOCK_MIN_KEYS, ti.RADIX_RUNS_MIN_KEYS, ti.SELECT_THRESHOLD = settings
-                ti.SELECT_RUNS_LIST = runs_list
             scores = ti.lightning_indexer_sparse_triton(q, k, w, indices)
             torch.autograd.grad(scores, [q, k, w], torch.ones_like(scores))
             # the dense warm-up's fused KL loss (triton_dense_kl), forward and backward, with the

@@ -277,19 +277,17 @@ def test_select_by_blocks_equals_select_rows(monkeypatch, run, threshold):
 
 
 @interpreter
-@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("run, cap, order", [(1, 2, "kernel"), (3, 2, "torch"), (4, 1, "kernel"), (8, 2, "torch")])
-def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order, listed):
+def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order):
     """The radix form's runs-first selection (_select_by_runs_kernel: only the runs that reach
     the K-th best run's key are read) equals the whole-row one, ties included, on the rows of
     test_select_by_blocks_equals_select_rows; with room for cap * topk candidates, rows of many
-    ties overflow it and take the whole row (both branches run: counted below). listed: the
-    qualifying runs listed first (SELECT_RUNS_LIST), over several steps of the runs' maxima."""
+    ties overflow it and take the whole row (both branches run: counted below). The qualifying
+    runs are listed over several steps of the runs' maxima (SELECT_RUNS_LIST_BLOCK 8)."""
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     monkeypatch.setattr(triton_indexer, "SELECT_CANDIDATES", cap)
     monkeypatch.setattr(triton_indexer, "SELECT_RUNS_KEYS", 16)  # many steps a row
     monkeypatch.setattr(triton_indexer, "SELECT_SORT", order)
-    monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST", listed)
     monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST_BLOCK", 8)
     ords = _long_rows()
     overflowed = set()
@@ -301,8 +299,8 @@ def test_select_by_runs_equals_select_rows(monkeypatch, run, cap, order, listed)
         got = triton_indexer._select_by_runs(ords, bmax, topk, run)
         assert got.dtype == torch.int32
         assert torch.equal(got, want), (run, topk, (got != want).nonzero()[:5].tolist())
-        # each row's branch: more than cap * topk runs reach the K-th best run's key (listed:
-        # the whole row without reading keys), more than cap * topk keys do, or they fit
+        # each row's branch: more than cap * topk runs reach the K-th best run's key (the whole
+        # row without reading keys), more than cap * topk keys do, or they fit
         run_kth = bmax.sort(-1, descending=True).values[:, topk - 1]
         keys, runs = (ords >= run_kth[:, None]).sum(-1), (bmax >= run_kth[:, None]).sum(-1)
         overflowed |= {"runs" if r > cap * topk else "keys" if k > cap * topk else "fits"
@@ -552,9 +550,7 @@ def test_gpu_radix_selection(order, monkeypatch):
     want = triton_indexer._select_rows(ords, K)
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "radix")
     assert torch.equal(triton_indexer._select_rows(ords, K), want)
-    for listed in (False, True):  # stepping over every run, and listing the qualifying ones first
-        monkeypatch.setattr(triton_indexer, "SELECT_RUNS_LIST", listed)
-        assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want), listed
+    assert torch.equal(triton_indexer._select_by_runs(ords, bmax, K, run), want)
     # the default ("auto") at this length: the radix form, by runs
     monkeypatch.setattr(triton_indexer, "SELECT_THRESHOLD", "auto")
     assert triton_indexer._form(S) == "radix" and triton_indexer._takes_runs(S)

@@ -40,7 +40,7 @@ order key of each run of SELECT_BLOCK keys.
   own tie rule keeps: the result is the whole row's.
 - "radix": the K-th best run's key r bounds v from below (K keys, the K best runs' best, are
   >= r), so the top K lie among the keys >= r, in the runs whose best is >= r:
-  _select_by_runs_kernel lists those runs (SELECT_RUNS_LIST), reads only them, lists their
+  _select_by_runs_kernel lists those runs, reads only them, lists their
   keys >= r in key order (about 1.01-1.4 K on random rows) and selects among them; rows of more
   than SELECT_CANDIDATES K such keys (ties) select from the whole row. The radix form takes the
   runs from RADIX_RUNS_MIN_KEYS keys.
@@ -112,8 +112,8 @@ RADIX_BITS = 8
 # Columns per step of the passes and of the compaction that follows in the same kernel, and
 # warps (Triton 3.6, sm_90, tools/compile_kernels.py): at 8 bits, 4096 / 1024 on 8 warps take 64
 # registers without the ordering (four programs per SM), 78 with it (three), the runs kernel 80
-# either way (listed or not; with the runs listed and the ordering in the kernel, 8 bytes of local
-# memory); 2048-column compaction steps 99, 11-bit digits 255 and a spill.
+# either way (with the ordering in the kernel, 8 bytes of local memory); 2048-column compaction
+# steps 99, 11-bit digits 255 and a spill.
 RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS = 4096, 1024, 8
 # The radix form orders its selection with torch.sort after its kernel ("torch") or in the kernel
 # ("kernel": _write_in_order's bitonic sort of the row's topk keys). torch.sort was the faster in
@@ -123,10 +123,10 @@ RADIX_BLOCK, RADIX_CBLOCK, RADIX_WARPS = 4096, 1024, 8
 SELECT_SORT = "torch"
 SELECT_RUNS_KEYS = 1024  # _select_by_runs_kernel's keys per step (SELECT_RUNS_KEYS / SELECT_BLOCK runs)
 # _select_by_runs_kernel lists the qualifying runs first (SELECT_RUNS_LIST_BLOCK runs' maxima a
-# step), then steps over those alone; False: it steps over every run (a 1M-key row's 65536 runs in
-# 1024 steps). On an H100 the selection alone took 2.26 / 2.62 / 6.65 ms listed against 2.92 /
-# 4.62 / 26.97 at 64k / 128k / 1M keys (both ordered in the kernel).
-SELECT_RUNS_LIST = True
+# step), then steps over those alone. Stepping over every run instead (a 1M-key row's 65536 runs
+# in 1024 steps, the form of 6664667, removed since) took 2.92 / 4.62 / 26.97 ms against 2.26 /
+# 2.62 / 6.65 listed at 64k / 128k / 1M keys on an H100 (the selection alone, both ordered in the
+# kernel: results/h100/indexer_radix_listed.json).
 SELECT_RUNS_LIST_BLOCK = 1024
 _INT32_MIN = tl.constexpr(INT32_MIN)  # also the sign bit
 _INT64_MIN = tl.constexpr(-(1 << 63))
@@ -314,7 +314,7 @@ def _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP):
 @fast_launch
 @triton.jit
 def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v, cand_r, num_cols, num_runs, K,
-                           CAP, RUN: tl.constexpr, RUNP: tl.constexpr, BR: tl.constexpr, LIST: tl.constexpr,
+                           CAP, RUN: tl.constexpr, RUNP: tl.constexpr, BR: tl.constexpr,
                            RBLOCK: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
                            SORT: tl.constexpr, KP: tl.constexpr):
     """One row of int32 order keys [num_cols] whose runs of RUN keys have their largest keys in
@@ -327,10 +327,9 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
     order into cand_c / cand_v[row, :CAP], and the top K taken among them; where more than CAP
     keys qualify (many ties), from the whole row instead. SORT: as _radix_kth_kernel's.
 
-    LIST: the qualifying runs are first listed (in increasing order) into cand_r[row, :CAP] by
-    a pass over bmax RBLOCK runs at a time, and only they are stepped over BR at a time (more
-    than CAP of them hold more than CAP candidates: the whole row); otherwise every run is
-    stepped over BR at a time, its keys' loads masked off where it does not qualify."""
+    The qualifying runs are first listed (in increasing order) into cand_r[row, :CAP] by a pass
+    over bmax RBLOCK runs at a time, and only they are stepped over, BR at a time; more than CAP
+    of them hold more than CAP candidates (the whole row)."""
     i_row = tl.program_id(0).to(tl.int64)
     p_row = keys + i_row * num_cols
     p_bmax = bmax + i_row * num_runs
@@ -338,33 +337,25 @@ def _select_by_runs_kernel(keys, bmax, run_kth, cols, vals, out, cand_c, cand_v,
     b_lo = tl.load(run_kth + i_row)
     o_key = tl.arange(0, BR * RUNP)  # RUNP: RUN rounded up to a power of two
     n = tl.zeros([], dtype=tl.int32)  # candidates so far
-    if LIST:
-        p_cr = cand_r + i_row * CAP
-        n_run = tl.zeros([], dtype=tl.int32)  # qualifying runs so far
-        for i_run in range(0, num_runs, RBLOCK):
-            o_run = i_run + tl.arange(0, RBLOCK)
-            b_q = ((o_run < num_runs)
-                   & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)).to(tl.int32)
-            o_out = n_run + tl.cumsum(b_q, 0) - b_q
-            tl.store(p_cr + o_out, o_run, mask=(b_q > 0) & (o_out < CAP))
-            n_run += tl.sum(b_q, 0)
-        if n_run <= CAP:
-            tl.debug_barrier()  # the listed runs, each stored by one thread, are read by others below
-            for i_run in range(0, n_run, BR):
-                o_list = i_run + o_key // RUNP  # [BR RUNP] the list entry of each key of the step
-                m_run = o_list < n_run
-                o_col = tl.load(p_cr + o_list, mask=m_run, other=0) * RUN + o_key % RUNP
-                m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
-                n = _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP)
-        else:
-            n = CAP + 1  # more than CAP qualifying runs hold more than CAP candidates
-    else:
-        for i_run in range(0, num_runs, BR):
-            o_run = i_run + o_key // RUNP  # [BR RUNP] the run of each key of the step
-            m_run = (o_run < num_runs) & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)
-            o_col = o_run * RUN + o_key % RUNP
+    p_cr = cand_r + i_row * CAP
+    n_run = tl.zeros([], dtype=tl.int32)  # qualifying runs so far
+    for i_run in range(0, num_runs, RBLOCK):
+        o_run = i_run + tl.arange(0, RBLOCK)
+        b_q = ((o_run < num_runs)
+               & (tl.load(p_bmax + o_run, mask=o_run < num_runs, other=_INT32_MIN) >= b_lo)).to(tl.int32)
+        o_out = n_run + tl.cumsum(b_q, 0) - b_q
+        tl.store(p_cr + o_out, o_run, mask=(b_q > 0) & (o_out < CAP))
+        n_run += tl.sum(b_q, 0)
+    if n_run <= CAP:
+        tl.debug_barrier()  # the listed runs, each stored by one thread, are read by others below
+        for i_run in range(0, n_run, BR):
+            o_list = i_run + o_key // RUNP  # [BR RUNP] the list entry of each key of the step
+            m_run = o_list < n_run
+            o_col = tl.load(p_cr + o_list, mask=m_run, other=0) * RUN + o_key % RUNP
             m_key = m_run & (o_key % RUNP < RUN) & (o_col < num_cols)
             n = _list_candidates(p_row, o_col, m_key, b_lo, p_cc, p_cv, n, CAP)
+    else:
+        n = CAP + 1  # more than CAP qualifying runs hold more than CAP candidates
     if n <= CAP:
         tl.debug_barrier()  # the candidates, each stored by one thread, are read by others below
         b_kth, need = _radix_kth(p_cv, n, K, BITS, BLOCK)
@@ -493,12 +484,12 @@ def _select_by_runs(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
     run_kth, _ = _thresholds(bmax, topk, "radix")
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
     vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
-    cand = torch.empty((2 + SELECT_RUNS_LIST, N, cap), dtype=torch.int32, device=ords.device)
+    cand = torch.empty((3, N, cap), dtype=torch.int32, device=ords.device)
     out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
     if N:
-        _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], cand[-1], Sc,
+        _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], cand[2], Sc,
                                      bmax.shape[1], topk, cap, RUN=run, RUNP=next_power_of_2(run),
-                                     BR=max(1, SELECT_RUNS_KEYS // next_power_of_2(run)), LIST=SELECT_RUNS_LIST,
+                                     BR=max(1, SELECT_RUNS_KEYS // next_power_of_2(run)),
                                      RBLOCK=min(SELECT_RUNS_LIST_BLOCK, next_power_of_2(bmax.shape[1])),
                                      **_radix_meta(Sc), **_sort_meta(topk))
     return out if SELECT_SORT == "kernel" else _in_order(cols, vals)
@@ -604,7 +595,7 @@ def lightning_indexer_topk_triton(
         Sc_max = int(reach[t0]) + 1
         row_bytes = KEY_BYTES * B * max(Sc_max, 1)
         if Sc_max >= min(SELECT_BLOCK_MIN_KEYS, RADIX_RUNS_MIN_KEYS):  # the runs' maxima too, and their candidates' room
-            room = (2 + SELECT_RUNS_LIST) * SELECT_CANDIDATES * topk  # _select_by_runs' scratch
+            room = 3 * SELECT_CANDIDATES * topk  # _select_by_runs' scratch
             row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + room)
         Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
