@@ -152,7 +152,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "peft"],  # peft (pulls transformers): the LoRA export loads in peft
+        "test": ["pytest", "pytest-xdist", "peft"],  # peft (pulls transformers): the LoRA export loads in peft
         "te": ["transformer-engine"],
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is an unrelated package).
         "apex": ["apex @ git+https://github.com/NVIDIA/apex.git"],

@@ -88,9 +88,7 @@ def test_ep2_run_equals_one_process_on_the_global_batch(tmp_path):
     """torchrun with 2 ranks (gloo): experts split over EP=2, each rank on its own batches,
     dense gradients summed; its losses (averaged over the ranks) equal one process trained on
     both ranks' batches (--emulate_ranks 2), LoRA and full-parameter, step after step."""
-    from megatron_moe_hybrid.parallel.launch import free_port
-
-    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone")
     args = ["--no_anchor", "--jobs", "a64,b64x1", "--curve_steps", "3"]
     ep = _run(args, tmp_path / "ep2.json", launcher)
     one = _run([*args, "--emulate_ranks", "2"], tmp_path / "one.json")

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from megatron_moe_hybrid.testing import free_port, spawn
+from megatron_moe_hybrid.testing import spawn
 from megatron_moe_hybrid.training import checkpoint as ckpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,14 +51,14 @@ def _run_catching(rank, world, raw, ov):
 # 1. A rank dies mid-step ------------------------------------------------------------------
 
 
-def _worker_dies(rank, world, port, raw, ov, kill_rank, kill_step, log_path):
+def _worker_dies(rank, world, store, raw, ov, kill_rank, kill_step, log_path):
     import torch.distributed as dist
 
     from megatron_moe_hybrid.training import trainer as trainer_mod
 
     log = open(log_path, "w")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no port picked before the bind, for another test's process to take
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     if rank == kill_rank:
         original = trainer_mod.Trainer._batch_start
 
@@ -86,9 +86,9 @@ def test_dead_rank_is_named_and_survivors_exit(corpus, cache_dir, tmp_path, raw_
         "training.global_batch_size": 8,
     })
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
+    store = str(tmp_path / "store")
     logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
-    procs = [ctx.Process(target=_worker_dies, args=(r, 2, port, raw, ov, 1, 4, logs[r])) for r in range(2)]
+    procs = [ctx.Process(target=_worker_dies, args=(r, 2, store, raw, ov, 1, 4, logs[r])) for r in range(2)]
     for p in procs:
         p.start()
     start = time.time()
@@ -424,8 +424,8 @@ def test_torchrun_prints_an_error_every_rank_raised_once(corpus, cache_dir, tmp_
     config.write_text(yaml.safe_dump(raw))
     args = [x for k, v in ov.items() for x in (f"--{k}", str(v))]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), "-m", "megatron_moe_hybrid.train", "--config", str(config)] + args,
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        "-m", "megatron_moe_hybrid.train", "--config", str(config)] + args,
                        capture_output=True, text=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
@@ -467,15 +467,15 @@ def test_torchrun_ranks_wait_for_a_first_tokenization_longer_than_the_collective
     script.write_text(_SLOW_DATA)
     args = ["--config", str(config)] + [x for k, v in ov.items() for x in (f"--{k}", str(v))]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(script)] + args, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        str(script)] + args, capture_output=True, text=True, timeout=300,
                        env=dict(env, OMP_NUM_THREADS="1", SLOW_DATA_S="12"), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert len(read_metrics(str(tmp_path / "run"))) == 1
     # a rank 0 that dies while the others wait ends the launch at once, not after the long wait
     start = time.time()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(script)] + args, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        str(script)] + args, capture_output=True, text=True, timeout=300,
                        env=dict(env, OMP_NUM_THREADS="1", SLOW_DATA_S="2", DIE_IN_DATA="1"), cwd=ROOT)
     assert r.returncode != 0 and time.time() - start < 120, (time.time() - start, r.stderr[-3000:])
 
