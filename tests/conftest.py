@@ -97,7 +97,10 @@ def pytest_collection_modifyitems(config, items):
     if not config.option.file_or_dir:  # the whole suite (make test, CI): a renamed test must not leave the slow set
         missing = sorted(SLOW_TESTS - {item.nodeid for item in items})
         if missing:
-            raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {missing}")
+            message = f"tests/conftest.py SLOW_TESTS names tests that do not exist: {missing}"
+            if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller prints it
+                config.workeroutput["usage_error"] = message
+            raise pytest.UsageError(message)
     for item in items:
         if item.nodeid in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
@@ -113,6 +116,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's usage error (make test), which it would not show."""
+    message = getattr(node, "workeroutput", {}).get("usage_error")
+    if message:
+        node.config.pluginmanager.get_plugin("terminalreporter").write_line(f"{node.gateway.id}: {message}", red=True)
 
 
 # Tests import the package from this checkout even where it is not pip-installed.
