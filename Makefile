@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   pretrain a tiny hybrid MoE (EP=2, 2 processes, gloo) and LoRA-fine-tune it
-#   make test   the test suite (CPU, about 25 minutes on 2 cores with the first setup, on TEST_WORKERS
+#   make test   the test suite (CPU, about 27 minutes on 2 cores with the first setup, on TEST_WORKERS
 #               pytest-xdist workers, default 2; make test-all adds the slow set)
 # Both set up .venv on first use (torch's CPU build where no torch is installed).
 
@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-0.1.0
 export OMP_NUM_THREADS ?= 1
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
 TORCHRUN := $(PY) -m torch.distributed.run --nproc-per-node 2 --master-port 29517
 
 .PHONY: demo test test-all test-gpu env clean-demo
@@ -30,10 +31,10 @@ demo: $(STAMP)
 	  --parallel.expert_model_parallel_size 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not gpu and not slow" --durations=30
+	$(PY) -m pytest -q $(XDIST) -m "not gpu and not slow" --durations=30
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not gpu"
+	$(PY) -m pytest -q $(XDIST) -m "not gpu"
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu

@@ -134,6 +134,7 @@ _ORD_NEG_INF = tl.constexpr(ORD_NEG_INF)
 # The runs' candidates (_select_by_runs_kernel): room for SELECT_CANDIDATES * topk keys a row
 # (random rows hold about 1.36 / 1.14 / 1.01 topk at 64k / 128k / 1M keys, 2048 of them).
 SELECT_CANDIDATES = 2
+_RUNS_SCRATCH_ROWS = 3  # _select_by_runs' scratch a row: candidates' columns, their keys, the listed runs
 
 
 @fast_launch
@@ -484,7 +485,7 @@ def _select_by_runs(ords: Tensor, bmax: Tensor, topk: int, run: int) -> Tensor:
     run_kth, _ = _thresholds(bmax, topk, "radix")
     cols = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
     vals = torch.empty((N, topk), dtype=torch.int32, device=ords.device)
-    cand = torch.empty((3, N, cap), dtype=torch.int32, device=ords.device)
+    cand = torch.empty((_RUNS_SCRATCH_ROWS, N, cap), dtype=torch.int32, device=ords.device)
     out = torch.empty((N, topk), dtype=torch.int32, device=ords.device) if SELECT_SORT == "kernel" else cols
     if N:
         _select_by_runs_kernel[(N,)](ords, bmax, run_kth, cols, vals, out, cand[0], cand[1], cand[2], Sc,
@@ -595,7 +596,7 @@ def lightning_indexer_topk_triton(
         Sc_max = int(reach[t0]) + 1
         row_bytes = KEY_BYTES * B * max(Sc_max, 1)
         if Sc_max >= min(SELECT_BLOCK_MIN_KEYS, RADIX_RUNS_MIN_KEYS):  # the runs' maxima too, and their candidates' room
-            room = 3 * SELECT_CANDIDATES * topk  # _select_by_runs' scratch
+            room = _RUNS_SCRATCH_ROWS * SELECT_CANDIDATES * topk  # _select_by_runs' scratch
             row_bytes += KEY_BYTES * B * (cdiv(Sc_max, SELECT_BLOCK) + room)
         Tc = max(BQ, (budget // row_bytes) // BQ * BQ)
         t1 = min(T, t0 + Tc)
