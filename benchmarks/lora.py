@@ -168,11 +168,11 @@ def main():
     global STATE_DTYPE
     STATE_DTYPE = args.optimizer_state_dtype
     cuda = torch.cuda.is_available() and not args.tiny
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron_moe_hybrid.parallel.launch import init_process_group  # plain `python`: a group of one
+
+    init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     raw = TINY if args.tiny else MODEL

@@ -106,7 +106,9 @@ def main():
 
     megatron_error = None
     try:
-        torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0)
+        from megatron_moe_hybrid.parallel.launch import init_one_process_group
+
+        init_one_process_group("nccl")
         ps.initialize_model_parallel()
     except Exception as error:  # noqa: BLE001 - Megatron failing leaves its rows null
         traceback.print_exc()
