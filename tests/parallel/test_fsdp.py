@@ -218,9 +218,16 @@ def test_lora_ep2_dp2_equals_single_process(base_dir, corpus, cache_dir, tmp_pat
     assert any(k.endswith("lora_B1.expert7") for k in got_adapter), sorted(got_adapter)[:5]
     assert all(v.abs().sum() > 0 for k, v in got_adapter.items() if "lora_B" in k)  # every adapter trained
 
-    # Only adapters changed: every other tensor of the fine-tuned checkpoint is the base's.
-    base = _tensors(latest_checkpoint(base_dir))
-    tuned = _tensors(runs[0]["checkpoint"])
+    # Only adapters changed: every other weight of the fine-tuned checkpoint is the base's, and
+    # the optimizer's moments (optim-*.safetensors, "optimizer.<moment>.<name>") are the adapters' only.
+    def weights(tensors):
+        return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+
+    base = weights(_tensors(latest_checkpoint(base_dir)))
+    tuned_all = _tensors(runs[0]["checkpoint"])
+    moments = [k for k in tuned_all if k.startswith("optimizer.")]
+    assert moments and all("lora_" in k for k in moments), [k for k in moments if "lora_" not in k][:5]
+    tuned = weights(tuned_all)
     frozen = {k: v for k, v in tuned.items() if "lora_" not in k}
     assert len(frozen) == len(base)
     for name, value in frozen.items():

@@ -173,7 +173,7 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     })
     spawn(_train, 1, raw, ov, "finetune")
     again = tensors(latest_checkpoint(again_dir))
-    adapters = [k for k in tuned if "lora_" in k]
+    adapters = [k for k in tuned if "lora_" in k and not k.startswith("optimizer.")]  # weights, not moments
     assert adapters and all(torch.equal(again[k], tuned[k]) for k in adapters)
     assert torch.equal(again[tuned_name], tuned[tuned_name])
 
