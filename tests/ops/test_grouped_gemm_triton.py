@@ -223,7 +223,7 @@ def test_bf16_gradient_accumulation_on_the_gpu(wgrad_calls, monkeypatch):
     import megatron_moe_hybrid.ops.moe.grouped_triton as gt
 
     torch.manual_seed(0)
-    e, k, m = 16, 512, 384
+    k, m = 512, 384
     counts = [200] * 8 + [0] + [150] * 7
     bounds = row_bounds(torch.tensor(counts, device="cuda"))
     batches = [_case(counts, 0, k, m, dtype=torch.bfloat16, device="cuda") for _ in range(3)]

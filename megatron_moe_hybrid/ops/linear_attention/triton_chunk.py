@@ -1267,7 +1267,6 @@ def _bwd(q, k, v, g, beta, scale, h0, do, dht, chunks: _Chunks, split, A=None, p
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gdn = beta is not None
-    varlen = chunks.indices is not None
     if prep is not None:  # the delta rule's only with states (its backward then reads no u)
         assert not gdn or states is not None
         (gam, P, w), u = prep, None
