@@ -158,6 +158,24 @@ def causal_attention_backend(backend: str):
         sa.causal_attention = original
 
 
+def checkpoint_tensors(path: str, part: str = "all") -> dict[str, torch.Tensor]:
+    """A saved checkpoint's tensors by name, read from its files: part "model" (the weights),
+    "optimizer" (the moments, `optimizer.<key>.<name>`, in the files training.checkpoint.OPTIMIZER_PREFIX
+    names) or "all"."""
+    from safetensors.torch import load_file
+
+    from megatron_moe_hybrid.training.checkpoint import OPTIMIZER_PREFIX
+
+    if part not in ("all", "model", "optimizer"):
+        raise ValueError(f"part: {part!r}; use 'all', 'model' or 'optimizer'")
+    out = {}
+    for f in sorted(os.listdir(path)):
+        moments = f.startswith(OPTIMIZER_PREFIX)
+        if f.endswith(".safetensors") and (part == "all" or moments == (part == "optimizer")):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str) -> None:
     """Weight gradients sum over every token: their round-off grows with their size, so the
     absolute tolerance is tol times the tensor's largest entry (rtol = tol)."""

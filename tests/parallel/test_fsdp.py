@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_moe_hybrid.testing import spawn
+from megatron_moe_hybrid.testing import checkpoint_tensors, spawn
 
 TOL = 1e-5
 
@@ -38,14 +38,6 @@ def _train(rank, world_size, raw, overrides, mode="pretrain"):
 
     result = run(config_from_dict(raw, overrides), mode)
     return {"losses": result.losses, "checkpoint": result.checkpoint, "adapter": result.adapter_dir}
-
-
-def _tensors(path):
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
 
 
 def _grad_norms(checkpoint):
@@ -111,7 +103,7 @@ def test_full_training_with_resume_equals_single_process(world, ep, single_full,
     _assert_losses_close(single_full["losses"], first[0]["losses"] + second[0]["losses"])
     _assert_grad_norms_close(single_full["checkpoint"], second[0]["checkpoint"])
     # The last update used the resumed Adam moments; a lost state would move the weights.
-    _assert_tensors_close(_tensors(single_full["checkpoint"]), _tensors(second[0]["checkpoint"]))
+    _assert_tensors_close(checkpoint_tensors(single_full["checkpoint"]), checkpoint_tensors(second[0]["checkpoint"]))
 
 
 @pytest.mark.distributed
@@ -132,7 +124,7 @@ def test_resume_under_another_layout_equals_single_process(before, after, single
     assert len(first[0]["losses"]) == 2 and len(second[0]["losses"]) == 1
     _assert_losses_close(single_full["losses"], first[0]["losses"] + second[0]["losses"])
     _assert_grad_norms_close(single_full["checkpoint"], second[0]["checkpoint"])
-    ref, got = _tensors(single_full["checkpoint"]), _tensors(second[0]["checkpoint"])
+    ref, got = checkpoint_tensors(single_full["checkpoint"]), checkpoint_tensors(second[0]["checkpoint"])
     assert any(k.startswith("optimizer.exp_avg_sq.") for k in got)  # the moments are compared too
     _assert_tensors_close(ref, got)
 
@@ -149,7 +141,7 @@ def test_dense_warmup_equals_single_process(corpus, cache_dir, tmp_path, raw_con
     got = spawn(_train, 2, raw, ov)
     _assert_losses_close(single["losses"], got[0]["losses"])
     _assert_grad_norms_close(single["checkpoint"], got[0]["checkpoint"])
-    ref, tensors = _tensors(single["checkpoint"]), _tensors(got[0]["checkpoint"])
+    ref, tensors = checkpoint_tensors(single["checkpoint"]), checkpoint_tensors(got[0]["checkpoint"])
     _assert_tensors_close(ref, tensors)
     kl = [[json.loads(line)["indexer_kl_loss"] for line in open(os.path.join(str(tmp_path / d), "metrics.jsonl"))]
           for d in ("single", "fsdp")]
@@ -173,7 +165,7 @@ def test_bf16_optimizer_state_with_resume_equals_single_process(corpus, cache_di
     _assert_losses_close(single["losses"], first[0]["losses"] + second[0]["losses"])
     # fp32 reduction-order noise can flip a moment's bf16 rounding (one step: 0.4%), which Adam
     # turns into up to ~lr / 10 on elements with near-zero gradients: a few elements only
-    ref, got = _tensors(single["checkpoint"]), _tensors(second[0]["checkpoint"])
+    ref, got = checkpoint_tensors(single["checkpoint"]), checkpoint_tensors(second[0]["checkpoint"])
     assert ref.keys() == got.keys()
     off = total = 0
     for name in ref:
@@ -183,7 +175,7 @@ def test_bf16_optimizer_state_with_resume_equals_single_process(corpus, cache_di
         total += diff.numel()
     assert off <= 1e-4 * total, (off, total)
     # the saved moments are bf16 (half the bytes of fp32 state), beside the weights
-    moments = [v for k, v in _tensors(first[0]["checkpoint"]).items() if k.startswith("optimizer.exp_avg")]
+    moments = [v for k, v in checkpoint_tensors(first[0]["checkpoint"]).items() if k.startswith("optimizer.exp_avg")]
     assert moments and all(v.dtype == torch.bfloat16 for v in moments)
 
 
@@ -219,15 +211,11 @@ def test_lora_ep2_dp2_equals_single_process(base_dir, corpus, cache_dir, tmp_pat
     assert all(v.abs().sum() > 0 for k, v in got_adapter.items() if "lora_B" in k)  # every adapter trained
 
     # Only adapters changed: every other weight of the fine-tuned checkpoint is the base's, and
-    # the optimizer's moments (optim-*.safetensors, "optimizer.<moment>.<name>") are the adapters' only.
-    def weights(tensors):
-        return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-
-    base = weights(_tensors(latest_checkpoint(base_dir)))
-    tuned_all = _tensors(runs[0]["checkpoint"])
-    moments = [k for k in tuned_all if k.startswith("optimizer.")]
+    # the optimizer's moments are the adapters' only.
+    base = checkpoint_tensors(latest_checkpoint(base_dir), "model")
+    moments = list(checkpoint_tensors(runs[0]["checkpoint"], "optimizer"))
     assert moments and all("lora_" in k for k in moments), [k for k in moments if "lora_" not in k][:5]
-    tuned = weights(tuned_all)
+    tuned = checkpoint_tensors(runs[0]["checkpoint"], "model")
     frozen = {k: v for k, v in tuned.items() if "lora_" not in k}
     assert len(frozen) == len(base)
     for name, value in frozen.items():
@@ -269,9 +257,9 @@ def test_adapters_only_checkpoint_bf16_base_resumes_exactly(base_dir, corpus, ca
     (second,) = spawn(_train, 1, raw, ov, "finetune")
 
     assert first["losses"] + second["losses"] == straight["losses"]  # bitwise
-    saved = _tensors(second["checkpoint"])
+    saved = checkpoint_tensors(second["checkpoint"])
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
-    _assert_tensors_close(_tensors(straight["checkpoint"]), saved)
+    _assert_tensors_close(checkpoint_tensors(straight["checkpoint"]), saved)
 
 
 def _meta_sharded_materialize(rank, world_size):
@@ -366,7 +354,7 @@ def test_dist_checkpoint_init_loads_into_fsdp_shards(base_dir, dcp_dir, corpus, 
     raw, ov = raw_config(corpus, cache_dir, str(tmp_path / "fsdp"), **common, **_layout(4, 2))
     runs = spawn(_train, 4, raw, ov)
     _assert_losses_close(single["losses"], runs[0]["losses"])
-    _assert_tensors_close(_tensors(single["checkpoint"]), _tensors(runs[0]["checkpoint"]))
+    _assert_tensors_close(checkpoint_tensors(single["checkpoint"]), checkpoint_tensors(runs[0]["checkpoint"]))
 
 
 @pytest.mark.distributed

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megatron_moe_hybrid.testing import init_megatron, teardown, tiny_config
+from megatron_moe_hybrid.testing import checkpoint_tensors, init_megatron, teardown, tiny_config
 from megatron_moe_hybrid.training import checkpoint as ckpt
 
 
@@ -458,8 +458,6 @@ def _gpu_fsdp_worker(rank, world, src, out):
 
 @pytest.mark.gpu
 def test_an_fsdp_checkpoint_on_the_gpu_equals_the_cpu_one(tmp_path):
-    from safetensors.torch import load_file
-
     from megatron_moe_hybrid.testing import spawn
 
     if not torch.cuda.is_available():
@@ -467,10 +465,7 @@ def test_an_fsdp_checkpoint_on_the_gpu_equals_the_cpu_one(tmp_path):
     src = ckpt.save_checkpoint(str(tmp_path / "cpu"), 1, build(0), {"step": 1}, {})
     (path,) = spawn(_gpu_fsdp_worker, 1, src, str(tmp_path / "gpu"), backend="nccl")
 
-    def tensors(p):
-        return {k: v for f in sorted(os.listdir(p)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(p, f)).items()}
-
-    want, got = tensors(src), tensors(path)
+    want, got = checkpoint_tensors(src), checkpoint_tensors(path)
     assert want.keys() == got.keys() and any(".expert7" in k for k in got)
     for k in want:
         assert torch.equal(got[k], want[k]), k

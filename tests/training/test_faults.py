@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from megatron_moe_hybrid.testing import spawn
+from megatron_moe_hybrid.testing import checkpoint_tensors, spawn
 from megatron_moe_hybrid.training import checkpoint as ckpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,14 +30,6 @@ def _run(raw, ov, mode="pretrain"):
     from megatron_moe_hybrid.training.trainer import run
 
     return run(config_from_dict(raw, ov), mode)
-
-
-def _tensors(path):
-    """A checkpoint's tensors by name."""
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(path, f)).items()}
 
 
 def _run_catching(rank, world, raw, ov):
@@ -543,7 +535,7 @@ def test_deterministic_runs_are_bitwise_equal_with_ep2(corpus, cache_dir, tmp_pa
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
         raw, ov = raw_config(corpus, cache_dir, str(tmp_path / name), **common, **{"training.seed": seed})
         (losses, path), _ = spawn(_worker_weights, 2, raw, ov)
-        runs.append((losses, _tensors(path)))
+        runs.append((losses, checkpoint_tensors(path)))
     (la, wa), (lb, wb), (lc, wc) = runs
     assert la == lb
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -616,7 +608,7 @@ def test_the_sparse_stage_starts_from_the_warmup_by_init_from_not_resume(corpus,
     })
     status, message = spawn(_run_catching, 1, raw, ov)[0]
     assert status == "ok", message
-    warmed, started = (_tensors(latest_checkpoint(d)) for d in (out, str(tmp_path / "sparse")))
+    warmed, started = (checkpoint_tensors(latest_checkpoint(d)) for d in (out, str(tmp_path / "sparse")))
     indexer = [k for k in warmed if "linear_index_" in k and not k.startswith("optimizer.")]
     assert indexer and all(torch.equal(started[k], warmed[k]) for k in indexer)
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_moe_hybrid.testing import spawn
+from megatron_moe_hybrid.testing import checkpoint_tensors, spawn
 
 def _train(rank, world_size, raw, overrides, mode="pretrain"):
     from megatron_moe_hybrid.config import config_from_dict
@@ -104,16 +104,8 @@ def test_ep2_equals_ep1(corpus, cache_dir, tmp_path, raw_config):
 
     # The EP=2 checkpoint holds the same tensors under the same global names (reshardable).
     import torch
-    from safetensors.torch import load_file
 
-    def tensors(path):
-        out = {}
-        for f in sorted(os.listdir(path)):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(path, f)))
-        return out
-
-    a, b = tensors(ep1["checkpoint"]), tensors(ep2[0]["checkpoint"])
+    a, b = checkpoint_tensors(ep1["checkpoint"]), checkpoint_tensors(ep2[0]["checkpoint"])
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)
@@ -150,15 +142,8 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
     # the frozen base is unchanged in the fine-tuned checkpoint
     from megatron_moe_hybrid.training.checkpoint import latest_checkpoint
 
-    def tensors(path):
-        out = {}
-        for f in os.listdir(path):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(path, f)))
-        return out
-
-    base = tensors(latest_checkpoint(base_dir))
-    tuned = tensors(latest_checkpoint(ft_dir))
+    base = checkpoint_tensors(latest_checkpoint(base_dir), "model")
+    tuned = checkpoint_tensors(latest_checkpoint(ft_dir), "model")
     name = "decoder.layers.0.self_attention.in_proj.weight"
     tuned_name = "decoder.layers.0.self_attention.in_proj.base.weight"
     assert name in base and tuned_name in tuned, (sorted(base)[:8], sorted(tuned)[:8])
@@ -172,8 +157,8 @@ def test_lora_finetune_from_pretrained(corpus, cache_dir, tmp_path, raw_config):
         "lora.targets": ["linear_attention", "sparse_attention", "experts"], "training.lr": 0.0, "training.min_lr": 0.0,
     })
     spawn(_train, 1, raw, ov, "finetune")
-    again = tensors(latest_checkpoint(again_dir))
-    adapters = [k for k in tuned if "lora_" in k and not k.startswith("optimizer.")]  # weights, not moments
+    again = checkpoint_tensors(latest_checkpoint(again_dir), "model")
+    adapters = [k for k in tuned if "lora_" in k]
     assert adapters and all(torch.equal(again[k], tuned[k]) for k in adapters)
     assert torch.equal(again[tuned_name], tuned[tuned_name])
 
@@ -291,7 +276,6 @@ def test_dense_warmup_starts_from_a_checkpoint_without_indexers(corpus, cache_di
     indexers as a run from scratch would (lr 0 here, so the run keeps what it started from); the
     sparse stage from that checkpoint stops naming training.init_from and the warm-up as the fix."""
     import torch
-    from safetensors.torch import load_file
 
     base = str(tmp_path / "base")
     raw, ov = raw_config(corpus, cache_dir, base, **{"training.train_steps": 2, "training.save_interval": 2})
@@ -312,8 +296,7 @@ def test_dense_warmup_starts_from_a_checkpoint_without_indexers(corpus, cache_di
     assert indexer
     for k in indexer:
         assert torch.equal(after[k], drawn[k]), k
-    stored = {k: v for f in sorted(os.listdir(res["checkpoint"])) if f.startswith("model")
-              for k, v in load_file(os.path.join(res["checkpoint"], f)).items()}
+    stored = checkpoint_tensors(res["checkpoint"], "model")
     assert stored and not indexer & set(stored)
     same_names = set(stored) & set(after)  # (the experts are stored one tensor each)
     assert len(same_names) > 20
